@@ -1,0 +1,75 @@
+// Merge of attention states (o, lse): the associative operator that split-KV, cascade and sequence
+// parallelism reduce with. lse is the natural log; a state with lse = -inf is empty and never read.
+#pragma once
+#include "common.cuh"
+
+namespace kvattn {
+
+// Mirrored by kvattn.merge.MERGE_PARAMS (a test checks size and offsets). Strides in elements.
+struct MergeParams {
+  const void* o_in;            // state i of output row m: o_in + base(m) + i*s_n + h*s_h + d
+  const float* lse_in;         // lse_in + lbase(m) + i*l_n + h*l_h
+  void* o_out;                 // o_out + row*so_row + h*so_h + d
+  float* lse_out;              // lse_out + row*lo_row + h*lo_h; may be null
+  const int* indptr;           // null: n stacked states per row; else row m merges input rows [indptr[m], indptr[m+1])
+  const int* out_rows;         // null: output row m; else out_rows[m]
+  const unsigned char* mask;   // null, or merge output row m only where mask[m] != 0
+  const int* num_rows_dev;     // null: num_rows; else the row count lives in device memory (graph mode)
+  long long s_row, s_n, s_h;
+  long long l_row, l_n, l_h;
+  long long so_row, so_h, lo_row, lo_h;
+  int num_rows, n, num_heads, head_dim;
+};
+
+// One thread merges 8 consecutive elements of one (row, head); head_dim / 8 threads per (row, head).
+template <typename TIn, typename TOut>
+__global__ void __launch_bounds__(256) merge_states_kernel(const __grid_constant__ MergeParams p) {
+  const int tpp = p.head_dim >> 3;
+  const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long pair = gid / tpp;
+  const int d = int(gid - pair * tpp) * 8;
+  const int rows = p.num_rows_dev ? *p.num_rows_dev : p.num_rows;
+  const int m = int(pair / p.num_heads);
+  const int h = int(pair - (long long)m * p.num_heads);
+  if (m >= rows) return;
+  if (p.mask && !p.mask[m]) return;
+  int n = p.n;
+  long long base = m * p.s_row, lbase = m * p.l_row;
+  if (p.indptr) {
+    const int b = p.indptr[m];
+    n = p.indptr[m + 1] - b;
+    base = b * p.s_row;
+    lbase = b * p.l_row;
+  }
+  const long long orow = p.out_rows ? p.out_rows[m] : m;
+  const float* lse = p.lse_in + lbase + h * p.l_h;
+  float mx = KVATTN_NEG_INF;
+  for (int i = 0; i < n; ++i) mx = fmaxf(mx, lse[i * p.l_n]);
+  float acc[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+  float sum = 0.f;
+  if (mx != KVATTN_NEG_INF) {
+    const TIn* o = static_cast<const TIn*>(p.o_in) + base + h * p.s_h + d;
+    const float mx2 = mx * kLog2e;
+#pragma unroll 4
+    for (int i = 0; i < n; ++i) {
+      const float l = lse[i * p.l_n];
+      float v[8];
+      Vec8<TIn>::load(o + i * p.s_n, v);
+      if (l != KVATTN_NEG_INF) {
+        const float w = fast_exp2(fmaf(l, kLog2e, -mx2));
+        sum += w;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] = fmaf(w, v[k], acc[k]);
+      }
+    }
+    const float inv = 1.f / sum;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[k] *= inv;
+  }
+  Vec8<TOut>::store(static_cast<TOut*>(p.o_out) + orow * p.so_row + h * p.so_h + d, acc);
+  if (p.lse_out && d == 0) p.lse_out[orow * p.lo_row + h * p.lo_h] = mx == KVATTN_NEG_INF ? KVATTN_NEG_INF : mx + __logf(sum);
+}
+
+}  // namespace kvattn

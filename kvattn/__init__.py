@@ -1,0 +1,9 @@
+"""kvattn: an attention engine for LLM serving in CUDA-Python (the FlashInfer design, no PyTorch)."""
+from ._errors import CompileError, CudaError, CudaUnavailableError, KvattnError
+from ._driver import gpu_available
+from .memory import DeviceArray, Workspace, WorkspaceTooSmall, asarray, empty, from_numpy, zeros
+from .stream import Event, Stream, default_stream
+from .merge import merge_state, merge_state_in_place, merge_states
+from . import graphs, reference
+
+__version__ = "0.1.0"

@@ -1,0 +1,142 @@
+"""KernelSpec -> compiled, loaded Kernel; launches with one packed parameter struct.
+
+A KernelSpec names a header of cuda_src, a kernel name expression (template arguments included) and
+-D defines. Its cubin comes from the cache (memo, disk) or NVRTC. Every spec a kvattn op may build
+registers itself in `REGISTRY` so `python -m kvattn compile` can build the documented default set.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import threading
+
+import numpy as np
+
+from . import _driver, cache
+from ._errors import CudaError
+from .stream import as_stream
+
+BASE_OPTIONS = ("-lineinfo", "--ptxas-options=--warn-on-spills")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    header: str                      # file in cuda_src, e.g. "merge.cuh"
+    kernel: str                      # name expression, e.g. "kvattn::merge_states_kernel<float, 128>"
+    defines: tuple = ()              # ((name, value), ...)
+    options: tuple = ()              # extra NVRTC options
+
+    def uri(self) -> str:
+        d = ",".join(f"{k}={v}" for k, v in self.defines)
+        return f"{self.header}:{self.kernel}" + (f"[{d}]" if d else "")
+
+    def source(self) -> str:
+        lines = [f"#define {k} {v}" for k, v in self.defines]
+        lines.append(f'#include "{self.header}"')
+        return "\n".join(lines) + "\n"
+
+    def all_options(self) -> tuple:
+        return BASE_OPTIONS + tuple(self.options)
+
+    def compile(self, arch: str):
+        """(Compiled, where): build or fetch the cubin for arch without touching the GPU."""
+        return cache.get_or_compile(self.source(), self.uri(), self.all_options(), [self.kernel], arch)
+
+
+REGISTRY: dict[str, list] = {}   # op name -> [KernelSpec] of its documented default instantiations
+
+
+def register(op: str, specs):
+    REGISTRY.setdefault(op, []).extend(specs)
+
+
+class ParamBuffer:
+    """A packed parameter struct (numpy structured scalar mirroring a C struct) with its prebuilt void**."""
+
+    __slots__ = ("array", "argv", "argv_addr")
+
+    def __init__(self, dtype: np.dtype):
+        self.array = np.zeros(1, dtype)
+        self.argv = (ctypes.c_void_p * 1)(self.array.ctypes.data)
+        self.argv_addr = ctypes.addressof(self.argv)
+
+    def __setitem__(self, name, value):
+        self.array[0][name] = value
+
+    def __getitem__(self, name):
+        return self.array[0][name]
+
+    def set(self, **fields):
+        rec = self.array[0]
+        for k, v in fields.items():
+            rec[k] = v
+        return self
+
+
+class Kernel:
+    """A loaded kernel function."""
+
+    def __init__(self, spec: KernelSpec, compiled):
+        drv = _driver.driver()
+        self.spec = spec
+        self.name = compiled.lowered[spec.kernel]
+        self.resources = compiled.resources.get(self.name)
+        self.module = _driver.call("cuModuleLoadData", compiled.cubin)
+        self.function = _driver.call("cuModuleGetFunction", self.module, self.name.encode())
+        self._max_dynamic_smem = 48 * 1024
+        self._launch = drv.cuLaunchKernel
+        self._attr_smem = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+    def _allow_smem(self, nbytes: int):
+        if nbytes > self._max_dynamic_smem:
+            _driver.call("cuFuncSetAttribute", self.function, self._attr_smem, nbytes)
+            self._max_dynamic_smem = nbytes
+
+    def launch(self, grid, block, shared_bytes: int, params, stream=None):
+        """Launch with grid/block (3-tuples or ints), dynamic shared memory bytes, a ParamBuffer (or a
+        numpy structured array holding one struct) and a stream (see stream.as_stream)."""
+        if shared_bytes > self._max_dynamic_smem:
+            self._allow_smem(shared_bytes)
+        if isinstance(params, ParamBuffer):
+            argv_addr, keep = params.argv_addr, None
+        else:
+            keep = (ctypes.c_void_p * 1)(params.ctypes.data)
+            argv_addr = ctypes.addressof(keep)
+        gx, gy, gz = grid if isinstance(grid, tuple) else (grid, 1, 1)
+        bx, by, bz = block if isinstance(block, tuple) else (block, 1, 1)
+        handle = stream.handle if stream is not None and hasattr(stream, "handle") else as_stream(stream).handle
+        err, = self._launch(self.function, gx, gy, gz, bx, by, bz, shared_bytes, handle, argv_addr, 0)
+        if err:
+            raise CudaError("cuLaunchKernel", err, f"{self.spec.uri()} grid={grid} block={block} smem={shared_bytes}")
+
+
+_loaded: dict = {}
+_lock = threading.Lock()
+
+
+def get_kernel(spec: KernelSpec) -> Kernel:
+    """The loaded Kernel for spec (compiled or fetched from the cache on first use, per process)."""
+    k = _loaded.get(spec)
+    if k is not None:
+        return k
+    with _lock:
+        k = _loaded.get(spec)
+        if k is None:
+            compiled, _ = spec.compile(_driver.arch())
+            k = _loaded[spec] = Kernel(spec, compiled)
+    return k
+
+
+def size_assert(struct: str, dtype: np.dtype) -> str:
+    """A C++ static_assert that `struct` has the numpy dtype's size (NVRTC has no offsetof: offsets are
+    checked on the GPU by layout_probe)."""
+    return f"static_assert(sizeof({struct}) == {dtype.itemsize}, \"{struct}: size differs from Python\");\n"
+
+
+def layout_probe(struct: str, dtype: np.dtype) -> str:
+    """Source of `kvattn_layout_probe(long long* out)`, which writes sizeof(struct) and each field's offset
+    (in the numpy dtype's field order) so a GPU test can compare them with the dtype."""
+    body = [f"  out[0] = sizeof({struct});", f"  const {struct}* s = reinterpret_cast<const {struct}*>(out + 64);"]
+    for i, name in enumerate(dtype.names, 1):
+        body.append(f"  out[{i}] = reinterpret_cast<const char*>(&s->{name}) - reinterpret_cast<const char*>(s);")
+    return 'extern "C" __global__ void kvattn_layout_probe(long long* out) {\n' + "\n".join(body) + "\n}\n"

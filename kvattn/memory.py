@@ -1,0 +1,341 @@
+"""Device memory: DeviceArray (shape, dtype, strides, pointer, owner), host<->device copies, Workspace.
+
+DeviceArray speaks both interchange protocols: `__cuda_array_interface__` (v3) and `__dlpack__`, and
+`asarray` takes numpy arrays (copied) or any CUDA array (CuPy, PyTorch, JAX, numba) without a copy.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import weakref
+
+import numpy as np
+
+from . import _dlpack, _driver, _dtypes
+from .stream import as_stream
+
+ALIGN = 256  # bytes: every allocation and Workspace region starts on this boundary
+
+
+class _Allocation:
+    """Owns one cuMemAlloc block; frees it when the last DeviceArray that views it is gone."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.ptr = int(_driver.call("cuMemAlloc", max(nbytes, 1)))
+        self._finalizer = weakref.finalize(self, _free, self.ptr)
+
+
+def _free(ptr):
+    try:
+        _driver.driver().cuMemFree(ptr)
+    except Exception:
+        pass
+
+
+class DeviceArray:
+    """A strided view of device memory.
+
+    shape, strides (bytes), dtype (numpy dtype; bfloat16 / float8 through ml_dtypes), ptr (int), owner
+    (the object that keeps the memory alive: an allocation, a foreign array or a DLPack capsule).
+    """
+
+    __slots__ = ("shape", "dtype", "strides", "ptr", "owner", "__weakref__")
+
+    def __init__(self, ptr: int, shape, dtype, strides=None, owner=None):
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = _dtypes.to_numpy(dtype)
+        if strides is None:
+            strides = _contiguous_strides(self.shape, self.dtype.itemsize)
+        self.strides = tuple(int(s) for s in strides)
+        self.ptr = int(ptr)
+        self.owner = owner
+
+    # -- properties ----------------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.itemsize
+
+    @property
+    def dtype_name(self) -> str:
+        return _dtypes.dtype_name(self.dtype)
+
+    def is_contiguous(self) -> bool:
+        return self.strides == _contiguous_strides(self.shape, self.itemsize) or self.size <= 1
+
+    def __repr__(self):
+        return f"kvattn.DeviceArray(shape={self.shape}, dtype={self.dtype_name}, ptr=0x{self.ptr:x})"
+
+    def __len__(self):
+        return self.shape[0]
+
+    # -- views ---------------------------------------------------------------------------------
+    def reshape(self, *shape) -> "DeviceArray":
+        """A view with a new shape (contiguous arrays only)."""
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        if -1 in shape:
+            known = math.prod(s for s in shape if s != -1)
+            shape = tuple(self.size // max(known, 1) if s == -1 else s for s in shape)
+        if math.prod(shape) != self.size:
+            raise ValueError(f"shape: cannot reshape {self.shape} to {shape}")
+        if not self.is_contiguous():
+            raise ValueError("reshape: the array is not contiguous")
+        return DeviceArray(self.ptr, shape, self.dtype, None, self)
+
+    def __getitem__(self, key) -> "DeviceArray":
+        """Basic indexing (integers and slices with step 1 along leading axes), as a view."""
+        if not isinstance(key, tuple):
+            key = (key,)
+        if len(key) > self.ndim:
+            raise IndexError(f"too many indices for an array of {self.ndim} dimensions")
+        ptr, shape, strides = self.ptr, [], []
+        for axis, k in enumerate(key):
+            n, st = self.shape[axis], self.strides[axis]
+            if isinstance(k, slice):
+                start, stop, step = k.indices(n)
+                if step != 1:
+                    raise IndexError("DeviceArray slices must have step 1")
+                ptr += start * st
+                shape.append(max(stop - start, 0))
+                strides.append(st)
+            else:
+                i = int(k)
+                if not -n <= i < n:
+                    raise IndexError(f"index {i} out of range for axis {axis} of size {n}")
+                ptr += (i % n) * st
+        shape += self.shape[len(key):]
+        strides += self.strides[len(key):]
+        return DeviceArray(ptr, shape, self.dtype, strides, self)
+
+    # -- interchange ---------------------------------------------------------------------------
+    @property
+    def __cuda_array_interface__(self):
+        return {
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "data": (self.ptr, False),
+            "strides": None if self.is_contiguous() else self.strides,
+            "version": 3,
+            "stream": None,  # kvattn synchronises its own streams before handing arrays out
+        }
+
+    def __dlpack_device__(self):
+        return (_dlpack.K_DL_CUDA, 0)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        if copy:
+            raise BufferError("kvattn.DeviceArray.__dlpack__: copy=True is not supported")
+        if stream is not None and stream != -1:
+            # Make the consumer's stream wait for work queued on kvattn's default stream.
+            from .stream import Event, Stream
+            if stream not in (1, 2):
+                ev = Event(disable_timing=True)
+                ev.record(None)
+                Stream(_handle=stream).wait(ev)
+        code, bits = _dtypes.to_dlpack(self.dtype)
+        elem_strides = [s // self.itemsize for s in self.strides]
+        return _dlpack.export(self.ptr, self.shape, elem_strides, code, bits, self)
+
+    # -- copies --------------------------------------------------------------------------------
+    def numpy(self, stream=None) -> np.ndarray:
+        """Copy to a new host array (waits for the copy)."""
+        s = as_stream(stream)
+        out = np.empty(self.shape, self.dtype)
+        if self.size == 0:
+            return out
+        if self.is_contiguous():
+            _driver.call("cuMemcpyDtoHAsync", out.ctypes.data, self.ptr, self.nbytes, s.handle)
+            s.synchronize()
+            return out
+        # Strided: copy the spanned bytes, then gather on the host.
+        lo = sum(min(0, (n - 1) * st) for n, st in zip(self.shape, self.strides))
+        hi = sum(max(0, (n - 1) * st) for n, st in zip(self.shape, self.strides)) + self.itemsize
+        span = np.empty(hi - lo, np.uint8)
+        _driver.call("cuMemcpyDtoHAsync", span.ctypes.data, self.ptr + lo, hi - lo, s.handle)
+        s.synchronize()
+        view = np.lib.stride_tricks.as_strided(span[-lo:].view(self.dtype), self.shape, self.strides)
+        out[...] = view
+        return out
+
+    def copy_from_host(self, host: np.ndarray, stream=None):
+        """Asynchronously copy a host array of the same shape and dtype into this (contiguous) array."""
+        host = np.ascontiguousarray(host)
+        if host.shape != self.shape or host.dtype != self.dtype:
+            raise ValueError(f"host: expected shape {self.shape} and dtype {self.dtype}, got {host.shape} {host.dtype}")
+        if not self.is_contiguous():
+            raise ValueError("copy_from_host: the destination is not contiguous")
+        if self.nbytes:
+            _driver.call("cuMemcpyHtoDAsync", self.ptr, host.ctypes.data, self.nbytes, as_stream(stream).handle)
+
+    def fill_bytes(self, value: int, stream=None):
+        """Set every byte of this contiguous array to value (used to poison outputs in tests)."""
+        if not self.is_contiguous():
+            raise ValueError("fill_bytes: the array is not contiguous")
+        if self.nbytes:
+            _driver.call("cuMemsetD8Async", self.ptr, value & 0xFF, self.nbytes, as_stream(stream).handle)
+
+
+def _contiguous_strides(shape, itemsize):
+    strides, acc = [], itemsize
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def empty(shape, dtype) -> DeviceArray:
+    """A new uninitialised contiguous device array."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    npd = _dtypes.to_numpy(dtype)
+    alloc = _Allocation(math.prod(shape) * npd.itemsize)
+    return DeviceArray(alloc.ptr, shape, npd, None, alloc)
+
+
+def zeros(shape, dtype, stream=None) -> DeviceArray:
+    a = empty(shape, dtype)
+    a.fill_bytes(0, stream)
+    return a
+
+
+def from_numpy(host: np.ndarray, stream=None) -> DeviceArray:
+    """A new device array holding a copy of host (waits until the copy is done, so host may change)."""
+    host = np.ascontiguousarray(host)
+    a = empty(host.shape, host.dtype)
+    a.copy_from_host(host, stream)
+    as_stream(stream).synchronize()
+    return a
+
+
+def asarray(x, stream=None) -> DeviceArray:
+    """A DeviceArray for x without copying device memory.
+
+    x: a DeviceArray (returned as is), a numpy array (copied to the device), or any object exposing
+    `__cuda_array_interface__` or a CUDA `__dlpack__` (CuPy, PyTorch, JAX, numba): same pointer.
+    stream: the stream that will use the array; the producer's pending work is ordered before it.
+    """
+    if isinstance(x, DeviceArray):
+        return x
+    if isinstance(x, np.ndarray):
+        return from_numpy(x, stream)
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is not None and np.dtype(cai["typestr"]).kind != "V":
+        return _from_cai(x, cai, stream)
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        dev_type, _ = x.__dlpack_device__()
+        if int(dev_type) == _dlpack.K_DL_CUDA:
+            return _from_dlpack(x, stream)
+    if cai is not None:  # raw-bytes typestr and no DLPack: cannot tell the element type
+        _dtypes.from_typestr(cai["typestr"])
+    raise TypeError(
+        f"array: expected a numpy array, a kvattn.DeviceArray or a CUDA array exposing "
+        f"__cuda_array_interface__ or __dlpack__, got {type(x).__name__}")
+
+
+def _from_cai(x, cai, stream) -> DeviceArray:
+    dtype = _dtypes.from_typestr(cai["typestr"])
+    ptr = cai["data"][0] or 0
+    producer_stream = cai.get("stream")
+    if producer_stream not in (None, 0):
+        _order_after(int(producer_stream), stream)
+    return DeviceArray(ptr, cai["shape"], dtype, cai.get("strides"), x)
+
+
+def _from_dlpack(x, stream) -> DeviceArray:
+    s = as_stream(stream)
+    try:
+        capsule = x.__dlpack__(stream=s.ptr)
+    except TypeError:  # producers without the stream keyword
+        capsule = x.__dlpack__()
+    ptr, shape, strides, (code, bits, lanes), _, _ = _dlpack.read(capsule)
+    if lanes != 1:
+        raise TypeError(f"array: DLPack vector lanes ({lanes}) are not supported")
+    dtype = _dtypes.from_dlpack(code, bits)
+    byte_strides = None if strides is None else tuple(st * dtype.itemsize for st in strides)
+    return DeviceArray(ptr, shape, dtype, byte_strides, (x, capsule))
+
+
+def _order_after(producer_stream: int, stream):
+    """Make `stream` wait for work already queued on the producer's stream (CAI v3 'stream' field)."""
+    from .stream import Event, Stream
+    consumer = as_stream(stream)
+    if producer_stream == consumer.ptr:
+        return
+    handle = 0 if producer_stream in (1, 2) else producer_stream  # legacy / per-thread default
+    ev = Event(disable_timing=True)
+    ev.record(Stream(_handle=handle))
+    consumer.wait(ev)
+
+
+class PinnedBuffer:
+    """Page-locked host memory viewed as a numpy array (staging for one async host-to-device copy)."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = max(int(nbytes), 1)
+        self.ptr = int(_driver.call("cuMemHostAlloc", self.nbytes, 0))
+        self._finalizer = weakref.finalize(self, _free_host, self.ptr)
+        raw = (ctypes.c_uint8 * self.nbytes).from_address(self.ptr)
+        self.bytes = np.frombuffer(raw, np.uint8)
+
+    def view(self, dtype) -> np.ndarray:
+        return self.bytes.view(dtype)
+
+
+def _free_host(ptr):
+    try:
+        _driver.driver().cuMemFreeHost(ptr)
+    except Exception:
+        pass
+
+
+class WorkspaceTooSmall(ValueError):
+    """The workspace cannot hold the requested regions; the message says how many bytes are needed."""
+
+
+class Workspace:
+    """One device allocation handing out aligned, named sub-buffers.
+
+    `regions(spec)` takes {name: (shape, dtype)} and returns {name: DeviceArray}; it raises
+    WorkspaceTooSmall naming the bytes needed when the allocation cannot hold them.
+    """
+
+    def __init__(self, nbytes: int):
+        self.nbytes = int(nbytes)
+        self.buffer = empty((self.nbytes,), "uint8")
+
+    @staticmethod
+    def bytes_needed(spec) -> int:
+        total = 0
+        for shape, dtype in spec.values():
+            total = _align(total) + math.prod(shape) * _dtypes.to_numpy(dtype).itemsize
+        return _align(total)
+
+    def regions(self, spec) -> dict:
+        need = self.bytes_needed(spec)
+        if need > self.nbytes:
+            raise WorkspaceTooSmall(
+                f"workspace: {need} bytes needed for regions {list(spec)}, but the workspace has {self.nbytes}; "
+                f"pass workspace_bytes >= {need}")
+        out, offset = {}, 0
+        for name, (shape, dtype) in spec.items():
+            offset = _align(offset)
+            npd = _dtypes.to_numpy(dtype)
+            out[name] = DeviceArray(self.buffer.ptr + offset, shape, npd, None, self.buffer)
+            offset += math.prod(shape) * npd.itemsize
+        return out
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN

@@ -1,0 +1,67 @@
+"""Every op's self-check for `python -m kvattn`; importing this registers every op's kernels."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import reference
+from .merge import merge_state, merge_states
+from .memory import from_numpy
+from .timing import time_us
+
+BF16 = "bfloat16"
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def random_states(rng, shape, dtype):
+    """(o, lse) with some -inf lse entries: o normal in dtype, lse uniform in [-5, 5]."""
+    from ._dtypes import to_numpy
+    o = rng.standard_normal(shape).astype(to_numpy(dtype))
+    lse = rng.uniform(-5, 5, shape[:-1]).astype(np.float32)
+    lse[rng.random(lse.shape) < 0.05] = -np.inf
+    return o, lse
+
+
+def merge_check(rng, rows=4096, n=4, heads=32, dim=128, dtype=BF16):
+    o, lse = random_states(rng, (rows, n, heads, dim), dtype)
+    od, ld = from_numpy(o), from_numpy(lse)
+    out, lse_out = merge_states(od, ld)
+    ref_o, ref_lse = reference.merge_states(o.astype(np.float64), lse.astype(np.float64))
+    us = time_us(lambda: merge_states(od, ld, out=out, lse_out=lse_out))
+    got = lse_out.numpy()
+    fin = np.isfinite(ref_lse)
+    lse_err = float(np.max(np.abs(got[fin] - ref_lse[fin]), initial=0.0))
+    if not np.array_equal(np.isneginf(got), ~fin):
+        lse_err = float("inf")
+    return [(f"merge_states {rows}x{n}x{heads}x{dim} {dtype}", rel_err(out.numpy(), ref_o), 1e-2, us),
+            (f"merge_states lse abs err", lse_err, 1e-3, None)]
+
+
+def merge_pair_check(rng, rows=1000, heads=8, dim=64, dtype="float16"):
+    oa, la = random_states(rng, (rows, heads, dim), dtype)
+    ob, lb = random_states(rng, (rows, heads, dim), dtype)
+    out, _ = merge_state(oa, la, ob, lb)
+    ref, _ = reference.merge_state(oa.astype(np.float64), la, ob.astype(np.float64), lb)
+    return [(f"merge_state {rows}x{heads}x{dim} {dtype}", rel_err(out.numpy(), ref), 2e-3, None)]
+
+
+def gpu_checks(rng):
+    yield from merge_pair_check(rng)
+    yield from merge_check(rng)
+
+
+def reference_checks(rng):
+    """Reference-only checks (no GPU): merging split attention equals unsplit attention."""
+    q = rng.standard_normal((3, 8, 64))
+    k = rng.standard_normal((100, 2, 64))
+    v = rng.standard_normal((100, 2, 64))
+    o, lse = reference.attention(q, k, v, return_lse=True)
+    o1, l1 = reference.attention(q, k[:37], v[:37], return_lse=True)
+    o2, l2 = reference.attention(q, k[37:], v[37:], return_lse=True)
+    om, lm = reference.merge_state(o1, l1, o2, l2)
+    return [("split attention + merge_state == attention", float(max(np.abs(om - o).max(), np.abs(lm - lse).max())))]

@@ -1,0 +1,578 @@
+"""Decode split-KV scheduler: plain Python + numpy, run on the host once per step by ``plan()``.
+
+Kernel model
+------------
+Decode attends one query token per request to kv positions ``[0, kv_len)``.  The attention kernel
+is launched with grid ``(num_chunks, num_kv_heads)``; CTA ``(c, h)`` processes, for KV head ``h``
+and all query heads of its GQA group, the work items ``[chunk_indptr[c], chunk_indptr[c+1])``.
+Work item ``w`` is ``(work_req[w], work_begin[w], work_end[w], work_partial[w])``: the request,
+the token range ``[begin, end)`` inside it (never empty) and the partial row.  ``-1`` means the
+item covers the whole request and writes the final output row directly; otherwise it writes
+``(o, lse)`` into row ``work_partial[w]`` of a float32 temp buffer.  The merge kernel then
+combines, for ``m in [0, num_merge)``, the rows ``[merge_indptr[m], merge_indptr[m+1])`` (in kv
+order) into the output of request ``merge_req[m]``.  Requests with ``kv_len == 0`` are in the
+merge list with an empty range (output 0, lse -inf); a request covered by a single whole item is
+not.  So every request is written by exactly one item or by the merge kernel, never both.
+
+Schedule
+--------
+Every non-empty request is a segment of the *cost line*: ``ITEM_OVERHEAD_TOKENS`` (the fixed
+cost of one work item: query load, output / partial write, pipeline start) followed by its
+``kv_len`` tokens.  Requests with ``kv_len == 0`` have no segment and produce no work item.
+
+* **No split** (uniform, big batches): when the ``n`` non-empty requests already fill the GPU
+  (``n * num_kv_heads >= num_sms * ctas_per_sm``), the largest cost is at most
+  ``NO_SPLIT_BALANCE`` (1.1) times the mean, and ``n`` CTAs fit the grid bound ``max_chunks``,
+  every chunk is one whole request: ``active_chunks = n``, no partial rows, and the merge list
+  holds only the empty requests (so the merge launch can be skipped when there are none).
+* **Split** otherwise: ``C = ceil(num_sms * ctas_per_sm / num_kv_heads)`` chunks (one wave of
+  CTAs), capped by ``max_chunks`` and by ``total_cost // MIN_CHUNK_COST`` (at least 1) so tiny
+  batches are not shredded into chunks smaller than ``MIN_CHUNK_TOKENS``.  The cost line is cut
+  at ``k * total / C`` (``cumsum`` + ``searchsorted``, no per-request loop).  A cut inside a
+  request is rounded to the nearest multiple of the cut granularity ``G`` (token offset inside the
+  request); a cut that falls in a request's overhead or rounds to ``<= 0`` moves to the request's
+  start, one that rounds to ``>= kv_len`` moves to its end, so no item is empty.  Cuts are
+  monotone, so a chunk may be empty (its CTA exits at once).
+
+Cut granularity ``G = max(16, gcd(page_size, 64))``: 16 tokens (a tensor-core k-tile) for pages
+that are not a multiple of 32; the page size for 32- and 64-token pages, so a chunk starts on a
+page; 64 for larger pages, bounding the balance error.  Every item begins at 0 or at a multiple of
+``G`` and ends at ``kv_len`` or at a multiple of ``G``.
+
+Balance bound (split path): the cost of a chunk (sum over its items of ``end - begin +
+ITEM_OVERHEAD_TOKENS``) is at most ``ceil(total / C) + G + ITEM_OVERHEAD_TOKENS`` where
+``total`` is the cost line length; the mean over the ``C`` active chunks is at least
+``total / C``.  Each cut moves by at most ``G / 2`` right and ``G / 2 + ITEM_OVERHEAD_TOKENS`` left
+(the latter either by snapping to a request start or by adding the overhead of the new item).
+
+CUDA graphs
+-----------
+With ``max_batch_size`` (and optionally ``max_chunks``, default one wave
+``ceil(num_sms * ctas_per_sm / num_kv_heads)``) the packed layout is fixed by the bounds, not by
+the batch: ``max_work = max_batch_size + max_chunks`` (each cut adds at most one item),
+``max_merge = max_batch_size``, and ``num_chunks`` (the grid) is always ``max_chunks``; chunks
+past ``active_chunks`` have empty ranges.  In graph mode the merge kernel is part of the captured
+graph anyway, so the no-split path is only taken when it fits ``max_chunks`` CTAs.
+
+Packed buffer
+-------------
+``plan_decode`` writes one int32 host buffer (``DecodeLayout.size`` elements) that is copied to
+the device in one copy.  Regions, each starting at a multiple of 4 int32 (16 bytes):
+``header[8] = [num_chunks, num_work, num_merge, batch_size, num_partial_rows, 0, 0, 0]``,
+``chunk_indptr[max_chunks + 1]`` (padded with its last value), ``work_req``, ``work_begin``,
+``work_end``, ``work_partial`` (``max_work`` each), ``merge_indptr[max_merge + 1]`` (padded with
+its last value), ``merge_req[max_merge]``.  Unused work / merge slots hold ``work_req = -1``,
+``merge_req = -1`` and 0 elsewhere.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+__all__ = [
+    "ITEM_OVERHEAD_TOKENS",
+    "MIN_CHUNK_TOKENS",
+    "MIN_CHUNK_COST",
+    "NO_SPLIT_BALANCE",
+    "HEADER_SIZE",
+    "DecodeLayout",
+    "DecodePlan",
+    "cut_granularity",
+    "decode_layout",
+    "default_num_chunks",
+    "graph_layout",
+    "plan_size_bound",
+    "plan_decode",
+]
+
+#: Fixed cost of one work item, in kv-token equivalents (query load, output or partial write,
+#: pipeline fill).  Added to every item's token count when balancing.
+ITEM_OVERHEAD_TOKENS = 32
+#: Smallest chunk the split path aims for, in tokens; caps the chunk count for tiny batches.
+MIN_CHUNK_TOKENS = 128
+#: The same in cost units (tokens + one item's overhead).
+MIN_CHUNK_COST = MIN_CHUNK_TOKENS + ITEM_OVERHEAD_TOKENS
+#: The no-split path is taken only when max request cost <= NO_SPLIT_BALANCE * mean cost.
+NO_SPLIT_BALANCE = 1.1
+#: int32 elements of the header region.
+HEADER_SIZE = 8
+
+_INT32_MAX = 2**31 - 1
+_ALIGN = 4  # int32 elements = 16 bytes
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) & ~(_ALIGN - 1)
+
+
+def cut_granularity(page_size: int) -> int:
+    """Token granularity of cuts inside a request: ``max(16, gcd(page_size, 64))``."""
+    return max(16, math.gcd(int(page_size), 64))
+
+
+@dataclass(frozen=True)
+class DecodeLayout:
+    """Offsets (in int32 elements) of the regions of the packed plan buffer."""
+
+    max_chunks: int
+    max_work: int
+    max_merge: int
+    header: int
+    chunk_indptr: int
+    work_req: int
+    work_begin: int
+    work_end: int
+    work_partial: int
+    merge_indptr: int
+    merge_req: int
+    size: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * 4
+
+
+@functools.lru_cache(maxsize=4096)
+def decode_layout(max_chunks: int, max_work: int, max_merge: int) -> DecodeLayout:
+    """Layout holding ``max_chunks`` chunks, ``max_work`` work items and ``max_merge`` merges."""
+    for name, v in (("max_chunks", max_chunks), ("max_work", max_work), ("max_merge", max_merge)):
+        if type(v) is not int or v < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    off = HEADER_SIZE
+    chunk = off
+    off += _align(max_chunks + 1)
+    wreq = off
+    off += _align(max_work)
+    wbeg = off
+    off += _align(max_work)
+    wend = off
+    off += _align(max_work)
+    wpart = off
+    off += _align(max_work)
+    mind = off
+    off += _align(max_merge + 1)
+    mreq = off
+    off += _align(max_merge)
+    return DecodeLayout(max_chunks, max_work, max_merge, 0, chunk, wreq, wbeg, wend, wpart,
+                        mind, mreq, off)
+
+
+@functools.lru_cache(maxsize=4096)
+def _template(layout: DecodeLayout) -> np.ndarray:
+    """Buffer image of an empty plan: zeros, with -1 in the unused request slots."""
+    t = np.zeros(layout.size, np.int32)
+    t[layout.work_req:layout.work_req + layout.max_work] = -1
+    t[layout.merge_req:layout.merge_req + layout.max_merge] = -1
+    t.flags.writeable = False
+    return t
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Result of :func:`plan_decode`: scalars plus the packed int32 ``buffer``.
+
+    ``num_chunks`` is the grid x to launch (``max_chunks`` in graph mode); ``active_chunks`` the
+    chunks that may hold work (the rest have empty ranges).  The array properties are views into
+    ``buffer``: ``chunk_indptr`` has ``num_chunks + 1`` entries, the ``work_*`` arrays
+    ``num_work``, ``merge_indptr`` ``num_merge + 1`` and ``merge_req`` ``num_merge``.
+    """
+
+    num_chunks: int
+    num_work: int
+    num_merge: int
+    num_partial_rows: int
+    split: bool
+    batch_size: int
+    active_chunks: int
+    granularity: int
+    graph: bool
+    layout: DecodeLayout
+    buffer: np.ndarray
+
+    @property
+    def header(self) -> np.ndarray:
+        return self.buffer[:HEADER_SIZE]
+
+    @property
+    def chunk_indptr(self) -> np.ndarray:
+        o = self.layout.chunk_indptr
+        return self.buffer[o:o + self.num_chunks + 1]
+
+    @property
+    def work_req(self) -> np.ndarray:
+        o = self.layout.work_req
+        return self.buffer[o:o + self.num_work]
+
+    @property
+    def work_begin(self) -> np.ndarray:
+        o = self.layout.work_begin
+        return self.buffer[o:o + self.num_work]
+
+    @property
+    def work_end(self) -> np.ndarray:
+        o = self.layout.work_end
+        return self.buffer[o:o + self.num_work]
+
+    @property
+    def work_partial(self) -> np.ndarray:
+        o = self.layout.work_partial
+        return self.buffer[o:o + self.num_work]
+
+    @property
+    def merge_indptr(self) -> np.ndarray:
+        o = self.layout.merge_indptr
+        return self.buffer[o:o + self.num_merge + 1]
+
+    @property
+    def merge_req(self) -> np.ndarray:
+        o = self.layout.merge_req
+        return self.buffer[o:o + self.num_merge]
+
+
+class _Config(NamedTuple):
+    gran: int
+    slots: int  # num_sms * ctas_per_sm
+    num_kv_heads: int
+    c_target: int  # chunk count of the split path before the small-batch cap
+    max_chunks: Optional[int]
+    graph_layout: Optional[DecodeLayout]
+    max_batch_size: Optional[int]
+
+
+def _as_int(name: str, v, minimum: int) -> int:
+    if isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got bool {v!r}")
+    try:
+        i = operator.index(v)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}") from None
+    if i < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {i}")
+    if i > _INT32_MAX:
+        raise ValueError(f"{name} must fit int32, got {i}")
+    return int(i)
+
+
+@functools.lru_cache(maxsize=256)
+def _config(page_size, num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm,
+            max_batch_size, max_chunks) -> _Config:
+    # Called only with exact Python ints / None (see plan_decode), so the cache keys are exact.
+    page_size = _as_int("page_size", page_size, 1)
+    num_qo_heads = _as_int("num_qo_heads", num_qo_heads, 1)
+    num_kv_heads = _as_int("num_kv_heads", num_kv_heads, 1)
+    head_dim = _as_int("head_dim", head_dim, 1)
+    num_sms = _as_int("num_sms", num_sms, 1)
+    ctas_per_sm = _as_int("ctas_per_sm", ctas_per_sm, 1)
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(
+            f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if max_batch_size is not None:
+        max_batch_size = _as_int("max_batch_size", max_batch_size, 1)
+    if max_chunks is not None:
+        max_chunks = _as_int("max_chunks", max_chunks, 1)
+    slots = num_sms * ctas_per_sm
+    c_target = max(1, -(-slots // num_kv_heads))
+    if max_batch_size is not None and max_chunks is None:
+        max_chunks = c_target
+    if max_chunks is not None:
+        c_target = min(c_target, max_chunks)
+    layout = None
+    if max_batch_size is not None:
+        layout = decode_layout(max_chunks, max_batch_size + max_chunks, max_batch_size)
+    return _Config(cut_granularity(page_size), slots, num_kv_heads, c_target, max_chunks,
+                   layout, max_batch_size)
+
+
+def default_num_chunks(num_kv_heads: int, *, num_sms: int = 132, ctas_per_sm: int = 2) -> int:
+    """Chunk count of the split path: one wave, ``ceil(num_sms * ctas_per_sm / num_kv_heads)``."""
+    slots = _as_int("num_sms", num_sms, 1) * _as_int("ctas_per_sm", ctas_per_sm, 1)
+    return max(1, -(-slots // _as_int("num_kv_heads", num_kv_heads, 1)))
+
+
+def graph_layout(max_batch_size: int, num_kv_heads: int, *, num_sms: int = 132,
+                 ctas_per_sm: int = 2, max_chunks: Optional[int] = None) -> DecodeLayout:
+    """The fixed layout :func:`plan_decode` uses in graph mode with these bounds.
+
+    Size the pinned host buffer and the device region with it at construction.
+    """
+    mbs = _as_int("max_batch_size", max_batch_size, 1)
+    if max_chunks is None:
+        mc = default_num_chunks(num_kv_heads, num_sms=num_sms, ctas_per_sm=ctas_per_sm)
+    else:
+        mc = _as_int("max_chunks", max_chunks, 1)
+    return decode_layout(mc, mbs + mc, mbs)
+
+
+def plan_size_bound(batch_size: int, num_kv_heads: int, *, num_sms: int = 132,
+                    ctas_per_sm: int = 2, max_chunks: Optional[int] = None) -> int:
+    """int32 elements that hold any plan of ``batch_size`` requests outside graph mode."""
+    b = _as_int("batch_size", batch_size, 0)
+    c = default_num_chunks(num_kv_heads, num_sms=num_sms, ctas_per_sm=ctas_per_sm)
+    if max_chunks is not None:
+        c = min(c, _as_int("max_chunks", max_chunks, 1))
+    return decode_layout(max(b, c, 1), b + c, b).size
+
+
+def _as_kv_lens(kv_lens):
+    """Validated kv_lens as int64, and its max (0 when empty)."""
+    kv = kv_lens if type(kv_lens) is np.ndarray else np.asarray(kv_lens)
+    if kv.ndim != 1:
+        raise ValueError(f"kv_lens must be 1-D, got shape {kv.shape}")
+    dt = kv.dtype
+    kind = dt.kind
+    if kind not in "iu":
+        if kv.size == 0 and kind in "fO":  # np.asarray([]) is float64
+            return _EMPTY, 0
+        raise TypeError(f"kv_lens must hold integers, got dtype {dt}")
+    if kv.size == 0:
+        return _EMPTY, 0
+    # One reduction checks both bounds: a negative value is huge when read as unsigned.
+    if kind == "i":
+        top = int(kv.view(_UNSIGNED[dt.itemsize]).max())
+    else:
+        top = int(kv.max())
+    if top > _INT32_MAX:
+        lo = int(kv.min())
+        if lo < 0:
+            raise ValueError(f"kv_lens must be non-negative, got min {lo}")
+        raise ValueError(f"kv_lens must fit int32, got max {int(kv.max())}")
+    return kv.astype(np.int64, copy=False), top
+
+
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _check_out(out, layout: DecodeLayout) -> np.ndarray:
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy int32 array, got {type(out).__name__}")
+    if out.dtype != np.int32:
+        raise TypeError(f"out must have dtype int32, got {out.dtype}")
+    if out.ndim != 1 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a 1-D contiguous int32 array, got shape {out.shape}")
+    if not out.flags.writeable:
+        raise ValueError("out must be writeable")
+    if out.size < layout.size:
+        raise ValueError(
+            f"out is too small: the plan needs {layout.size} int32 elements "
+            f"({layout.size * 4} bytes), out has {out.size}")
+    return out[:layout.size]
+
+
+_EMPTY = np.zeros(0, np.int64)
+_EMPTY.flags.writeable = False
+_IOTA = np.arange(1024, dtype=np.int64)
+_IOTA.flags.writeable = False
+
+
+def _iota(n: int) -> np.ndarray:
+    """0 .. n-1 as a read-only int64 view (no allocation for the common sizes)."""
+    global _IOTA
+    if n > _IOTA.size:
+        _IOTA = np.arange(max(n, 2 * _IOTA.size), dtype=np.int64)
+        _IOTA.flags.writeable = False
+    return _IOTA[:n]
+
+
+def _ideal_cuts(total: int, C: int) -> np.ndarray:
+    """``floor(k * total / C)`` for ``k = 1 .. C-1`` (int64, exact, no overflow)."""
+    k = _iota(C)[1:]
+    if C * total < 2**62:
+        t = k * total
+        t //= C
+        return t
+    q, r = divmod(total, C)  # k * q <= total and k * r < C * C: both fit int64
+    t = k * r
+    t //= C
+    t += k * q
+    return t
+
+
+def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num_sms=132,
+                ctas_per_sm=2, max_batch_size=None, max_chunks=None, out=None) -> DecodePlan:
+    """Schedule a decode batch with per-request kv lengths ``kv_lens`` (see the module doc).
+
+    ``max_batch_size`` (optionally with ``max_chunks``) selects graph mode: the buffer layout
+    and the grid are fixed by the bounds.  Without it ``max_chunks`` only caps the chunk count
+    and the layout is sized from the plan.  ``out``: a caller's 1-D int32 buffer (e.g. pinned
+    host memory) of at least ``layout.size`` elements that receives the packed plan (the plan's
+    ``buffer`` is then ``out[:layout.size]``); otherwise a new array is allocated.
+    ``head_dim`` is validated but does not change the schedule.
+    """
+    t = int
+    if (type(page_size) is t and type(num_qo_heads) is t and type(num_kv_heads) is t
+            and type(head_dim) is t and type(num_sms) is t and type(ctas_per_sm) is t
+            and (max_batch_size is None or type(max_batch_size) is t)
+            and (max_chunks is None or type(max_chunks) is t)):
+        cfg = _config(page_size, num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm,
+                      max_batch_size, max_chunks)
+    else:
+        cfg = _config(
+            _as_int("page_size", page_size, 1), _as_int("num_qo_heads", num_qo_heads, 1),
+            _as_int("num_kv_heads", num_kv_heads, 1), _as_int("head_dim", head_dim, 1),
+            _as_int("num_sms", num_sms, 1), _as_int("ctas_per_sm", ctas_per_sm, 1),
+            None if max_batch_size is None else _as_int("max_batch_size", max_batch_size, 1),
+            None if max_chunks is None else _as_int("max_chunks", max_chunks, 1))
+
+    kv, kv_max = _as_kv_lens(kv_lens)
+    B = kv.size
+    if cfg.max_batch_size is not None and B > cfg.max_batch_size:
+        raise ValueError(f"batch size {B} exceeds max_batch_size {cfg.max_batch_size}")
+    OV = ITEM_OVERHEAD_TOKENS
+
+    # Outputs of the scheduling step (consumed by the packing step below):
+    #   C active chunks, W items; req / begin / end of the items (begin None = all zeros,
+    #   starts/base set = begin is starts - base and end the next start - base);
+    #   cuts = chunk_indptr[1:C] (None = 1..C-1, one item per chunk);
+    #   merge_req (None = every request), msum = merge_indptr[1:], rows, cnt (items per request
+    #   when some request has several, else None).
+    cnt = msum = starts = None
+    rows = 0
+    if kv_max == 0:
+        # Nothing to attend to: every request (if any) is an empty merge.
+        C = 1
+        W = 0
+        req = end = cuts = merge_req = None
+        num_merge = B
+    else:
+        nz = kv > 0
+        n = int(nz.sum()) if B > 1 else 1
+        cap = cfg.max_chunks
+        if n == B:
+            cost_end = kv.cumsum()
+            cost_end += _iota(B + 1)[1:] * OV
+        else:
+            cost = kv + OV
+            cost *= nz  # 0 for empty requests
+            cost_end = cost.cumsum()
+        total = int(cost_end[-1])
+        if (n * cfg.num_kv_heads >= cfg.slots and (cap is None or n <= cap)
+                and (kv_max + OV) * n * 10 <= total * 11):
+            # ---- no split: one whole request per chunk ---------------------------------
+            C = W = n
+            cuts = None
+            if n == B:
+                req = _iota(B)
+                end = kv
+                merge_req = _EMPTY
+            else:
+                req = nz.nonzero()[0]
+                end = kv[req]
+                merge_req = (~nz).nonzero()[0]
+            num_merge = B - n
+        else:
+            # ---- split: equal-cost cuts of the concatenated cost line ------------------
+            C = min(cfg.c_target, max(1, total // MIN_CHUNK_COST))
+            G = cfg.gran
+            tok_start = kv.cumsum()
+            ntok = int(tok_start[-1])
+            tok_start -= kv  # exclusive prefix sum: first global token of each request
+            if n == B:
+                nz_idx = None
+                nz_start = tok_start
+            else:
+                nz_idx = nz.nonzero()[0]
+                nz_start = tok_start[nz_idx]
+            if C > 1:
+                tcut = _ideal_cuts(total, C)
+                ci = cost_end.searchsorted(tcut, side="right")  # request holding each cut
+                kvi = kv[ci]
+                # token offset of the cut inside request ci (cost_end - kv is its first token
+                # on the cost line), rounded to the nearest multiple of G, clamped to
+                # [0, kv_len]: a cut in the overhead or near an end moves to the boundary.
+                tcut -= cost_end[ci]
+                tcut += kvi
+                tcut += G // 2
+                tcut &= -G
+                np.maximum(tcut, 0, out=tcut)
+                np.minimum(tcut, kvi, out=tcut)
+                tcut += tok_start[ci]  # global token position of every cut (monotone)
+                # item starts: request starts and cuts, sorted, without duplicates (cuts may
+                # coincide with each other or with request boundaries)
+                starts = np.concatenate((nz_start, tcut))
+                starts.sort()
+                # (a cut never reaches ntok: the last chunk spans >= MIN_CHUNK_COST > G / 2)
+                keep = np.empty(starts.size, bool)
+                keep[0] = True
+                np.not_equal(starts[1:], starts[:-1], out=keep[1:])
+                starts = starts[keep]
+                cuts = starts.searchsorted(tcut, side="left")
+            else:
+                starts = nz_start
+                cuts = _EMPTY
+            W = starts.size
+            # owning request of each item, as an index into the non-empty requests
+            owner = nz_start.searchsorted(starts, side="right")
+            owner -= 1
+            req = owner if nz_idx is None else nz_idx[owner]
+            base = tok_start[req]
+            if W == n:
+                # no cut inside a request: only empty requests merge
+                merge_req = _EMPTY if n == B else (~nz).nonzero()[0]
+                num_merge = B - n
+            else:
+                cnt = np.bincount(req, minlength=B)
+                merge_req = (cnt != 1).nonzero()[0]
+                num_merge = merge_req.size
+                msum = cnt[merge_req].cumsum()
+                rows = int(msum[-1])
+
+    # ---- packing into the int32 buffer ------------------------------------------------------
+    graph = cfg.graph_layout is not None
+    if graph:
+        layout = cfg.graph_layout
+        grid = layout.max_chunks
+    else:
+        layout = decode_layout(C, W, num_merge)
+        grid = C
+    buf = np.empty(layout.size, np.int32) if out is None else _check_out(out, layout)
+    buf[:] = _template(layout)
+    buf[0:5] = (grid, W, num_merge, B, rows)
+
+    o = layout.chunk_indptr
+    if cuts is None:
+        if W:
+            buf[o + 1:o + C] = _iota(C)[1:]
+    elif C > 1:
+        buf[o + 1:o + C] = cuts
+    buf[o + C:o + layout.max_chunks + 1] = W
+
+    if W:
+        buf[layout.work_req:layout.work_req + W] = req
+        o = layout.work_end
+        ev = buf[o:o + W]
+        if starts is None:  # whole requests: begin 0 (template), end kv_len
+            ev[:] = end
+        else:
+            np.subtract(starts, base, out=buf[layout.work_begin:layout.work_begin + W])
+            if ntok <= _INT32_MAX:
+                ev[:-1] = starts[1:]
+                ev[-1] = ntok
+                np.subtract(ev, base, out=ev)
+            else:  # global token positions overflow int32: subtract in int64
+                e64 = np.append(starts[1:], ntok)
+                e64 -= base
+                ev[:] = e64
+        wp = buf[layout.work_partial:layout.work_partial + W]
+        if rows:
+            split_item = cnt[req] > 1
+            np.cumsum(split_item, out=wp)
+            wp -= 1
+            wp[~split_item] = -1
+        else:
+            wp.fill(-1)
+
+    o = layout.merge_indptr
+    if merge_req is None:
+        # every request is empty: merge_req = 0..B-1 with empty ranges (template zeros)
+        buf[layout.merge_req:layout.merge_req + B] = _iota(B)
+    elif num_merge:
+        buf[layout.merge_req:layout.merge_req + num_merge] = merge_req
+        if rows:
+            buf[o + 1:o + num_merge + 1] = msum
+            buf[o + num_merge + 1:o + layout.max_merge + 1] = rows
+    return DecodePlan(grid, W, num_merge, rows, rows > 0, B, C, cfg.gran, graph, layout, buf)

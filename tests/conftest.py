@@ -1,0 +1,13 @@
+"""Shared pytest configuration: hypothesis profiles.
+
+"default": no deadline (first calls may compile kernels).
+"ci": also derandomized, so a green CI run stays green; loaded when CI=true.
+"""
+import os
+
+from hypothesis import settings
+
+settings.register_profile("default", deadline=None, max_examples=40)
+settings.register_profile("ci", deadline=None, max_examples=40, derandomize=True, print_blob=True)
+settings.load_profile("ci" if os.environ.get("CI", "").lower() == "true" else
+                      os.environ.get("HYPOTHESIS_PROFILE", "default"))

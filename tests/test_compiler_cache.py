@@ -1,0 +1,115 @@
+"""CPU tests of the NVRTC compiler, the on-disk cache and the kernel registry (no GPU needed)."""
+import multiprocessing as mp
+import os
+
+import numpy as np
+import pytest
+
+from kvattn import cache, compiler, kernels, merge
+from kvattn._errors import CompileError
+
+ARCH = "sm_90a"
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVATTN_CACHE_DIR", str(tmp_path))
+    cache.clear_memo()
+    yield tmp_path
+    cache.clear_memo()
+
+
+def test_compile_error_has_log_options_and_source_lines():
+    src = "__global__ void k(float* x) {\n  x[0] = 1.0f;\n  this_is_not_declared(x);\n}\n"
+    with pytest.raises(CompileError) as e:
+        compiler.compile_cubin(src, "bad.cu", [], [], ARCH)
+    msg = str(e.value)
+    assert "this_is_not_declared" in e.value.log
+    assert "-arch=sm_90a" in e.value.options
+    assert ">    3 |   this_is_not_declared(x);" in e.value.source_excerpt
+    assert "NVRTC failed to compile bad.cu" in msg
+
+
+def test_ptxas_report_is_parsed_per_kernel():
+    src = ("template <int N> __global__ void k(float* x) { __shared__ float s[N]; s[threadIdx.x] = x[threadIdx.x];"
+           " __syncthreads(); x[threadIdx.x] = s[N - 1 - threadIdx.x]; }\n")
+    c = compiler.compile_cubin(src, "t.cu", [], ["k<64>", "k<128>"], ARCH)
+    assert c.cubin[:4] == b"\x7fELF"
+    r64, r128 = c.resources[c.lowered["k<64>"]], c.resources[c.lowered["k<128>"]]
+    assert (r64.static_smem, r128.static_smem) == (256, 512)
+    assert r64.registers > 0 and r64.spills == 0
+
+
+def test_spill_is_reported():
+    # A large register array indexed at run time goes to local memory: a stack frame the compile step flags.
+    src = ("__global__ void k(float* x, int i) { float a[256]; for (int j = 0; j < 256; ++j) a[j] = x[j];"
+           " x[0] = a[i]; }\n")
+    c = compiler.compile_cubin(src, "s.cu", [], ["k"], ARCH)
+    assert c.resources[c.lowered["k"]].stack_frame > 0
+
+
+def test_cache_key_has_no_absolute_paths_and_is_stable():
+    spec = merge.merge_spec("bfloat16", "bfloat16")
+    k1 = cache.key(spec.source(), spec.all_options(), [spec.kernel], ARCH)
+    k2 = cache.key(spec.source(), spec.all_options(), [spec.kernel], ARCH)
+    assert k1 == k2
+    assert k1 != cache.key(spec.source(), spec.all_options(), [spec.kernel], "sm_90")
+    assert os.sep + "work" not in spec.source() and compiler.source_dir() not in " ".join(spec.all_options())
+
+
+def test_disk_cache_hit_and_corrupt_entry_is_a_miss(cache_dir):
+    spec = merge.merge_spec("float16", "float16")
+    c1, where1 = spec.compile(ARCH)
+    assert where1 == "compiled"
+    cache.clear_memo()
+    c2, where2 = spec.compile(ARCH)
+    assert where2 == "disk" and c2.cubin == c1.cubin and c2.resources == c1.resources
+    # Corrupt every entry: a miss, then a rebuild that writes a good entry again.
+    for root, _, files in os.walk(cache_dir):
+        for f in files:
+            p = os.path.join(root, f)
+            data = bytearray(open(p, "rb").read())
+            data[len(data) // 2] ^= 0xFF
+            open(p, "wb").write(bytes(data))
+    cache.clear_memo()
+    c3, where3 = spec.compile(ARCH)
+    assert where3 == "compiled" and c3.cubin[:4] == b"\x7fELF"  # NVRTC output is not byte-reproducible
+    cache.clear_memo()
+    assert spec.compile(ARCH)[1] == "disk"
+
+
+def _compile_in_child(args):
+    path, in_dtype = args
+    os.environ["KVATTN_CACHE_DIR"] = path
+    cache.clear_memo()
+    c, _ = merge.merge_spec(in_dtype, in_dtype).compile(ARCH)
+    return len(c.cubin)
+
+
+def test_two_processes_compiling_the_same_kernel_both_succeed(cache_dir):
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        sizes = pool.map(_compile_in_child, [(str(cache_dir), "float32")] * 2)
+    assert sizes[0] == sizes[1] > 0
+    entries = [f for _, _, fs in os.walk(cache_dir) for f in fs]
+    assert len(entries) == 1 and entries[0].endswith(".cubin")
+
+
+def test_param_struct_size_matches_c_struct():
+    src = '#include "merge.cuh"\n' + kernels.size_assert("kvattn::MergeParams", merge.MERGE_PARAMS)
+    compiler.compile_cubin(src, "asserts.cu", [], [], ARCH)
+    bad = np.dtype([(n, merge.MERGE_PARAMS.fields[n][0]) for n in merge.MERGE_PARAMS.names][1:], align=True)
+    with pytest.raises(CompileError, match="size differs"):
+        compiler.compile_cubin('#include "merge.cuh"\n' + kernels.size_assert("kvattn::MergeParams", bad),
+                               "asserts_bad.cu", [], [], ARCH)
+    probe = '#include "merge.cuh"\n' + kernels.layout_probe("kvattn::MergeParams", merge.MERGE_PARAMS)
+    compiler.compile_cubin(probe, "probe.cu", [], ["kvattn_layout_probe"], ARCH)
+
+
+def test_every_registered_kernel_compiles_without_spills(cache_dir):
+    from kvattn import ops  # noqa: F401
+    for op, specs in kernels.REGISTRY.items():
+        for spec in specs:
+            c, _ = spec.compile(ARCH)
+            for name, r in c.resources.items():
+                assert r.spills == 0 and r.stack_frame == 0, f"{spec.uri()}: {r}"

@@ -1,0 +1,562 @@
+"""CPU tests of the decode split-KV scheduler (kvattn.scheduler): properties checked by brute force."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvattn import scheduler
+from kvattn.scheduler import (
+    HEADER_SIZE,
+    ITEM_OVERHEAD_TOKENS as OV,
+    MIN_CHUNK_COST,
+    cut_granularity,
+    decode_layout,
+    default_num_chunks,
+    graph_layout,
+    plan_decode,
+    plan_size_bound,
+)
+
+HYP = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+REGIONS = ("chunk_indptr", "work_req", "work_begin", "work_end", "work_partial", "merge_indptr",
+           "merge_req")
+
+
+def skewed(n: int) -> np.ndarray:
+    i = np.arange(n)
+    return np.where(i % 16 == 0, 32768, 256 + (i * 389) % 1024)
+
+
+def check_plan(plan, kv, *, page_size, num_kv_heads, num_sms=132, ctas_per_sm=2,
+               max_batch_size=None, max_chunks=None):
+    """Assert every documented property of ``plan`` for the batch ``kv``."""
+    kv = np.asarray(kv, dtype=np.int64)
+    B = kv.size
+    lay = plan.layout
+    buf = plan.buffer
+    G = cut_granularity(page_size)
+    assert plan.granularity == G
+    assert buf.dtype == np.int32 and buf.ndim == 1 and buf.size == lay.size
+
+    # ---- layout: aligned, ordered, non-overlapping regions ---------------------------------
+    offs = [lay.header, lay.chunk_indptr, lay.work_req, lay.work_begin, lay.work_end,
+            lay.work_partial, lay.merge_indptr, lay.merge_req]
+    lens = [HEADER_SIZE, lay.max_chunks + 1] + [lay.max_work] * 4 + [lay.max_merge + 1,
+                                                                     lay.max_merge]
+    assert lay.header == 0
+    for o in offs:
+        assert o % 4 == 0
+    for (o, n), o2 in zip(zip(offs, lens), offs[1:] + [lay.size]):
+        assert o + n <= o2
+    assert lay.size % 4 == 0
+
+    # ---- header / grid ---------------------------------------------------------------------
+    graph = max_batch_size is not None
+    assert plan.graph == graph
+    W, M, R = plan.num_work, plan.num_merge, plan.num_partial_rows
+    assert list(buf[:HEADER_SIZE]) == [plan.num_chunks, W, M, B, R, 0, 0, 0]
+    assert plan.batch_size == B
+    assert plan.split == (R > 0)
+    c_one_wave = default_num_chunks(num_kv_heads, num_sms=num_sms, ctas_per_sm=ctas_per_sm)
+    if graph:
+        mc = c_one_wave if max_chunks is None else max_chunks
+        assert lay == decode_layout(mc, max_batch_size + mc, max_batch_size)
+        assert lay == graph_layout(max_batch_size, num_kv_heads, num_sms=num_sms,
+                                   ctas_per_sm=ctas_per_sm, max_chunks=max_chunks)
+        assert plan.num_chunks == mc
+    else:
+        assert (lay.max_chunks, lay.max_work, lay.max_merge) == (plan.num_chunks, W, M)
+        assert lay.size <= plan_size_bound(B, num_kv_heads, num_sms=num_sms,
+                                           ctas_per_sm=ctas_per_sm, max_chunks=max_chunks)
+    assert plan.num_chunks >= 1
+    C = plan.active_chunks
+    assert 1 <= C <= plan.num_chunks
+    if max_chunks is not None:
+        assert plan.num_chunks <= max_chunks
+
+    # ---- views are views of the buffer with the documented lengths -------------------------
+    for name, n in zip(REGIONS, (plan.num_chunks + 1, W, W, W, W, M + 1, M)):
+        v = getattr(plan, name)
+        assert v.base is buf.base or v.base is buf, name
+        assert v.size == n, name
+        if n:
+            assert np.shares_memory(v, buf)
+    ci = plan.chunk_indptr.astype(np.int64)
+    req = plan.work_req.astype(np.int64)
+    beg = plan.work_begin.astype(np.int64)
+    end = plan.work_end.astype(np.int64)
+    part = plan.work_partial.astype(np.int64)
+    mi = plan.merge_indptr.astype(np.int64)
+    mreq = plan.merge_req.astype(np.int64)
+
+    # ---- chunk_indptr ----------------------------------------------------------------------
+    assert ci[0] == 0 and ci[-1] == W
+    assert np.all(np.diff(ci) >= 0)
+    assert np.all(ci[C:] == W)  # chunks past the active ones are empty (graph padding)
+    pad = buf[lay.chunk_indptr:lay.chunk_indptr + lay.max_chunks + 1]
+    assert np.all(pad[plan.num_chunks:] == W)
+
+    # ---- work items: valid, aligned, never empty --------------------------------------------
+    if W:
+        assert np.all((req >= 0) & (req < B))
+        assert np.all(beg >= 0) and np.all(end > beg) and np.all(end <= kv[req])
+        assert np.all((beg == 0) | (beg % G == 0))
+        assert np.all((end == kv[req]) | (end % G == 0))
+    # unused slots
+    for o, fill in ((lay.work_req, -1), (lay.work_begin, 0), (lay.work_end, 0),
+                    (lay.work_partial, 0)):
+        assert np.all(buf[o + W:o + lay.max_work] == fill)
+    assert np.all(buf[lay.merge_req + M:lay.merge_req + lay.max_merge] == -1)
+    assert np.all(buf[lay.merge_indptr + M + 1:lay.merge_indptr + lay.max_merge + 1] == R)
+
+    # ---- coverage: every (request, kv position) exactly once; kv order per request ------------
+    items_of = {}
+    for w in range(W):
+        items_of.setdefault(int(req[w]), []).append(w)
+    for r in range(B):
+        ws = items_of.get(r, [])
+        if kv[r] == 0:
+            assert ws == []
+            continue
+        assert ws, f"request {r} not covered"
+        b = beg[ws]
+        assert np.all(np.diff(b) > 0), "items of a request not in kv order"
+        assert b[0] == 0 and end[ws[-1]] == kv[r]
+        assert np.all(end[ws[:-1]] == b[1:]), "gap or overlap inside a request"
+
+    # ---- partial rows and merge list ----------------------------------------------------------
+    assert mi[0] == 0 and mi[-1] == R and np.all(np.diff(mi) >= 0)
+    assert np.all((mreq >= 0) & (mreq < B))
+    assert len(set(mreq.tolist())) == M, "request twice in the merge list"
+    assert np.all(np.diff(mreq) > 0)  # merge list in request order
+    rows = part[part >= 0]
+    assert sorted(rows.tolist()) == list(range(R)), "partial rows not a permutation of 0..R-1"
+    pos = {int(r): m for m, r in enumerate(mreq)}
+    split_reqs = 0
+    for r in range(B):
+        ws = items_of.get(r, [])
+        if kv[r] == 0:
+            m = pos[r]
+            assert mi[m] == mi[m + 1], "empty request with a non-empty merge range"
+        elif len(ws) == 1:
+            assert r not in pos
+            assert part[ws[0]] == -1
+            assert beg[ws[0]] == 0 and end[ws[0]] == kv[r]
+        else:
+            split_reqs += 1
+            m = pos[r]
+            assert list(part[ws]) == list(range(mi[m], mi[m + 1])), "merge range not in kv order"
+    assert M == split_reqs + int(np.count_nonzero(kv == 0))
+
+    # ---- balance ----------------------------------------------------------------------------------
+    if W:
+        per_item = end - beg + OV
+        chunk_cost = np.add.reduceat(np.append(per_item, 0), ci[:-1]) * (np.diff(ci) > 0)
+        line = int(kv.sum() + OV * np.count_nonzero(kv))
+        mean = per_item.sum() / C
+        assert chunk_cost.max() <= 1.1 * mean + G + OV
+        if R:  # split path: the sharper stated bound
+            assert chunk_cost.max() <= -(-line // C) + G + OV
+            # chunk count of the split path
+            assert C == min(c_one_wave if max_chunks is None else min(c_one_wave, max_chunks),
+                            max(1, line // MIN_CHUNK_COST))
+    return plan
+
+
+def run_and_check(kv, *, page_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128, **kw):
+    plan = plan_decode(kv, page_size, num_qo_heads, num_kv_heads, head_dim, **kw)
+    kw.pop("out", None)
+    check_plan(plan, kv, page_size=page_size, num_kv_heads=num_kv_heads, **kw)
+    # deterministic: a second plan gives the identical buffer
+    again = plan_decode(kv, page_size, num_qo_heads, num_kv_heads, head_dim, **kw)
+    assert np.array_equal(again.buffer, plan.buffer)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Hypothesis strategies
+# ---------------------------------------------------------------------------------------------
+
+lengths = st.one_of(
+    st.just(0), st.integers(1, 64), st.integers(1, 2048), st.integers(0, 70000),
+    st.sampled_from([1, 15, 16, 17, 32768, 70000]))
+
+
+@st.composite
+def batches(draw):
+    kind = draw(st.sampled_from(["random", "skewed", "uniform", "zeros", "one_long"]))
+    n = draw(st.integers(1, 300))
+    if kind == "random":
+        kv = np.array(draw(st.lists(lengths, min_size=n, max_size=n)), dtype=np.int64)
+    elif kind == "skewed":
+        kv = skewed(n)
+    elif kind == "uniform":
+        kv = np.full(n, draw(st.integers(1, 70000)), dtype=np.int64)
+    elif kind == "zeros":
+        kv = np.zeros(n, dtype=np.int64)
+        idx = draw(st.lists(st.integers(0, n - 1), max_size=5))
+        kv[idx] = draw(st.integers(1, 70000))
+    else:
+        kv = np.full(n, draw(st.integers(0, 300)), dtype=np.int64)
+        kv[draw(st.integers(0, n - 1))] = 70000
+    if draw(st.booleans()):  # sprinkle empty requests
+        mask = np.array(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+        kv[mask] = 0
+    return kv
+
+
+gpu = st.fixed_dictionaries({
+    "page_size": st.sampled_from([1, 8, 16, 32, 48, 64, 128, 256]),
+    "num_kv_heads": st.sampled_from([1, 2, 4, 8, 32]),
+    "group": st.integers(1, 8),
+    "num_sms": st.sampled_from([1, 8, 132]),
+    "ctas_per_sm": st.integers(1, 4),
+})
+
+
+def _kw(g):
+    return dict(page_size=g["page_size"], num_qo_heads=g["num_kv_heads"] * g["group"],
+                num_kv_heads=g["num_kv_heads"], num_sms=g["num_sms"],
+                ctas_per_sm=g["ctas_per_sm"])
+
+
+@HYP
+@given(kv=batches(), g=gpu, max_chunks=st.one_of(st.none(), st.integers(1, 600)))
+def test_properties_plain(kv, g, max_chunks):
+    run_and_check(kv, max_chunks=max_chunks, **_kw(g))
+
+
+@HYP
+@given(kv=batches(), g=gpu, extra=st.integers(0, 50),
+       max_chunks=st.one_of(st.none(), st.integers(1, 600)), use_out=st.booleans())
+def test_properties_graph(kv, g, extra, max_chunks, use_out):
+    mbs = kv.size + extra
+    kw = _kw(g)
+    out = None
+    if use_out:
+        lay = graph_layout(mbs, kw["num_kv_heads"], num_sms=kw["num_sms"],
+                           ctas_per_sm=kw["ctas_per_sm"], max_chunks=max_chunks)
+        out = np.full(lay.size + 7, 12345, np.int32)  # stale garbage must be overwritten
+    plan = run_and_check(kv, max_batch_size=mbs, max_chunks=max_chunks, out=out, **kw)
+    if use_out:
+        assert np.shares_memory(plan.buffer, out) and plan.buffer.size == lay.size
+        assert np.all(out[lay.size:] == 12345)  # nothing written past the plan
+
+
+@HYP
+@given(kv=batches(), g=gpu)
+def test_graph_layout_independent_of_batch(kv, g):
+    kw = _kw(g)
+    a = plan_decode(kv, head_dim=64, max_batch_size=300, **kw)
+    b = plan_decode(kv[: max(1, kv.size // 2)], head_dim=64, max_batch_size=300, **kw)
+    c = plan_decode(np.zeros(0, np.int64), head_dim=64, max_batch_size=300, **kw)
+    assert a.layout == b.layout == c.layout
+    assert a.num_chunks == b.num_chunks == c.num_chunks == a.layout.max_chunks
+
+
+@HYP
+@given(kv=batches(), g=gpu)
+def test_out_buffer_matches_fresh_buffer(kv, g):
+    kw = _kw(g)
+    fresh = plan_decode(kv, head_dim=128, **kw)
+    size = plan_size_bound(kv.size, kw["num_kv_heads"], num_sms=kw["num_sms"],
+                           ctas_per_sm=kw["ctas_per_sm"])
+    out = np.full(size, -7, np.int32)
+    p = plan_decode(kv, head_dim=128, out=out, **kw)
+    assert np.array_equal(p.buffer, fresh.buffer)
+    assert p.layout == fresh.layout
+
+
+# ---------------------------------------------------------------------------------------------
+# The chunk-count rule on fixed cases
+# ---------------------------------------------------------------------------------------------
+
+
+def test_uniform_full_batch_does_not_split():
+    kv = np.full(64, 4096)  # 64 * 8 = 512 CTAs >= 264, perfectly balanced
+    p = run_and_check(kv)
+    assert not p.split and p.num_merge == 0 and p.num_partial_rows == 0
+    assert p.num_chunks == p.active_chunks == 64 and p.num_work == 64
+    assert list(p.chunk_indptr) == list(range(65))
+    assert np.all(p.work_partial == -1)
+
+
+def test_uniform_full_batch_with_empty_requests():
+    kv = np.full(70, 4096)
+    kv[[3, 10]] = 0
+    p = run_and_check(kv)
+    assert not p.split and p.num_chunks == 68 and p.num_work == 68
+    assert list(p.merge_req) == [3, 10] and list(p.merge_indptr) == [0, 0, 0]
+
+
+def test_nearly_uniform_within_ten_percent_does_not_split():
+    kv = np.full(40, 1000)
+    kv[0] = 1100  # (1100 + 32) <= 1.1 * mean cost
+    assert not run_and_check(kv).split
+
+
+def test_unbalanced_full_batch_splits():
+    p = run_and_check(skewed(256))
+    assert p.split and p.num_chunks == 33  # ceil(132 * 2 / 8)
+    assert p.num_work <= 256 + 33 - 1
+
+
+def test_small_batch_splits_one_wave():
+    p = run_and_check(np.array([32768]))
+    assert p.split and p.num_chunks == 33 and p.num_work == 33
+    assert list(p.merge_req) == [0] and list(p.merge_indptr) == [0, 33]
+    assert list(p.work_partial) == list(range(33))
+
+
+def test_uniform_batch_too_small_for_gpu_splits():
+    p = run_and_check(np.full(16, 8192))  # 16 * 8 = 128 < 264 CTAs
+    assert p.split and p.num_chunks == 33
+
+
+def test_tiny_batch_is_not_shredded():
+    p = run_and_check(np.array([100, 40]))
+    assert p.num_chunks == 1 and not p.split and p.num_work == 2
+    p = run_and_check(np.array([1000]))  # 1032 cost units -> 6 chunks of >= MIN_CHUNK_COST
+    assert p.num_chunks == 1032 // MIN_CHUNK_COST
+
+
+def test_max_chunks_caps_split():
+    p = run_and_check(skewed(100), max_chunks=5)
+    assert p.num_chunks == 5
+
+
+def test_max_chunks_below_batch_forces_cuts_for_uniform_batch():
+    # the no-split path needs one chunk per request: 64 > max_chunks, so it balances by cuts
+    p = run_and_check(np.full(64, 4096), max_chunks=20)
+    assert p.num_chunks == 20 and p.active_chunks == 20
+
+
+def test_graph_mode_pads_chunks_and_merges():
+    p = run_and_check(np.array([5000, 0, 300]), max_batch_size=8, max_chunks=40)
+    assert p.num_chunks == 40 and p.layout.max_work == 48 and p.layout.max_merge == 8
+    assert p.active_chunks == min(33, (5032 + 332) // MIN_CHUNK_COST)
+
+
+def test_all_empty_and_zero_batch():
+    p = run_and_check(np.zeros(5, np.int64))
+    assert p.num_work == 0 and p.num_chunks == 1 and p.num_merge == 5
+    assert list(p.merge_req) == [0, 1, 2, 3, 4] and list(p.merge_indptr) == [0] * 6
+    p = run_and_check(np.zeros(0, np.int64))
+    assert p.num_work == 0 and p.num_merge == 0 and p.num_chunks == 1
+    p = run_and_check([], max_batch_size=4)
+    assert p.num_chunks == p.layout.max_chunks
+
+
+def test_accepts_lists_int32_and_numpy_scalars():
+    kv = [7, 0, 3000, 65]
+    a = run_and_check(kv)
+    b = plan_decode(np.array(kv, np.int32), np.int64(16), 32, np.int32(8), 128)
+    c = plan_decode(np.array(kv, np.uint16), 16, 32, 8, 128)
+    assert np.array_equal(a.buffer, b.buffer) and np.array_equal(a.buffer, c.buffer)
+
+
+def test_granularity_rule():
+    assert [cut_granularity(p) for p in (1, 8, 16, 32, 48, 64, 128, 256)] == \
+        [16, 16, 16, 32, 16, 64, 64, 64]
+
+
+def test_large_values_no_overflow():
+    kv = np.full(300, 2**31 - 1, np.int64)
+    kv[::2] = 5
+    run_and_check(kv, num_sms=1000, ctas_per_sm=64, num_kv_heads=1, num_qo_heads=1)
+
+
+def test_layout_offsets_example():
+    lay = decode_layout(33, 289, 256)
+    assert lay.chunk_indptr == 8
+    assert lay.work_req == 8 + 36
+    assert lay.work_begin == lay.work_req + 292
+    assert lay.merge_indptr == lay.work_partial + 292
+    assert lay.merge_req == lay.merge_indptr + 260
+    assert lay.size == lay.merge_req + 256
+    assert lay.nbytes == 4 * lay.size
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: one test per case, each naming the argument
+# ---------------------------------------------------------------------------------------------
+
+def _plan(kv=(1, 2), page_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=64, **kw):
+    return plan_decode(kv, page_size, num_qo_heads, num_kv_heads, head_dim, **kw)
+
+
+def test_rejects_2d_kv_lens():
+    with pytest.raises(ValueError, match="kv_lens must be 1-D"):
+        _plan(np.ones((2, 2), np.int64))
+
+
+def test_rejects_float_kv_lens():
+    with pytest.raises(TypeError, match="kv_lens must hold integers"):
+        _plan(np.array([1.0, 2.0]))
+
+
+def test_rejects_bool_kv_lens():
+    with pytest.raises(TypeError, match="kv_lens must hold integers"):
+        _plan(np.array([True, False]))
+
+
+def test_rejects_negative_kv_lens():
+    with pytest.raises(ValueError, match="kv_lens must be non-negative"):
+        _plan(np.array([4, -1, 7]))
+
+
+def test_rejects_negative_int32_kv_lens():
+    with pytest.raises(ValueError, match="kv_lens must be non-negative"):
+        _plan(np.array([4, -1], np.int32))
+
+
+def test_rejects_kv_lens_beyond_int32():
+    with pytest.raises(ValueError, match="kv_lens must fit int32"):
+        _plan(np.array([2**31]))
+
+
+def test_rejects_kv_lens_beyond_int32_unsigned():
+    with pytest.raises(ValueError, match="kv_lens must fit int32"):
+        _plan(np.array([2**32], np.uint64))
+
+
+def test_rejects_page_size_zero():
+    with pytest.raises(ValueError, match="page_size must be >= 1"):
+        _plan(page_size=0)
+
+
+def test_rejects_page_size_float():
+    with pytest.raises(TypeError, match="page_size must be an int"):
+        _plan(page_size=16.0)
+
+
+def test_rejects_page_size_bool():
+    with pytest.raises(TypeError, match="page_size must be an int"):
+        _plan(page_size=True)
+
+
+def test_rejects_heads_not_divisible():
+    with pytest.raises(ValueError, match=r"num_qo_heads \(6\) must be a multiple of num_kv_heads"):
+        _plan(num_qo_heads=6, num_kv_heads=4)
+
+
+def test_rejects_num_kv_heads_zero():
+    with pytest.raises(ValueError, match="num_kv_heads must be >= 1"):
+        _plan(num_kv_heads=0)
+
+
+def test_rejects_num_qo_heads_zero():
+    with pytest.raises(ValueError, match="num_qo_heads must be >= 1"):
+        _plan(num_qo_heads=0)
+
+
+def test_rejects_head_dim_zero():
+    with pytest.raises(ValueError, match="head_dim must be >= 1"):
+        _plan(head_dim=0)
+
+
+def test_rejects_num_sms_zero():
+    with pytest.raises(ValueError, match="num_sms must be >= 1"):
+        _plan(num_sms=0)
+
+
+def test_rejects_ctas_per_sm_zero():
+    with pytest.raises(ValueError, match="ctas_per_sm must be >= 1"):
+        _plan(ctas_per_sm=0)
+
+
+def test_rejects_max_chunks_zero():
+    with pytest.raises(ValueError, match="max_chunks must be >= 1"):
+        _plan(max_chunks=0)
+
+
+def test_rejects_max_batch_size_zero():
+    with pytest.raises(ValueError, match="max_batch_size must be >= 1"):
+        _plan(max_batch_size=0)
+
+
+def test_rejects_batch_above_max_batch_size():
+    with pytest.raises(ValueError, match="batch size 3 exceeds max_batch_size 2"):
+        _plan((1, 2, 3), max_batch_size=2)
+
+
+def test_rejects_small_out():
+    need = graph_layout(4, 2).size
+    with pytest.raises(ValueError, match=rf"out is too small: the plan needs {need} int32"):
+        _plan(max_batch_size=4, out=np.zeros(need - 1, np.int32))
+
+
+def test_rejects_out_wrong_dtype():
+    with pytest.raises(TypeError, match="out must have dtype int32"):
+        _plan(out=np.zeros(4096, np.int64))
+
+
+def test_rejects_out_not_array():
+    with pytest.raises(TypeError, match="out must be a numpy int32 array"):
+        _plan(out=bytearray(4096))
+
+
+def test_rejects_out_2d():
+    with pytest.raises(ValueError, match="out must be a 1-D contiguous int32 array"):
+        _plan(out=np.zeros((64, 64), np.int32))
+
+
+def test_validation_not_bypassed_by_cache():
+    _plan(page_size=1)  # cache the config of page_size=1
+    with pytest.raises(TypeError, match="page_size must be an int"):
+        _plan(page_size=True)  # True == 1 must not hit the cached entry
+
+
+def test_module_imports_only_numpy_and_stdlib():
+    import ast
+    import sys
+    src = open(scheduler.__file__).read()
+    mods = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Import):
+            mods.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            mods.add(node.module.split(".")[0])
+    assert mods - {"numpy"} <= set(sys.stdlib_module_names), mods
+
+
+def test_balance_bound_on_random_skewed_batch():
+    kv = np.random.default_rng(3).integers(1, 32769, 256)
+    p = run_and_check(kv)
+    assert p.split
+    ci = p.chunk_indptr
+    cost = [int((p.work_end[a:b] - p.work_begin[a:b]).sum()) + OV * (b - a)
+            for a, b in zip(ci[:-1], ci[1:])]
+    assert max(cost) <= math.ceil((kv.sum() + OV * kv.size) / p.active_chunks) + 16 + OV
+
+
+def test_rejects_out_read_only():
+    out = np.zeros(4096, np.int32)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="out must be writeable"):
+        _plan(out=out)
+
+
+def test_rejects_head_dim_beyond_int32():
+    with pytest.raises(ValueError, match="head_dim must fit int32"):
+        _plan(head_dim=2**31)
+
+
+def test_ideal_cuts_exact_without_overflow():
+    for total, C in ((10**6, 33), (2**40, 2**23 + 5), (2**62 // 3, 1000), (2**61, 2**21)):
+        got = scheduler._ideal_cuts(total, C)
+        k = [1, 2, C // 2, C - 2, C - 1]
+        assert [int(got[i - 1]) for i in k] == [i * total // C for i in k]
+        assert np.all(np.diff(got) >= 0)
+
+
+def test_batch_larger_than_preallocated_ranges():
+    kv = np.tile(skewed(64), 50)  # 3200 requests
+    run_and_check(kv)
+    run_and_check(np.full(3000, 128))  # no-split path with req = iota(3000)
+    run_and_check(np.zeros(3000, np.int64), max_batch_size=3000)
