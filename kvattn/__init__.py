@@ -3,7 +3,9 @@ from ._errors import CompileError, CudaError, CudaUnavailableError, KvattnError
 from ._driver import gpu_available
 from .memory import DeviceArray, Workspace, WorkspaceTooSmall, asarray, empty, from_numpy, zeros
 from .stream import Event, Stream, default_stream
+from .formats import BlockSparse, CascadeLevels, PagedKVLayout, PageTable, Ragged, pack_mask, unpack_mask
 from .merge import merge_state, merge_state_in_place, merge_states
-from . import graphs, reference
+from .decode import BatchDecodeWithPagedKVCache, single_decode
+from . import graphs, reference, scheduler
 
 __version__ = "0.1.0"

@@ -307,8 +307,8 @@ class BlockSparse:
 
     indptr: np.ndarray
     indices: np.ndarray
-    block_shape: tuple = (1, 1)
-    shape: tuple = (0, 0)
+    block_shape: tuple
+    shape: tuple
 
     def __post_init__(self):
         bs, sh = tuple(self.block_shape), tuple(self.shape)

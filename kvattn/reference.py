@@ -3,8 +3,10 @@
 Semantics follow DESIGN.md section 3.  All functions accept float16 /
 bfloat16 (ml_dtypes) / float32 / float64 inputs, compute in float64 and
 return float64.  LSE is the *natural* log-sum-exp of the final (scaled,
-capped, biased, masked) scores; an empty or fully masked row gives output 0
-and LSE -inf, never NaN.
+capped, biased, masked) scores (FlashInfer returns base 2:
+``lse_base2 = lse / ln 2``); an empty or fully masked row gives output 0 and
+LSE -inf, never NaN.  NaN / Inf in data are accepted and propagate; index
+arrays are validated (see kvattn._validate).
 """
 from __future__ import annotations
 
@@ -148,6 +150,14 @@ def _attend(q, k, v, causal, mask, sm_scale, window_left, cap, alibi):
     return o, lse
 
 
+def _mask_array(m):
+    m = m if isinstance(m, np.ndarray) else np.asarray(m)
+    if m.dtype != np.bool_:
+        hint = " (unpack a bit-packed mask with kvattn.unpack_mask)" if m.dtype == np.uint8 else ""
+        raise TypeError(f"custom_mask: expected a bool array{hint}, got dtype {m.dtype}")
+    return m
+
+
 def _ret(o, lse, return_lse):
     return (o, lse) if return_lse else o
 
@@ -171,7 +181,9 @@ def attention(q, k, v, *, causal=False, sm_scale=None, window_left=-1, logits_so
         raise ValueError(f"causal: requires kv_len >= qo_len, got qo_len {qo} > kv_len {kv}")
     mask = None
     if custom_mask is not None:
-        mask = _v.as_bool_array(custom_mask, "custom_mask")
+        mask = _mask_array(custom_mask)
+        if mask.ndim == 2 and mask.shape != (qo, kv):
+            raise ValueError(f"custom_mask: expected shape (qo_len, kv_len) = {(qo, kv)}, got {mask.shape}")
         if mask.size != qo * kv:
             raise ValueError(f"custom_mask: expected qo_len * kv_len = {qo * kv} entries, got {mask.size}")
         mask = mask.reshape(qo, kv)
@@ -192,7 +204,10 @@ def _batch(q, qo_indptr, kv_lens, fetch, dv, opt, causal, custom_mask, return_ls
         )
     mask_indptr = np.concatenate([[0], np.cumsum(qo_lens * kv_lens)])
     if custom_mask is not None:
-        custom_mask = _v.as_bool_array(custom_mask, "custom_mask").ravel()
+        if isinstance(custom_mask, (list, tuple)):  # per-request [qo_i, kv_i] masks
+            custom_mask = [_mask_array(m).ravel() for m in custom_mask]
+            custom_mask = np.concatenate(custom_mask) if custom_mask else np.zeros(0, bool)
+        custom_mask = _mask_array(custom_mask).ravel()
         if custom_mask.size != mask_indptr[-1]:
             raise ValueError(
                 f"custom_mask: expected sum(qo_len * kv_len) = {int(mask_indptr[-1])} entries, got {custom_mask.size}"
@@ -219,7 +234,7 @@ def batch_attention_ragged(q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_sc
 
     q: [qo_indptr[-1], Hq, D]; k: [kv_indptr[-1], Hkv, D]; v: [kv_indptr[-1], Hkv, Dv];
     qo_indptr, kv_indptr: int [B+1]; custom_mask: flat bool [sum(qo_i * kv_i)]
-    (per request row-major [qo_i, kv_i], concatenated).  Other options as
+    (per request row-major [qo_i, kv_i], concatenated) or a list of B bool [qo_i, kv_i].  Other options as
     :func:`attention`, applied per request.  Returns o [total_qo, Hq, Dv] (, lse [total_qo, Hq]).
     """
     q, k, v = _check_qkv(q, k, v)
@@ -278,7 +293,7 @@ def batch_attention_paged(q, k_cache, v_cache, qo_indptr, page_table, *, kv_layo
     means k_cache is [num_pages, 2, ...] (K then V).  qo_indptr: int [B+1];
     page_table: PageTable with B requests (page ids < num_pages);
     kv_layout: "NHD" / "HND" / PagedKVLayout.  custom_mask: flat bool
-    [sum(qo_i * kv_i)].  Options as :func:`attention`.
+    [sum(qo_i * kv_i)] or a list of B bool [qo_i, kv_i].  Options as :func:`attention`.
     Returns o float64 [total_qo, Hq, Dv] (, lse float64 [total_qo, Hq]).
     """
     q = _v.as_float64(q, "q", ndim=3)

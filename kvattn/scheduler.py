@@ -34,10 +34,11 @@ cost of one work item: query load, output / partial write, pipeline start) follo
   start, one that rounds to ``>= kv_len`` moves to its end, so no item is empty.  Cuts are
   monotone, so a chunk may be empty (its CTA exits at once).
 
-Cut granularity ``G = max(16, gcd(page_size, 64))``: 16 tokens (a tensor-core k-tile) for pages
-that are not a multiple of 32; the page size for 32- and 64-token pages, so a chunk starts on a
-page; 64 for larger pages, bounding the balance error.  Every item begins at 0 or at a multiple of
-``G`` and ends at ``kv_len`` or at a multiple of ``G``.
+Cut granularity ``G = max(16, gcd(page_size, 64))``, the largest power of two <= 64 that divides
+the page size, at least 16 (one tensor-core k-tile).  Pages of 16, 32 or 64 tokens: ``G`` is the
+page, so every chunk starts on a page boundary; larger power-of-two pages: 64, which keeps the
+balance error small; small or odd pages: 16.  Every item begins at 0 or at a multiple of ``G`` and
+ends at ``kv_len`` or at a multiple of ``G``.
 
 Balance bound (split path): the cost of a chunk (sum over its items of ``end - begin +
 ITEM_OVERHEAD_TOKENS``) is at most ``ceil(total / C) + G + ITEM_OVERHEAD_TOKENS`` where
@@ -440,7 +441,7 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
         num_merge = B
     else:
         nz = kv > 0
-        n = int(nz.sum()) if B > 1 else 1
+        n = int(np.count_nonzero(nz)) if B > 1 else 1
         cap = cfg.max_chunks
         if n == B:
             cost_end = kv.cumsum()
@@ -451,7 +452,7 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
             cost_end = cost.cumsum()
         total = int(cost_end[-1])
         if (n * cfg.num_kv_heads >= cfg.slots and (cap is None or n <= cap)
-                and (kv_max + OV) * n * 10 <= total * 11):
+                and (kv_max + OV) * n <= NO_SPLIT_BALANCE * total):
             # ---- no split: one whole request per chunk ---------------------------------
             C = W = n
             cuts = None
@@ -560,7 +561,7 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
         wp = buf[layout.work_partial:layout.work_partial + W]
         if rows:
             split_item = cnt[req] > 1
-            np.cumsum(split_item, out=wp)
+            np.add.accumulate(split_item, dtype=np.int32, out=wp)
             wp -= 1
             wp[~split_item] = -1
         else:

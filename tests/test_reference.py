@@ -263,6 +263,8 @@ def test_custom_mask_batched_matches_per_request(seed, batch, ps, causal):
     qo_indptr, kv_indptr = np.concatenate([[0], np.cumsum(qo)]), np.concatenate([[0], np.cumsum(kv)])
     q, k, v = rand(rng, sum(qo), 2, 4), rand(rng, sum(kv), 1, 4), rand(rng, sum(kv), 1, 4)
     o = ref.batch_attention_ragged(q, k, v, qo_indptr, kv_indptr, causal=causal, custom_mask=flat, window_left=3)
+    o2 = ref.batch_attention_ragged(q, k, v, qo_indptr, kv_indptr, causal=causal, custom_mask=masks, window_left=3)
+    np.testing.assert_array_equal(o, o2)
     for i, m in enumerate(masks):
         s, t = slice(qo_indptr[i], qo_indptr[i + 1]), slice(kv_indptr[i], kv_indptr[i + 1])
         np.testing.assert_allclose(o[s], ref.attention(q[s], k[t], v[t], causal=causal, custom_mask=m, window_left=3))

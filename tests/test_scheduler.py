@@ -59,7 +59,7 @@ def check_plan(plan, kv, *, page_size, num_kv_heads, num_sms=132, ctas_per_sm=2,
     graph = max_batch_size is not None
     assert plan.graph == graph
     W, M, R = plan.num_work, plan.num_merge, plan.num_partial_rows
-    assert list(buf[:HEADER_SIZE]) == [plan.num_chunks, W, M, B, R, 0, 0, 0]
+    assert list(plan.header) == [plan.num_chunks, W, M, B, R, 0, 0, 0]
     assert plan.batch_size == B
     assert plan.split == (R > 0)
     c_one_wave = default_num_chunks(num_kv_heads, num_sms=num_sms, ctas_per_sm=ctas_per_sm)
@@ -153,18 +153,28 @@ def check_plan(plan, kv, *, page_size, num_kv_heads, num_sms=132, ctas_per_sm=2,
             assert list(part[ws]) == list(range(mi[m], mi[m + 1])), "merge range not in kv order"
     assert M == split_reqs + int(np.count_nonzero(kv == 0))
 
-    # ---- balance ----------------------------------------------------------------------------------
-    if W:
-        per_item = end - beg + OV
-        chunk_cost = np.add.reduceat(np.append(per_item, 0), ci[:-1]) * (np.diff(ci) > 0)
-        line = int(kv.sum() + OV * np.count_nonzero(kv))
-        mean = per_item.sum() / C
-        assert chunk_cost.max() <= 1.1 * mean + G + OV
-        if R:  # split path: the sharper stated bound
-            assert chunk_cost.max() <= -(-line // C) + G + OV
-            # chunk count of the split path
-            assert C == min(c_one_wave if max_chunks is None else min(c_one_wave, max_chunks),
-                            max(1, line // MIN_CHUNK_COST))
+    # ---- chunk-count rule and balance -------------------------------------------------------
+    n = int(np.count_nonzero(kv))
+    if n == 0:
+        assert W == 0 and C == 1 and M == B
+        return plan
+    line = int(kv.sum() + OV * n)  # length of the cost line
+    cap = max_chunks if max_chunks is not None else (c_one_wave if graph else None)
+    no_split = (n * num_kv_heads >= num_sms * ctas_per_sm and (cap is None or n <= cap)
+                and (int(kv.max()) + OV) * n <= 1.1 * line)
+    if no_split:
+        assert C == W == n and R == 0
+        assert list(ci[:n + 1]) == list(range(n + 1))
+    else:
+        c_split = c_one_wave if cap is None else min(c_one_wave, cap)
+        assert C == min(c_split, max(1, line // MIN_CHUNK_COST))
+        assert W <= n + C - 1  # each cut adds at most one item
+    per_item = end - beg + OV
+    chunk_cost = np.add.reduceat(np.append(per_item, 0), ci[:-1]) * (np.diff(ci) > 0)
+    mean = per_item.sum() / C
+    assert chunk_cost.max() <= 1.1 * mean + G + OV
+    if not no_split:  # the sharper stated bound of the split path
+        assert chunk_cost.max() <= -(-line // C) + G + OV
     return plan
 
 
@@ -560,3 +570,8 @@ def test_batch_larger_than_preallocated_ranges():
     run_and_check(kv)
     run_and_check(np.full(3000, 128))  # no-split path with req = iota(3000)
     run_and_check(np.zeros(3000, np.int64), max_batch_size=3000)
+
+
+def test_decode_layout_rejects_negative():
+    with pytest.raises(ValueError, match="max_work must be a non-negative int"):
+        decode_layout(4, -1, 2)

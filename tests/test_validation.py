@@ -91,6 +91,13 @@ CASES = {
                           ValueError, r"custom_mask: expected sum\(qo_len \* kv_len\) = 16 entries, got 15"),
     "mask_not_bool": (lambda: ref.attention(Q, K, V, custom_mask=np.ones((3, 5), np.uint8)), TypeError,
                       r"custom_mask: expected a bool array"),
+    "mask_packed_passed_as_mask": (lambda: ref.attention(Q, K, V, custom_mask=np.zeros(2, np.uint8)), TypeError,
+                                   r"custom_mask: expected a bool array \(unpack a bit-packed mask"),
+    "mask_2d_wrong_shape": (lambda: ref.attention(Q, K, V, custom_mask=np.ones((5, 3), bool)), ValueError,
+                            r"custom_mask: expected shape \(qo_len, kv_len\) = \(3, 5\), got \(5, 3\)"),
+    "mask_list_wrong_total": (lambda: ref.batch_attention_paged(QP, KC, KC, [0, 2, 3], PT,
+                                                                custom_mask=[np.ones((2, 7), bool)]), ValueError,
+                              r"custom_mask: expected sum\(qo_len \* kv_len\) = 16 entries, got 14"),
     # options
     "window_left_below_minus_1": (lambda: ref.attention(Q, K, V, window_left=-2), ValueError, r"window_left: must be >= -1"),
     "soft_cap_negative": (lambda: ref.attention(Q, K, V, logits_soft_cap=-1.0), ValueError, r"logits_soft_cap: must be >= 0"),

@@ -1,0 +1,318 @@
+// Batch decode on a paged KV cache: tensor-core (mma.sync m16n8k16) split-KV kernel.
+//
+// CTA (chunk c = blockIdx.x, kv head h = blockIdx.y) walks the work items [chunk_indptr[c], chunk_indptr[c+1])
+// of the plan as ONE stream of 64-token KV tiles, so the cp.async pipeline keeps bytes in flight across item
+// boundaries. The rows of the MMA tile are the group's query heads (head-group fusion): heads
+// [blockIdx.z * ROWS, +ROWS) of the group, so any group size works (blockIdx.z > 0 only past 16 * M_TILES). Each of the 4 warps takes 16 tokens of every tile; their partial softmax states are merged
+// through shared memory at the end of each item. Scores live in the log2 domain; the LSE written is natural.
+#pragma once
+#include "mma.cuh"
+
+namespace kvattn {
+
+// Mirrored by kvattn.decode.DECODE_PARAMS (a test checks size and offsets). Strides in elements.
+struct DecodeParams {
+  const void* q;               // [batch, Hq, D]
+  const void* k;               // cache base; token t of page p, head h at p*kv_stride_page + t*kv_stride_token + h*kv_stride_head
+  const void* v;
+  void* o;                     // [batch, Hq, D]
+  float* lse;                  // [batch, Hq] natural log, may be null
+  float* tmp_o;                // [partial rows, Hq, D] float32
+  float* tmp_lse;              // [partial rows, Hq]
+  const int* plan;             // the scheduler's int32 work lists (kvattn.scheduler layout)
+  const int* page_indptr;      // [batch + 1]
+  const int* page_indices;     // [pages]
+  const int* last_page_len;    // [batch]
+  long long q_stride_n, q_stride_h, o_stride_n, o_stride_h, lse_stride_n;
+  long long kv_stride_page, kv_stride_token, kv_stride_head;
+  int off_chunk_indptr, off_work_req, off_work_begin, off_work_end, off_work_partial;
+  int num_qo_heads, group_size, page_size, page_shift;   // page_shift = log2(page_size), or -1
+  int window_left;
+  float score_scale;           // log2(e) * sm_scale, or sm_scale / cap with a soft cap
+  float cap_log2;              // log2(e) * cap (soft cap only)
+};
+
+template <int D, int M_TILES, bool SOFT_CAP, bool WINDOW, typename T>
+struct DecodeKernel {
+  static constexpr int WARPS = 4;
+  static constexpr int THREADS = WARPS * 32;
+  static constexpr int TILE = WARPS * 16;           // tokens per pipeline stage
+  static constexpr int CHUNKS = D / 8;               // 16-byte chunks per row
+  static constexpr int ROWS = 16 * M_TILES;          // query rows of the MMA tile
+  static constexpr int STAGES = D <= 64 ? 4 : 3;
+  static constexpr int KV_ELEMS = TILE * D;          // one of K or V per stage
+  static constexpr int OSTRIDE = D + 4;              // padded float row of the epilogue scratch
+  static constexpr int SCRATCH_PAD = (WARPS * 16 * 4 * 4 + 2 * WARPS * 16 * 4) / 2;   // elements
+  static constexpr int STAGE_ELEMS = 2 * KV_ELEMS + SCRATCH_PAD;   // K, V (+ room for the epilogue)
+  static constexpr int Q_ELEMS = ROWS * D;           // one Q slot; STAGES slots, by item ordinal
+  static constexpr int SMEM_BYTES = (STAGES * STAGE_ELEMS + STAGES * Q_ELEMS) * 2;
+  static constexpr int ROWS_PER_THREAD = TILE * CHUNKS / THREADS;   // K rows each thread copies per tile
+  static_assert(D % 64 == 0, "head_dim must be 64, 128 or 256");
+  static_assert((THREADS % CHUNKS) == 0, "thread layout");
+  static_assert(WARPS * 16 * OSTRIDE * 4 + 2 * WARPS * 16 * 4 <= STAGE_ELEMS * 2, "epilogue scratch fits a stage");
+
+  // Position in the tile stream: work item w (index into the plan), its token range, tile start t0.
+  // Item w's query rows live in Q slot (w - w_first) % STAGES: the producer runs at most STAGES - 1 tiles
+  // (so items) ahead, so a slot is rewritten only after the item that used it is finished.
+  struct Cursor {
+    int w, w_first, w_end, req, begin, end, t0;
+    __device__ __forceinline__ bool valid() const { return w < w_end; }
+  };
+
+  const DecodeParams& p;
+  const int h;        // kv head
+  const int head0;    // first query head of this CTA: h * group_size + blockIdx.z * ROWS
+  const int nrows;    // query heads of this CTA (<= ROWS)
+  __device__ DecodeKernel(const DecodeParams& p_, int h_, int z)
+      : p(p_), h(h_), head0(h_ * p_.group_size + z * ROWS), nrows(min(ROWS, p_.group_size - z * ROWS)) {}
+
+  __device__ __forceinline__ void load_item(Cursor& c) const {
+    if (c.w < c.w_end) {
+      c.req = p.plan[p.off_work_req + c.w];
+      c.begin = p.plan[p.off_work_begin + c.w];
+      c.end = p.plan[p.off_work_end + c.w];
+      c.t0 = c.begin;
+    }
+  }
+  __device__ __forceinline__ void advance(Cursor& c) const {
+    c.t0 += TILE;
+    if (c.t0 >= c.end) { ++c.w; load_item(c); }
+  }
+
+  // Element offsets (page base + in-page token) of the K/V rows this thread copies for the cursor's tile.
+  __device__ __forceinline__ void row_offsets(const Cursor& c, long long (&off)[ROWS_PER_THREAD]) const {
+    if (!c.valid()) return;
+    const int pbase = p.page_indptr[c.req];
+#pragma unroll
+    for (int j = 0; j < ROWS_PER_THREAD; ++j) {
+      const int row = threadIdx.x / CHUNKS + j * (THREADS / CHUNKS);
+      const int tok = min(c.t0 + row, c.end - 1);
+      int pg, in;
+      if (p.page_shift >= 0) { pg = tok >> p.page_shift; in = tok & (p.page_size - 1); }
+      else { pg = tok / p.page_size; in = tok - pg * p.page_size; }
+      off[j] = (long long)p.page_indices[pbase + pg] * p.kv_stride_page + (long long)in * p.kv_stride_token;
+    }
+  }
+
+  __device__ __forceinline__ T* q_slot(const Cursor& c, T* smem) const {
+    return smem + STAGES * STAGE_ELEMS + ((c.w - c.w_first) % STAGES) * Q_ELEMS;
+  }
+
+  __device__ __forceinline__ void issue(const Cursor& c, const long long (&off)[ROWS_PER_THREAD], T* stage,
+                                        T* qs) const {
+    const int chunk = threadIdx.x % CHUNKS;
+    const T* kb = static_cast<const T*>(p.k) + h * p.kv_stride_head + chunk * 8;
+    const T* vb = static_cast<const T*>(p.v) + h * p.kv_stride_head + chunk * 8;
+#pragma unroll
+    for (int j = 0; j < ROWS_PER_THREAD; ++j) {
+      const int row = threadIdx.x / CHUNKS + j * (THREADS / CHUNKS);
+      const int bytes = c.t0 + row < c.end ? 16 : 0;
+      cp_async16(stage + swz<D>(row, chunk), kb + off[j], bytes);
+      cp_async16(stage + KV_ELEMS + swz<D>(row, chunk), vb + off[j], bytes);
+    }
+    if (c.t0 == c.begin) {  // first tile of an item: bring its query rows (zeros past the group)
+      const T* qb = static_cast<const T*>(p.q) + c.req * p.q_stride_n + (long long)head0 * p.q_stride_h;
+      for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
+        const int r = i / CHUNKS, ch = i % CHUNKS;
+        const bool ok = r < nrows;
+        cp_async16(qs + swz<D>(r, ch), ok ? qb + r * p.q_stride_h + ch * 8 : qb, ok ? 16 : 0);
+      }
+    }
+  }
+
+  __device__ void run(int c_index, T* smem) const {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int* chunk_indptr = p.plan + p.off_chunk_indptr;
+    Cursor prod{chunk_indptr[c_index], chunk_indptr[c_index], chunk_indptr[c_index + 1], 0, 0, 0, 0};
+    if (prod.w >= prod.w_end) return;
+    load_item(prod);
+    Cursor cons = prod;
+    long long off[ROWS_PER_THREAD];
+    row_offsets(prod, off);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (prod.valid()) {
+        issue(prod, off, smem + s * STAGE_ELEMS, q_slot(prod, smem));
+        advance(prod);
+        row_offsets(prod, off);
+      }
+      cp_async_commit();
+    }
+
+    float o[M_TILES][CHUNKS][4];
+    float m[M_TILES][2], l[M_TILES][2];
+    int kv_len = 0;
+    for (int it = 0; cons.valid(); ++it) {
+      T* stage = smem + (it % STAGES) * STAGE_ELEMS;
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();
+      if (prod.valid()) {
+        issue(prod, off, smem + ((it + STAGES - 1) % STAGES) * STAGE_ELEMS, q_slot(prod, smem));
+        advance(prod);
+        row_offsets(prod, off);
+      }
+      cp_async_commit();
+
+      if (cons.t0 == cons.begin) {  // a new item: reset the running state
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+          m[mt][0] = m[mt][1] = KVATTN_NEG_INF;
+          l[mt][0] = l[mt][1] = 0.f;
+#pragma unroll
+          for (int dn = 0; dn < CHUNKS; ++dn)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[mt][dn][e] = 0.f;
+        }
+        if (WINDOW) {
+          const int np = p.page_indptr[cons.req + 1] - p.page_indptr[cons.req];
+          kv_len = np == 0 ? 0 : (np - 1) * p.page_size + p.last_page_len[cons.req];
+        }
+      }
+      compute_tile(stage, q_slot(cons, smem), cons, kv_len, lane, warp, o, m, l);
+      if (cons.t0 + TILE >= cons.end) epilogue(stage, cons, lane, warp, o, m, l);
+      advance(cons);
+    }
+    cp_async_wait<0>();
+  }
+
+  __device__ __forceinline__ void compute_tile(const T* stage, const T* q_tile, const Cursor& c, int kv_len, int lane, int warp,
+                                               float (&o)[M_TILES][CHUNKS][4], float (&m)[M_TILES][2],
+                                               float (&l)[M_TILES][2]) const {
+    const T* ks = stage;
+    const T* vs = stage + KV_ELEMS;
+    const int tw = warp * 16;  // this warp's first token in the tile
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      float s[2][4];
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nb][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        unsigned a[4], b[4];
+        const int j = lane / 8;
+        ldmatrix_x4(a, q_tile + swz<D>(mt * 16 + (j % 2) * 8 + lane % 8, 2 * kk + j / 2));
+        ldmatrix_x4(b, ks + swz<D>(tw + (j / 2) * 8 + lane % 8, 2 * kk + j % 2));
+        Mma<T>::run(s[0], a, b[0], b[1]);
+        Mma<T>::run(s[1], a, b[2], b[3]);
+      }
+      // Scores -> log2 domain, masks, online softmax over the thread's two rows (g, g+8).
+      float mx[2] = {KVATTN_NEG_INF, KVATTN_NEG_INF};
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = c.t0 + tw + nb * 8 + 2 * (lane % 4) + (e & 1);
+          float x = s[nb][e] * p.score_scale;
+          if (SOFT_CAP) x = p.cap_log2 * tanhf(x);
+          bool ok = tok < c.end;
+          if (WINDOW) ok = ok && (p.window_left < 0 || tok >= kv_len - 1 - p.window_left);
+          x = ok ? x : KVATTN_NEG_INF;
+          s[nb][e] = x;
+          mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        }
+      unsigned pa[4];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        const float m_new = fmaxf(m[mt][r], mx[r]);
+        const float scale = m_new == KVATTN_NEG_INF ? 1.f : fast_exp2(m[mt][r] - m_new);
+        const float base = m_new == KVATTN_NEG_INF ? 0.f : m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+          for (int e2 = 0; e2 < 2; ++e2) {
+            float& x = s[nb][2 * r + e2];
+            x = fast_exp2(x - base);
+            sum += x;
+          }
+        l[mt][r] = l[mt][r] * scale + sum;
+        m[mt][r] = m_new;
+#pragma unroll
+        for (int dn = 0; dn < CHUNKS; ++dn) { o[mt][dn][2 * r] *= scale; o[mt][dn][2 * r + 1] *= scale; }
+      }
+      pa[0] = Mma<T>::pack(s[0][0], s[0][1]);
+      pa[1] = Mma<T>::pack(s[0][2], s[0][3]);
+      pa[2] = Mma<T>::pack(s[1][0], s[1][1]);
+      pa[3] = Mma<T>::pack(s[1][2], s[1][3]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        unsigned b[4];
+        const int j = lane / 8;
+        ldmatrix_x4_trans(b, vs + swz<D>(tw + (j % 2) * 8 + lane % 8, 2 * dp + j / 2));
+        Mma<T>::run(o[mt][2 * dp], pa, b[0], b[1]);
+        Mma<T>::run(o[mt][2 * dp + 1], pa, b[2], b[3]);
+      }
+    }
+  }
+
+  // Merge the 4 warps' states of this item through the stage's shared memory and write o / lse.
+  __device__ void epilogue(T* stage, const Cursor& c, int lane, int warp, float (&o)[M_TILES][CHUNKS][4],
+                           float (&m)[M_TILES][2], float (&l)[M_TILES][2]) const {
+    float* so = reinterpret_cast<float*>(stage);
+    float* sm = so + WARPS * 16 * OSTRIDE;
+    float* sl = sm + WARPS * 16;
+    const int partial = p.plan[p.off_work_partial + c.w];
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      __syncthreads();  // every warp is done with the stage's K/V (and the previous m-tile's scratch)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float lr = l[mt][r];
+        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+        const int row = g + 8 * r;
+        if (t == 0) { sm[warp * 16 + row] = m[mt][r]; sl[warp * 16 + row] = lr; }
+#pragma unroll
+        for (int dn = 0; dn < CHUNKS; ++dn)
+          *reinterpret_cast<float2*>(so + (warp * 16 + row) * OSTRIDE + dn * 8 + 2 * t) =
+              make_float2(o[mt][dn][2 * r], o[mt][dn][2 * r + 1]);
+      }
+      __syncthreads();
+      const int rows = min(16, nrows - mt * 16);
+      for (int i = threadIdx.x; i < rows * CHUNKS; i += THREADS) {
+        const int row = i / CHUNKS, ch = i % CHUNKS;
+        float mw[WARPS], big = KVATTN_NEG_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) { mw[w] = sm[w * 16 + row]; big = fmaxf(big, mw[w]); }
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        float lsum = 0.f;
+        if (big != KVATTN_NEG_INF) {
+#pragma unroll
+          for (int w = 0; w < WARPS; ++w) {
+            const float f = fast_exp2(mw[w] - big);
+            lsum += f * sl[w * 16 + row];
+            const float* src = so + (w * 16 + row) * OSTRIDE + ch * 8;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] = fmaf(f, src[e], acc[e]);
+          }
+          const float inv = 1.f / lsum;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[e] *= inv;
+        }
+        const float lse = big == KVATTN_NEG_INF ? KVATTN_NEG_INF : (big + __log2f(lsum)) * kLn2;
+        const int head = head0 + mt * 16 + row;
+        if (partial < 0) {
+          Vec8<T>::store(static_cast<T*>(p.o) + c.req * p.o_stride_n + head * p.o_stride_h + ch * 8, acc);
+          if (p.lse && ch == 0) p.lse[c.req * p.lse_stride_n + head] = lse;
+        } else {
+          Vec8<float>::store(p.tmp_o + ((long long)partial * p.num_qo_heads + head) * D + ch * 8, acc);
+          if (ch == 0) p.tmp_lse[(long long)partial * p.num_qo_heads + head] = lse;
+        }
+      }
+    }
+  }
+};
+
+template <int D, int M_TILES, bool SOFT_CAP, bool WINDOW, typename T>
+__global__ void __launch_bounds__(128) decode_kernel(const __grid_constant__ DecodeParams p) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  DecodeKernel<D, M_TILES, SOFT_CAP, WINDOW, T> k(p, blockIdx.y, blockIdx.z);
+  k.run(blockIdx.x, reinterpret_cast<T*>(smem_raw));
+}
+
+}  // namespace kvattn

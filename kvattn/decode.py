@@ -1,0 +1,326 @@
+"""Batch decode on a paged KV cache: plan() on the host, run() only launches (capturable).
+
+    w = kvattn.BatchDecodeWithPagedKVCache(kv_layout="NHD")
+    w.plan(page_table, num_qo_heads=32, num_kv_heads=8, head_dim=128)
+    o = w.run(q, k_cache, v_cache)        # q [batch, Hq, D]; caches [pages, page_size, Hkv, D] (NHD)
+
+plan() schedules with kvattn.scheduler.plan_decode, packs the work lists AND the page table into one
+pinned host buffer and issues one host-to-device copy into a fixed workspace region. run() launches the
+split-KV kernel and, when the plan split a request, the merge kernel over the partial states.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _driver, _dtypes, scheduler
+from .formats import PageTable
+from .kernels import KernelSpec, ParamBuffer, get_kernel, register
+from .memory import DeviceArray, PinnedBuffer, Workspace, asarray, empty
+from .merge import MERGE_PARAMS, merge_spec
+from .stream import Event, as_stream
+from .variants import Variant
+
+DECODE_PARAMS = np.dtype([
+    ("q", "u8"), ("k", "u8"), ("v", "u8"), ("o", "u8"), ("lse", "u8"), ("tmp_o", "u8"), ("tmp_lse", "u8"),
+    ("plan", "u8"), ("page_indptr", "u8"), ("page_indices", "u8"), ("last_page_len", "u8"),
+    ("q_stride_n", "i8"), ("q_stride_h", "i8"), ("o_stride_n", "i8"), ("o_stride_h", "i8"), ("lse_stride_n", "i8"),
+    ("kv_stride_page", "i8"), ("kv_stride_token", "i8"), ("kv_stride_head", "i8"),
+    ("off_chunk_indptr", "i4"), ("off_work_req", "i4"), ("off_work_begin", "i4"), ("off_work_end", "i4"),
+    ("off_work_partial", "i4"),
+    ("num_qo_heads", "i4"), ("group_size", "i4"), ("page_size", "i4"), ("page_shift", "i4"), ("window_left", "i4"),
+    ("score_scale", "f4"), ("cap_log2", "f4"),
+], align=True)
+
+HEAD_DIMS = (64, 128, 256)
+DTYPES = ("float16", "bfloat16")
+THREADS = 128
+LOG2E = 1.4426950408889634
+DEFAULT_WORKSPACE = 128 << 20
+
+
+def m_tiles(group_size: int, head_dim: int) -> int:
+    """16-row MMA tiles per CTA: two for groups of 17..32 at head_dim <= 128, else one (more go to blockIdx.z)."""
+    return 2 if 16 < group_size <= 32 and head_dim <= 128 else 1
+
+
+def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str) -> KernelSpec:
+    return KernelSpec("decode.cuh", f"kvattn::decode_kernel<{head_dim}, {mt}, {variant.cpp_flags()}, "
+                                    f"{_dtypes.to_ctype(dtype)}>")
+
+
+def smem_bytes(head_dim: int, mt: int) -> int:
+    """Dynamic shared memory of decode_kernel (mirrors DecodeKernel::SMEM_BYTES)."""
+    stages = 4 if head_dim <= 64 else 3
+    stage = 2 * 64 * head_dim + (4 * 16 * 4 * 4 + 2 * 4 * 16 * 4) // 2
+    return (stages * stage + stages * 16 * mt * head_dim) * 2
+
+
+register("decode", [decode_spec(d, 1, Variant(), t) for d in HEAD_DIMS for t in DTYPES]
+         + [decode_spec(128, 2, Variant(), "bfloat16"),
+            decode_spec(128, 1, Variant(soft_cap=True, window=True), "bfloat16")])
+
+
+def _elem_strides(a: DeviceArray):
+    return [s // a.itemsize for s in a.strides]
+
+
+class BatchDecodeWithPagedKVCache:
+    """Decode (one query token per request) against a paged KV cache. See the module docstring.
+
+    kv_layout: "NHD" (caches [pages, page_size, Hkv, D]) or "HND" ([pages, Hkv, page_size, D]).
+    use_cuda_graph: fix every buffer and the grid at construction from max_batch_size / max_num_pages, so
+    one captured run() replays correctly after any later plan() within those bounds.
+    """
+
+    def __init__(self, kv_layout="NHD", use_cuda_graph=False, max_batch_size=None, max_num_pages=None,
+                 workspace_bytes=None, num_sms=None):
+        if kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout: expected 'NHD' or 'HND', got {kv_layout!r}")
+        if use_cuda_graph and (max_batch_size is None or max_num_pages is None):
+            raise ValueError("use_cuda_graph=True needs max_batch_size and max_num_pages (they fix the buffers)")
+        self.kv_layout = kv_layout
+        self.use_cuda_graph = bool(use_cuda_graph)
+        self.max_batch_size = max_batch_size
+        self.max_num_pages = max_num_pages
+        self.num_sms = num_sms or _driver.sm_count()
+        self.workspace = Workspace(workspace_bytes or DEFAULT_WORKSPACE) if (workspace_bytes or use_cuda_graph) else None
+        self._fixed_workspace = workspace_bytes is not None or use_cuda_graph
+        self._staging = [None, None]   # two pinned buffers: one may still be in flight
+        self._copy_done = [None, None]
+        self._turn = 0
+        self._plan = None
+
+    # -- plan ------------------------------------------------------------------------------------
+    def plan(self, page_table: PageTable, num_qo_heads, num_kv_heads, head_dim, *, q_dtype="bfloat16",
+             kv_dtype=None, sm_scale=None, window_left=-1, logits_soft_cap=0.0, stream=None):
+        """Schedule the batch described by page_table (its host arrays are read now, not at run())."""
+        if not isinstance(page_table, PageTable):
+            raise TypeError(f"page_table: expected a kvattn.PageTable, got {type(page_table).__name__}")
+        q_dtype = _dtypes.dtype_name(q_dtype)
+        kv_dtype = q_dtype if kv_dtype is None else _dtypes.dtype_name(kv_dtype)
+        if q_dtype not in DTYPES:
+            raise TypeError(f"q_dtype: expected float16 or bfloat16, got {q_dtype}")
+        if kv_dtype != q_dtype:
+            raise TypeError(f"kv_dtype: must equal q_dtype ({q_dtype}) for now, got {kv_dtype}")
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim: expected one of {HEAD_DIMS}, got {head_dim}")
+        if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if not (window_left >= -1):
+            raise ValueError(f"window_left: expected -1 (no window) or >= 0, got {window_left}")
+        if logits_soft_cap < 0 or not math.isfinite(logits_soft_cap):
+            raise ValueError(f"logits_soft_cap: expected a finite value >= 0, got {logits_soft_cap}")
+        batch = page_table.batch_size
+        nnz = int(page_table.indptr[-1])
+        if self.use_cuda_graph:
+            if batch > self.max_batch_size:
+                raise ValueError(f"page_table: batch size {batch} exceeds max_batch_size {self.max_batch_size}")
+            if nnz > self.max_num_pages:
+                raise ValueError(f"page_table: {nnz} pages exceed max_num_pages {self.max_num_pages}")
+        group = num_qo_heads // num_kv_heads
+        mt = m_tiles(group, head_dim)
+        zsplit = -(-group // (16 * mt))
+        variant = Variant(soft_cap=logits_soft_cap > 0, window=window_left >= 0)
+        ctas_per_sm = max(1, min(3, (228 * 1024) // (smem_bytes(head_dim, mt) + 1024)))
+
+        # Host buffers: plan region then page table (indptr, indices, last_page_len), one copy.
+        kv_lens = page_table.kv_lens
+        if self.use_cuda_graph:
+            layout = scheduler.graph_layout(self.max_batch_size, num_kv_heads * zsplit, num_sms=self.num_sms,
+                                            ctas_per_sm=ctas_per_sm)
+            cap_b, cap_p = self.max_batch_size, self.max_num_pages
+        else:
+            layout = None
+            cap_b, cap_p = batch, nnz
+        plan_cap = layout.size if layout else scheduler.plan_size_bound(
+            batch, num_kv_heads * zsplit, num_sms=self.num_sms, ctas_per_sm=ctas_per_sm)
+        off_indptr = _round4(plan_cap)
+        off_indices = off_indptr + _round4(cap_b + 1)
+        off_last = off_indices + _round4(max(cap_p, 1))
+        total_i32 = off_last + _round4(max(cap_b, 1))
+        host = self._staging_buffer(total_i32 * 4)
+        plan = scheduler.plan_decode(
+            kv_lens, page_table.page_size, num_qo_heads, num_kv_heads * zsplit, head_dim, num_sms=self.num_sms,
+            ctas_per_sm=ctas_per_sm, max_batch_size=self.max_batch_size if self.use_cuda_graph else None,
+            max_chunks=layout.max_chunks if layout else None, out=host[:plan_cap])
+        host[off_indptr:off_indptr + batch + 1] = page_table.indptr
+        host[off_indices:off_indices + nnz] = page_table.indices
+        host[off_last:off_last + batch] = page_table.last_page_len
+
+        max_partial = (layout.max_work if layout else max(plan.num_partial_rows, 1))
+        regions = {
+            "plan": ((total_i32,), "int32"),
+            "tmp_o": ((max_partial, num_qo_heads, head_dim), "float32"),
+            "tmp_lse": ((max_partial, num_qo_heads), "float32"),
+        }
+        dev = self._regions(regions)
+        s = as_stream(stream)
+        _driver.call("cuMemcpyHtoDAsync", dev["plan"].ptr, host.ctypes.data, total_i32 * 4, s.handle)
+        self._copy_done[self._turn].record(s)
+        self._turn ^= 1
+
+        base = dev["plan"].ptr
+        L = plan.layout
+        page_size = page_table.page_size
+        scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
+        p = ParamBuffer(DECODE_PARAMS)
+        p.set(tmp_o=dev["tmp_o"].ptr, tmp_lse=dev["tmp_lse"].ptr, plan=base,
+              page_indptr=base + off_indptr * 4, page_indices=base + off_indices * 4, last_page_len=base + off_last * 4,
+              off_chunk_indptr=L.chunk_indptr, off_work_req=L.work_req, off_work_begin=L.work_begin,
+              off_work_end=L.work_end, off_work_partial=L.work_partial,
+              num_qo_heads=num_qo_heads, group_size=group, page_size=page_size,
+              page_shift=(page_size.bit_length() - 1) if page_size & (page_size - 1) == 0 else -1,
+              window_left=window_left,
+              score_scale=(scale / logits_soft_cap) if logits_soft_cap > 0 else scale * LOG2E,
+              cap_log2=logits_soft_cap * LOG2E)
+        # Merge of partial rows: row count read from the plan header in graph mode.
+        mp = ParamBuffer(MERGE_PARAMS)
+        mp.set(o_in=dev["tmp_o"].ptr, lse_in=dev["tmp_lse"].ptr, indptr=base + L.merge_indptr * 4,
+               out_rows=base + L.merge_req * 4, num_rows_dev=base + 2 * 4,
+               s_row=num_qo_heads * head_dim, s_n=num_qo_heads * head_dim, s_h=head_dim,
+               l_row=num_qo_heads, l_n=num_qo_heads, l_h=1, num_rows=plan.num_merge, n=0,
+               num_heads=num_qo_heads, head_dim=head_dim)
+        merge_rows = L.max_merge if self.use_cuda_graph else plan.num_merge
+        self._plan = dict(
+            plan=plan, batch=batch, hq=num_qo_heads, hkv=num_kv_heads, d=head_dim, dtype=q_dtype,
+            page_size=page_size, num_pages_needed=int(page_table.indices.max(initial=-1)) + 1,
+            kernel=get_kernel(decode_spec(head_dim, mt, variant, q_dtype)),
+            grid=(plan.num_chunks, num_kv_heads, zsplit), smem=smem_bytes(head_dim, mt), params=p,
+            merge_kernel=get_kernel(merge_spec("float32", q_dtype)) if merge_rows else None,
+            merge_grid=-(-merge_rows * num_qo_heads * (head_dim // 8) // 256), merge_params=mp)
+        return self
+
+    def _staging_buffer(self, nbytes: int) -> np.ndarray:
+        """The pinned buffer of this turn, once its previous copy has finished (double buffering)."""
+        t = self._turn
+        if self._copy_done[t] is None:
+            self._copy_done[t] = Event(disable_timing=True)
+        else:
+            self._copy_done[t].synchronize()
+        buf = self._staging[t]
+        if buf is None or buf.nbytes < nbytes:
+            if self.use_cuda_graph and buf is not None:
+                raise AssertionError("graph-mode staging buffer must not grow")  # sizes are fixed by the bounds
+            buf = self._staging[t] = PinnedBuffer(max(nbytes, 4096))
+        return buf.view(np.int32)
+
+    def _regions(self, spec) -> dict:
+        need = Workspace.bytes_needed(spec)
+        if self.workspace is None or (not self._fixed_workspace and self.workspace.nbytes < need):
+            if self.workspace is not None:
+                as_stream(None).synchronize()  # the old buffer may still be read by queued work
+            self.workspace = Workspace(max(need, 1 << 20))
+        return self.workspace.regions(spec)
+
+    # -- run -------------------------------------------------------------------------------------
+    def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None):
+        """Attention of each request's query against its pages.
+
+        q: [batch, num_qo_heads, head_dim]; k_cache / v_cache: [pages, page_size, Hkv, D] ("NHD") or
+        [pages, Hkv, page_size, D] ("HND"), or k_cache [pages, 2, ...] with v_cache None.
+        out: [batch, num_qo_heads, head_dim] (q's dtype); lse: [batch, num_qo_heads] float32 natural log.
+        Returns out, or (out, lse) with return_lse. Device arrays in, no allocation (capturable) when out
+        (and lse) are given; numpy inputs are copied (not capturable).
+        """
+        st = self._plan
+        if st is None:
+            raise RuntimeError("run() called before plan()")
+        s = as_stream(stream)
+        q = asarray(q, s)
+        self._check(q, "q", (st["batch"], st["hq"], st["d"]), st["dtype"])
+        k, v = self._caches(k_cache, v_cache, s, st)
+        if out is None:
+            out = empty((st["batch"], st["hq"], st["d"]), st["dtype"])
+        else:
+            out = asarray(out, s)
+            self._check(out, "out", (st["batch"], st["hq"], st["d"]), st["dtype"])
+        if return_lse and lse is None:
+            lse = empty((st["batch"], st["hq"]), "float32")
+        if lse is not None:
+            lse = asarray(lse, s)
+            self._check(lse, "lse", (st["batch"], st["hq"]), "float32", inner_contiguous_heads=True)
+        qs, os_ = _elem_strides(q), _elem_strides(out)
+        ks = _elem_strides(k)
+        if self.kv_layout == "NHD":
+            kv_page, kv_tok, kv_head = ks[0], ks[1], ks[2]
+        else:
+            kv_page, kv_head, kv_tok = ks[0], ks[1], ks[2]
+        p = st["params"]
+        p.set(q=q.ptr, k=k.ptr, v=v.ptr, o=out.ptr, lse=lse.ptr if lse is not None else 0,
+              q_stride_n=qs[0], q_stride_h=qs[1], o_stride_n=os_[0], o_stride_h=os_[1],
+              lse_stride_n=(lse.strides[0] // 4) if lse is not None else 0,
+              kv_stride_page=kv_page, kv_stride_token=kv_tok, kv_stride_head=kv_head)
+        st["kernel"].launch(st["grid"], THREADS, st["smem"], p, s)
+        if st["merge_kernel"] is not None:
+            mp = st["merge_params"]
+            mp.set(o_out=out.ptr, so_row=os_[0], so_h=os_[1],
+                   lse_out=lse.ptr if lse is not None else 0,
+                   lo_row=(lse.strides[0] // 4) if lse is not None else 0, lo_h=1)
+            st["merge_kernel"].launch(st["merge_grid"], 256, 0, mp, s)
+        return (out, lse) if return_lse else out
+
+    @staticmethod
+    def _check(a: DeviceArray, name, shape, dtype, inner_contiguous_heads=False):
+        if a.shape != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {a.shape}")
+        if a.dtype_name != dtype:
+            raise TypeError(f"{name}: expected dtype {dtype}, got {a.dtype_name}")
+        if inner_contiguous_heads:
+            if a.strides[-1] != a.itemsize:
+                raise ValueError(f"{name}: the head axis must be contiguous")
+        elif a.strides[-1] != a.itemsize or a.ptr % 16 or any(st % 16 for st in a.strides[:-1]):
+            raise ValueError(f"{name}: head_dim must be contiguous and rows 16-byte aligned")
+
+    def _caches(self, k_cache, v_cache, s, st):
+        k = asarray(k_cache, s)
+        if v_cache is None:
+            if k.ndim != 5 or k.shape[1] != 2:
+                raise ValueError(f"k_cache: with v_cache=None expected [pages, 2, ...] (5 dims), got {k.shape}")
+            v = k[:, 1]
+            k = k[:, 0]
+        else:
+            v = asarray(v_cache, s)
+        ps, hkv, d = st["page_size"], st["hkv"], st["d"]
+        want = ("pages", ps, hkv, d) if self.kv_layout == "NHD" else ("pages", hkv, ps, d)
+        for name, a in (("k_cache", k), ("v_cache", v)):
+            if a.ndim != 4 or a.shape[1:] != want[1:]:
+                raise ValueError(f"{name}: expected shape [num_pages, {', '.join(map(str, want[1:]))}] "
+                                 f"({self.kv_layout}), got {a.shape}")
+            if a.dtype_name != st["dtype"]:
+                raise TypeError(f"{name}: expected dtype {st['dtype']}, got {a.dtype_name}")
+            if a.strides[-1] != a.itemsize or a.ptr % 16 or any(x % 16 for x in a.strides[:-1]):
+                raise ValueError(f"{name}: head_dim must be contiguous and 16-byte aligned")
+            if a.shape[0] < st["num_pages_needed"]:
+                raise ValueError(f"{name}: the page table uses page id {st['num_pages_needed'] - 1} but the "
+                                 f"cache holds {a.shape[0]} pages")
+        if k.strides != v.strides:
+            raise ValueError("k_cache, v_cache: must have the same strides")
+        return k, v
+
+
+def _round4(n: int) -> int:
+    return (n + 3) // 4 * 4
+
+
+def single_decode(q, k, v, *, kv_layout="NHD", sm_scale=None, window_left=-1, logits_soft_cap=0.0,
+                  return_lse=False, stream=None):
+    """One request with contiguous K/V. q: [Hq, D]; k, v: [kv_len, Hkv, D] ("NHD") or [Hkv, kv_len, D] ("HND").
+
+    The contiguous K/V is one page of kv_len tokens. Returns o [Hq, D] (and lse [Hq]) as DeviceArrays.
+    """
+    s = as_stream(stream)
+    q, k, v = asarray(q, s), asarray(k, s), asarray(v, s)
+    if q.ndim != 2 or k.ndim != 3 or v.ndim != 3:
+        raise ValueError(f"q, k, v: expected [Hq, D], [kv, Hkv, D], [kv, Hkv, D]; got {q.shape}, {k.shape}, {v.shape}")
+    kv_len, hkv = (k.shape[0], k.shape[1]) if kv_layout == "NHD" else (k.shape[1], k.shape[0])
+    pt = PageTable(np.array([0, 1 if kv_len else 0], np.int32), np.zeros(1 if kv_len else 0, np.int32),
+                   np.array([kv_len if kv_len else 1], np.int32), max(kv_len, 1))
+    w = BatchDecodeWithPagedKVCache(kv_layout=kv_layout)
+    w.plan(pt, q.shape[0], hkv, q.shape[1], q_dtype=q.dtype_name, sm_scale=sm_scale, window_left=window_left,
+           logits_soft_cap=logits_soft_cap, stream=s)
+    r = w.run(q.reshape(1, *q.shape), k.reshape(1, *k.shape), v.reshape(1, *v.shape), return_lse=return_lse, stream=s)
+    if return_lse:
+        return r[0].reshape(q.shape), r[1].reshape(q.shape[0])
+    return r.reshape(q.shape)
