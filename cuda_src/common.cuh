@@ -18,7 +18,34 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 
 // 8 consecutive elements <-> float[8]. Pointers must be 8-element aligned.
+// RAW = 16-byte words holding 8 elements; load_raw / convert split a load from its use (more loads in flight).
 template <typename T> struct Vec8;
+
+template <typename T> struct Raw8 {
+  static constexpr int WORDS = sizeof(T) / 2;
+  uint4 w[WORDS];
+  __device__ __forceinline__ void load(const T* p) {
+#pragma unroll
+    for (int i = 0; i < WORDS; ++i) w[i] = __ldg(reinterpret_cast<const uint4*>(p) + i);
+  }
+  __device__ __forceinline__ void to_float(float (&f)[8]) const;
+};
+
+template <> __device__ __forceinline__ void Raw8<float>::to_float(float (&f)[8]) const {
+  const float* x = reinterpret_cast<const float*>(w);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) f[i] = x[i];
+}
+template <> __device__ __forceinline__ void Raw8<half>::to_float(float (&f)[8]) const {
+  const half2* h = reinterpret_cast<const half2*>(w);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) { float2 t = __half22float2(h[i]); f[2 * i] = t.x; f[2 * i + 1] = t.y; }
+}
+template <> __device__ __forceinline__ void Raw8<__nv_bfloat16>::to_float(float (&f)[8]) const {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(w);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) { float2 t = __bfloat1622float2(h[i]); f[2 * i] = t.x; f[2 * i + 1] = t.y; }
+}
 
 template <> struct Vec8<float> {
   __device__ __forceinline__ static void load(const float* p, float (&f)[8]) {

@@ -32,14 +32,14 @@ struct DecodeParams {
   float cap_log2;              // log2(e) * cap (soft cap only)
 };
 
-template <int D, int M_TILES, bool SOFT_CAP, bool WINDOW, typename T>
+template <int D, int M_TILES, int STAGES_, bool SOFT_CAP, bool WINDOW, typename T>
 struct DecodeKernel {
   static constexpr int WARPS = 4;
   static constexpr int THREADS = WARPS * 32;
   static constexpr int TILE = WARPS * 16;           // tokens per pipeline stage
   static constexpr int CHUNKS = D / 8;               // 16-byte chunks per row
   static constexpr int ROWS = 16 * M_TILES;          // query rows of the MMA tile
-  static constexpr int STAGES = D <= 64 ? 4 : 3;
+  static constexpr int STAGES = STAGES_;             // cp.async ring depth (tiles in flight + 1)
   static constexpr int KV_ELEMS = TILE * D;          // one of K or V per stage
   static constexpr int OSTRIDE = D + 4;              // padded float row of the epilogue scratch
   static constexpr int SCRATCH_PAD = (WARPS * 16 * 4 * 4 + 2 * WARPS * 16 * 4) / 2;   // elements
@@ -308,10 +308,10 @@ struct DecodeKernel {
   }
 };
 
-template <int D, int M_TILES, bool SOFT_CAP, bool WINDOW, typename T>
+template <int D, int M_TILES, int STAGES, bool SOFT_CAP, bool WINDOW, typename T>
 __global__ void __launch_bounds__(128) decode_kernel(const __grid_constant__ DecodeParams p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  DecodeKernel<D, M_TILES, SOFT_CAP, WINDOW, T> k(p, blockIdx.y, blockIdx.z);
+  DecodeKernel<D, M_TILES, STAGES, SOFT_CAP, WINDOW, T> k(p, blockIdx.y, blockIdx.z);
   k.run(blockIdx.x, reinterpret_cast<T*>(smem_raw));
 }
 

@@ -52,16 +52,25 @@ __global__ void __launch_bounds__(256) merge_states_kernel(const __grid_constant
   if (mx != KVATTN_NEG_INF) {
     const TIn* o = static_cast<const TIn*>(p.o_in) + base + h * p.s_h + d;
     const float mx2 = mx * kLog2e;
-#pragma unroll 4
-    for (int i = 0; i < n; ++i) {
-      const float l = lse[i * p.l_n];
-      float v[8];
-      Vec8<TIn>::load(o + i * p.s_n, v);
-      if (l != KVATTN_NEG_INF) {
-        const float w = fast_exp2(fmaf(l, kLog2e, -mx2));
-        sum += w;
+    // Four states per round, loads issued before any use: memory-level parallelism even for n = 2.
+    for (int i0 = 0; i0 < n; i0 += 4) {
+      Raw8<TIn> raw[4];
+      float w[4];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) acc[k] = fmaf(w, v[k], acc[k]);
+      for (int j = 0; j < 4; ++j) {
+        const float l = i0 + j < n ? lse[(i0 + j) * p.l_n] : KVATTN_NEG_INF;
+        w[j] = l == KVATTN_NEG_INF ? 0.f : fast_exp2(fmaf(l, kLog2e, -mx2));
+        if (w[j] != 0.f) raw[j].load(o + (i0 + j) * p.s_n);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (w[j] != 0.f) {
+          float v[8];
+          raw[j].to_float(v);
+          sum += w[j];
+#pragma unroll
+          for (int k = 0; k < 8; ++k) acc[k] = fmaf(w[j], v[k], acc[k]);
+        }
       }
     }
     const float inv = 1.f / sum;

@@ -9,8 +9,17 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 }
 
 // 16-byte global -> shared copy; src_bytes 0 fills the 16 bytes with zeros and reads nothing.
+// KVATTN_L2_PREFETCH=1 adds the .L2::256B hint: L2 fetches the whole 256-byte segment at once.
+#ifndef KVATTN_L2_PREFETCH
+#define KVATTN_L2_PREFETCH 0
+#endif
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+#if KVATTN_L2_PREFETCH
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+               "r"(src_bytes));
+#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "r"(src_bytes));
+#endif
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {

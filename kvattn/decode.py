@@ -45,14 +45,25 @@ def m_tiles(group_size: int, head_dim: int) -> int:
     return 2 if 16 < group_size <= 32 and head_dim <= 128 else 1
 
 
-def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str) -> KernelSpec:
-    return KernelSpec("decode.cuh", f"kvattn::decode_kernel<{head_dim}, {mt}, {variant.cpp_flags()}, "
-                                    f"{_dtypes.to_ctype(dtype)}>")
+# Kernel tuning: defaults measured on the H200 (BENCHMARKS.md); a `tuning=` dict overrides them.
+DEFAULT_TUNING = dict(stages=None, l2_prefetch=True, allow_no_split=False, ctas_per_sm=None)
 
 
-def smem_bytes(head_dim: int, mt: int) -> int:
+def default_stages(head_dim: int) -> int:
+    return 4 if head_dim <= 64 else 3
+
+
+def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: int | None = None,
+                l2_prefetch: bool = True) -> KernelSpec:
+    stages = stages or default_stages(head_dim)
+    return KernelSpec("decode.cuh", f"kvattn::decode_kernel<{head_dim}, {mt}, {stages}, {variant.cpp_flags()}, "
+                                    f"{_dtypes.to_ctype(dtype)}>",
+                      defines=(("KVATTN_L2_PREFETCH", int(l2_prefetch)),))
+
+
+def smem_bytes(head_dim: int, mt: int, stages: int | None = None) -> int:
     """Dynamic shared memory of decode_kernel (mirrors DecodeKernel::SMEM_BYTES)."""
-    stages = 4 if head_dim <= 64 else 3
+    stages = stages or default_stages(head_dim)
     stage = 2 * 64 * head_dim + (4 * 16 * 4 * 4 + 2 * 4 * 16 * 4) // 2
     return (stages * stage + stages * 16 * mt * head_dim) * 2
 
@@ -75,7 +86,7 @@ class BatchDecodeWithPagedKVCache:
     """
 
     def __init__(self, kv_layout="NHD", use_cuda_graph=False, max_batch_size=None, max_num_pages=None,
-                 workspace_bytes=None, num_sms=None):
+                 workspace_bytes=None, num_sms=None, tuning=None):
         if kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout: expected 'NHD' or 'HND', got {kv_layout!r}")
         if use_cuda_graph and (max_batch_size is None or max_num_pages is None):
@@ -84,9 +95,13 @@ class BatchDecodeWithPagedKVCache:
         self.use_cuda_graph = bool(use_cuda_graph)
         self.max_batch_size = max_batch_size
         self.max_num_pages = max_num_pages
-        self.num_sms = num_sms or _driver.sm_count()
-        self.workspace = Workspace(workspace_bytes or DEFAULT_WORKSPACE) if (workspace_bytes or use_cuda_graph) else None
-        self._fixed_workspace = workspace_bytes is not None or use_cuda_graph
+        self._num_sms = num_sms
+        unknown = set(tuning or {}) - set(DEFAULT_TUNING)
+        if unknown:
+            raise ValueError(f"tuning: unknown keys {sorted(unknown)}; known: {sorted(DEFAULT_TUNING)}")
+        self.tuning = {**DEFAULT_TUNING, **(tuning or {})}
+        self._workspace_bytes = workspace_bytes or (DEFAULT_WORKSPACE if use_cuda_graph else None)
+        self.workspace = None   # allocated by the first plan(): constructing a wrapper touches no GPU
         self._staging = [None, None]   # two pinned buffers: one may still be in flight
         self._copy_done = [None, None]
         self._turn = 0
@@ -112,6 +127,9 @@ class BatchDecodeWithPagedKVCache:
             raise ValueError(f"window_left: expected -1 (no window) or >= 0, got {window_left}")
         if logits_soft_cap < 0 or not math.isfinite(logits_soft_cap):
             raise ValueError(f"logits_soft_cap: expected a finite value >= 0, got {logits_soft_cap}")
+        if self._num_sms is None:
+            self._num_sms = _driver.sm_count()
+        self.num_sms = self._num_sms
         batch = page_table.batch_size
         nnz = int(page_table.indptr[-1])
         if self.use_cuda_graph:
@@ -119,11 +137,21 @@ class BatchDecodeWithPagedKVCache:
                 raise ValueError(f"page_table: batch size {batch} exceeds max_batch_size {self.max_batch_size}")
             if nnz > self.max_num_pages:
                 raise ValueError(f"page_table: {nnz} pages exceed max_num_pages {self.max_num_pages}")
+        if self.use_cuda_graph:  # these are baked into a captured graph: later plans must keep them
+            static = (num_qo_heads, num_kv_heads, head_dim, q_dtype, page_table.page_size, sm_scale, window_left,
+                      logits_soft_cap)
+            if getattr(self, "_graph_static", static) != static:
+                raise ValueError("plan: in graph mode only the batch and its lengths may change between plans; "
+                                 f"heads, head_dim, dtype, page_size and variants were {self._graph_static}, got {static}")
+            self._graph_static = static
         group = num_qo_heads // num_kv_heads
         mt = m_tiles(group, head_dim)
         zsplit = -(-group // (16 * mt))
         variant = Variant(soft_cap=logits_soft_cap > 0, window=window_left >= 0)
-        ctas_per_sm = max(1, min(3, (228 * 1024) // (smem_bytes(head_dim, mt) + 1024)))
+        tn = self.tuning
+        stages = tn["stages"] or default_stages(head_dim)
+        smem = smem_bytes(head_dim, mt, stages)
+        ctas_per_sm = tn["ctas_per_sm"] or max(1, min(3, (228 * 1024) // (smem + 1024)))
 
         # Host buffers: plan region then page table (indptr, indices, last_page_len), one copy.
         kv_lens = page_table.kv_lens
@@ -144,7 +172,8 @@ class BatchDecodeWithPagedKVCache:
         plan = scheduler.plan_decode(
             kv_lens, page_table.page_size, num_qo_heads, num_kv_heads * zsplit, head_dim, num_sms=self.num_sms,
             ctas_per_sm=ctas_per_sm, max_batch_size=self.max_batch_size if self.use_cuda_graph else None,
-            max_chunks=layout.max_chunks if layout else None, out=host[:plan_cap])
+            max_chunks=layout.max_chunks if layout else None, out=host[:plan_cap],
+            allow_no_split=tn["allow_no_split"])
         host[off_indptr:off_indptr + batch + 1] = page_table.indptr
         host[off_indices:off_indices + nnz] = page_table.indices
         host[off_last:off_last + batch] = page_table.last_page_len
@@ -186,8 +215,8 @@ class BatchDecodeWithPagedKVCache:
         self._plan = dict(
             plan=plan, batch=batch, hq=num_qo_heads, hkv=num_kv_heads, d=head_dim, dtype=q_dtype,
             page_size=page_size, num_pages_needed=int(page_table.indices.max(initial=-1)) + 1,
-            kernel=get_kernel(decode_spec(head_dim, mt, variant, q_dtype)),
-            grid=(plan.num_chunks, num_kv_heads, zsplit), smem=smem_bytes(head_dim, mt), params=p,
+            kernel=get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"])),
+            grid=(plan.num_chunks, num_kv_heads, zsplit), smem=smem, params=p,
             merge_kernel=get_kernel(merge_spec("float32", q_dtype)) if merge_rows else None,
             merge_grid=-(-merge_rows * num_qo_heads * (head_dim // 8) // 256), merge_params=mp)
         return self
@@ -207,11 +236,17 @@ class BatchDecodeWithPagedKVCache:
         return buf.view(np.int32)
 
     def _regions(self, spec) -> dict:
-        need = Workspace.bytes_needed(spec)
-        if self.workspace is None or (not self._fixed_workspace and self.workspace.nbytes < need):
-            if self.workspace is not None:
-                as_stream(None).synchronize()  # the old buffer may still be read by queued work
-            self.workspace = Workspace(max(need, 1 << 20))
+        """Fixed workspace (workspace_bytes or graph mode): carve it, or raise WorkspaceTooSmall naming the
+        bytes needed. Otherwise grow it as needed (allocation happens in plan(), never in run())."""
+        if self._workspace_bytes is not None:
+            if self.workspace is None:
+                self.workspace = Workspace(self._workspace_bytes)
+        else:
+            need = Workspace.bytes_needed(spec)
+            if self.workspace is None or self.workspace.nbytes < need:
+                if self.workspace is not None:
+                    as_stream(None).synchronize()  # queued work may still read the old buffer
+                self.workspace = Workspace(max(need, 1 << 20))
         return self.workspace.regions(spec)
 
     # -- run -------------------------------------------------------------------------------------
@@ -229,18 +264,22 @@ class BatchDecodeWithPagedKVCache:
             raise RuntimeError("run() called before plan()")
         s = as_stream(stream)
         q = asarray(q, s)
-        self._check(q, "q", (st["batch"], st["hq"], st["d"]), st["dtype"])
+        # Graph mode: arrays may keep max_batch_size rows (rows past the planned batch are not touched).
+        rows = st["batch"]
+        if self.use_cuda_graph and q.ndim == 3 and q.shape[0] == self.max_batch_size:
+            rows = self.max_batch_size
+        self._check(q, "q", (rows, st["hq"], st["d"]), st["dtype"])
         k, v = self._caches(k_cache, v_cache, s, st)
         if out is None:
-            out = empty((st["batch"], st["hq"], st["d"]), st["dtype"])
+            out = empty((rows, st["hq"], st["d"]), st["dtype"])
         else:
             out = asarray(out, s)
-            self._check(out, "out", (st["batch"], st["hq"], st["d"]), st["dtype"])
+            self._check(out, "out", (rows, st["hq"], st["d"]), st["dtype"])
         if return_lse and lse is None:
-            lse = empty((st["batch"], st["hq"]), "float32")
+            lse = empty((rows, st["hq"]), "float32")
         if lse is not None:
             lse = asarray(lse, s)
-            self._check(lse, "lse", (st["batch"], st["hq"]), "float32", inner_contiguous_heads=True)
+            self._check(lse, "lse", (rows, st["hq"]), "float32", inner_contiguous_heads=True)
         qs, os_ = _elem_strides(q), _elem_strides(out)
         ks = _elem_strides(k)
         if self.kv_layout == "NHD":

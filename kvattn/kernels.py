@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
+import struct
 import threading
 
 import numpy as np
@@ -51,26 +53,50 @@ def register(op: str, specs):
 
 
 class ParamBuffer:
-    """A packed parameter struct (numpy structured scalar mirroring a C struct) with its prebuilt void**."""
+    """A packed parameter struct (layout of a numpy structured dtype mirroring a C struct) in a ctypes buffer,
+    with its prebuilt void** for cuLaunchKernel. set() packs fields with precompiled struct.Struct objects
+    (a numpy record field assignment costs ~1 us; this ~0.2 us), which keeps run() host time low."""
 
-    __slots__ = ("array", "argv", "argv_addr")
+    __slots__ = ("dtype", "raw", "argv", "argv_addr", "_packers")
 
     def __init__(self, dtype: np.dtype):
-        self.array = np.zeros(1, dtype)
-        self.argv = (ctypes.c_void_p * 1)(self.array.ctypes.data)
+        self.dtype = dtype
+        self.raw = (ctypes.c_char * dtype.itemsize)()
+        self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.raw))
         self.argv_addr = ctypes.addressof(self.argv)
+        self._packers = _packers(dtype)
+
+    @property
+    def array(self) -> np.ndarray:
+        """A numpy view (one record) of the packed bytes."""
+        return np.frombuffer(self.raw, self.dtype)
 
     def __setitem__(self, name, value):
-        self.array[0][name] = value
+        st, off = self._packers[name]
+        st.pack_into(self.raw, off, value)
 
     def __getitem__(self, name):
-        return self.array[0][name]
+        st, off = self._packers[name]
+        return st.unpack_from(self.raw, off)[0]
 
     def set(self, **fields):
-        rec = self.array[0]
+        packers, raw = self._packers, self.raw
         for k, v in fields.items():
-            rec[k] = v
+            st, off = packers[k]
+            st.pack_into(raw, off, v)
         return self
+
+
+_FORMATS = {"u8": "<Q", "i8": "<q", "i4": "<i", "u4": "<I", "f4": "<f", "f8": "<d"}
+
+
+@functools.lru_cache(maxsize=None)
+def _packers(dtype: np.dtype) -> dict:
+    out = {}
+    for name, (ft, off) in dtype.fields.items():
+        code = f"{ft.kind}{ft.itemsize}"
+        out[name] = (struct.Struct(_FORMATS[code]), off)
+    return out
 
 
 class Kernel:
@@ -86,10 +112,14 @@ class Kernel:
         self._max_dynamic_smem = 48 * 1024
         self._launch = drv.cuLaunchKernel
         self._attr_smem = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        self._attr_carveout = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
 
     def _allow_smem(self, nbytes: int):
+        """Raise the dynamic shared memory limit (above 48 KB) and prefer the largest shared-memory carveout,
+        so as many CTAs as the shared memory allows are resident."""
         if nbytes > self._max_dynamic_smem:
             _driver.call("cuFuncSetAttribute", self.function, self._attr_smem, nbytes)
+            _driver.call("cuFuncSetAttribute", self.function, self._attr_carveout, 100)
             self._max_dynamic_smem = nbytes
 
     def launch(self, grid, block, shared_bytes: int, params, stream=None):
@@ -100,7 +130,7 @@ class Kernel:
         if isinstance(params, ParamBuffer):
             argv_addr, keep = params.argv_addr, None
         else:
-            keep = (ctypes.c_void_p * 1)(params.ctypes.data)
+            keep = (ctypes.c_void_p * 1)(params.ctypes.data)  # a numpy structured array (slower path)
             argv_addr = ctypes.addressof(keep)
         gx, gy, gz = grid if isinstance(grid, tuple) else (grid, 1, 1)
         bx, by, bz = block if isinstance(block, tuple) else (block, 1, 1)

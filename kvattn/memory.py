@@ -166,8 +166,10 @@ class DeviceArray:
         span = np.empty(hi - lo, np.uint8)
         _driver.call("cuMemcpyDtoHAsync", span.ctypes.data, self.ptr + lo, hi - lo, s.handle)
         s.synchronize()
-        view = np.lib.stride_tricks.as_strided(span[-lo:].view(self.dtype), self.shape, self.strides)
-        out[...] = view
+        # as_strided on a plain integer view: numpy cannot stride every ml_dtypes type (float8_e5m2 is '<f1').
+        raw = np.dtype(f"u{self.itemsize}")
+        view = np.lib.stride_tricks.as_strided(span[-lo:].view(raw), self.shape, self.strides)
+        out.view(raw)[...] = view
         return out
 
     def copy_from_host(self, host: np.ndarray, stream=None):

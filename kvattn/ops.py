@@ -4,6 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import reference
+from .decode import BatchDecodeWithPagedKVCache
+from .formats import PageTable
 from .merge import merge_state, merge_states
 from .memory import from_numpy
 from .timing import time_us
@@ -50,9 +52,31 @@ def merge_pair_check(rng, rows=1000, heads=8, dim=64, dtype="float16"):
     return [(f"merge_state {rows}x{heads}x{dim} {dtype}", rel_err(out.numpy(), ref), 2e-3, None)]
 
 
+def decode_check(rng, lens=(4096,) * 16 + (300, 0, 9000), hq=32, hkv=8, dim=128, page=16, dtype=BF16):
+    from ._dtypes import to_numpy
+    lens = np.asarray(lens)
+    pt = PageTable.from_kv_lens(lens, page, rng=rng)
+    shape = (pt.num_pages_used, page, hkv, dim)
+    k = rng.standard_normal(shape).astype(to_numpy(dtype))
+    v = rng.standard_normal(shape).astype(to_numpy(dtype))
+    q = rng.standard_normal((len(lens), hq, dim)).astype(to_numpy(dtype))
+    kd, vd, qd = from_numpy(k), from_numpy(v), from_numpy(q)
+    w = BatchDecodeWithPagedKVCache()
+    w.plan(pt, hq, hkv, dim, q_dtype=dtype)
+    out = w.run(qd, kd, vd)
+    us = time_us(lambda: w.run(qd, kd, vd, out=out))
+    ref = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1), pt)
+    got = out.numpy()
+    err = max(rel_err(got[i], ref[i]) if n else float(np.abs(got[i]).max()) for i, n in enumerate(lens))
+    gbs = int(lens.sum()) * hkv * dim * 2 * k.itemsize / us / 1e3
+    return [(f"decode b{len(lens)} Hq{hq} Hkv{hkv} D{dim} page{page} {dtype} ({gbs:.0f} GB/s)", err, 1e-2, us)]
+
+
 def gpu_checks(rng):
     yield from merge_pair_check(rng)
     yield from merge_check(rng)
+    yield from decode_check(rng)
+    yield from decode_check(rng, lens=(700, 1, 33, 5000), hq=28, hkv=4, dim=64, page=1, dtype="float16")
 
 
 def reference_checks(rng):

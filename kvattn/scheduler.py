@@ -394,7 +394,8 @@ def _ideal_cuts(total: int, C: int) -> np.ndarray:
 
 
 def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num_sms=132,
-                ctas_per_sm=2, max_batch_size=None, max_chunks=None, out=None) -> DecodePlan:
+                ctas_per_sm=2, max_batch_size=None, max_chunks=None, out=None,
+                allow_no_split=True) -> DecodePlan:
     """Schedule a decode batch with per-request kv lengths ``kv_lens`` (see the module doc).
 
     ``max_batch_size`` (optionally with ``max_chunks``) selects graph mode: the buffer layout
@@ -402,7 +403,8 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
     and the layout is sized from the plan.  ``out``: a caller's 1-D int32 buffer (e.g. pinned
     host memory) of at least ``layout.size`` elements that receives the packed plan (the plan's
     ``buffer`` is then ``out[:layout.size]``); otherwise a new array is allocated.
-    ``head_dim`` is validated but does not change the schedule.
+    ``head_dim`` is validated but does not change the schedule.  ``allow_no_split=False`` always takes
+    the split path (one wave of CTAs), for kernels that pipeline across the items of a chunk.
     """
     t = int
     if (type(page_size) is t and type(num_qo_heads) is t and type(num_kv_heads) is t
@@ -451,7 +453,7 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
             cost *= nz  # 0 for empty requests
             cost_end = cost.cumsum()
         total = int(cost_end[-1])
-        if (n * cfg.num_kv_heads >= cfg.slots and (cap is None or n <= cap)
+        if (allow_no_split and n * cfg.num_kv_heads >= cfg.slots and (cap is None or n <= cap)
                 and (kv_max + OV) * n <= NO_SPLIT_BALANCE * total):
             # ---- no split: one whole request per chunk ---------------------------------
             C = W = n
@@ -577,3 +579,178 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
             buf[o + 1:o + num_merge + 1] = msum
             buf[o + num_merge + 1:o + layout.max_merge + 1] = rows
     return DecodePlan(grid, W, num_merge, rows, rows > 0, B, C, cfg.gran, graph, layout, buf)
+
+
+# =================================================================================================
+# Prefill / append
+# =================================================================================================
+"""Prefill scheduler (``plan_prefill``).
+
+Kernel model: the prefill kernel runs one *work item* per CTA for one KV head (grid ``(items, Hkv)``).  An
+item is ``(req, row0, nrows, kv_begin, kv_end, partial, pstride, 0)`` (8 int32): packed query rows
+``[row0, row0 + nrows)`` of request ``req`` (packed row ``p`` is query token ``p // group`` and head
+``p % group`` of the KV head's group: head-group fusion) against KV tokens ``[kv_begin, kv_end)``.
+
+Blocks: a request's queries are cut into blocks of ``tpb = cta_rows // group`` tokens (every block holds whole
+tokens, so a token's heads are never split between two blocks' chunkings); when ``group > cta_rows`` a block is
+one token and its heads are cut into ``nz = ceil(group / cta_rows)`` slices of ``cta_rows`` heads, one item each.
+A block's KV range is ``[lo, hi)``: ``hi = kv`` (causal: ``min(kv, kv - qo + t1)``, fully masked tiles are never
+scheduled), ``lo = 0`` (window: ``max(0, kv - qo + t0 - window_left)``).
+
+Split: ``L0 = max(PREFILL_MIN_CHUNK, ceil64(total / slots_h))`` with ``slots_h = num_sms * ctas_per_sm //
+num_kv_heads`` and ``total`` the KV tokens of every item.  No block longer than ``L0``: no split.  Otherwise
+blocks are cut into near-equal 64-aligned chunks of at most ``L``: when the blocks fit one wave
+(``blocks * nz <= slots_h``), ``L`` is the smallest chunk such that every chunk fits one wave; else ``L = L0``
+(many items: the hardware's greedy CTA dispatch over heavy-first items balances them).  A split block's chunk
+``k`` writes float32 partial rows ``partial + (token - t0) * pstride`` with ``partial = pbase + k`` and
+``pstride = chunks``; the merge list combines, for every token of a split block, its ``chunks`` consecutive
+partial rows into the output row (global query token index).  Unsplit items write the output directly
+(``partial = -1``).  Items are ordered by KV length, longest first (stable, so the plan is deterministic).
+"""
+
+PREFILL_TILE_KV = 64
+#: Smallest KV chunk of a split item, in tokens.
+PREFILL_MIN_CHUNK = 256
+PREFILL_ITEM_FIELDS = 8
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """Result of :func:`plan_prefill`.  ``items`` int32 [W, 8]; ``merge_indptr`` int32 [M + 1] (rows of the
+    partial buffer), ``merge_rows`` int32 [M] (global query token index of each merged row)."""
+
+    items: np.ndarray
+    merge_indptr: np.ndarray
+    merge_rows: np.ndarray
+    num_partial_rows: int
+    split: bool
+    chunk: int               # L of the split path (0: no split)
+    tokens_per_block: int
+    head_slices: int
+
+    @property
+    def num_items(self) -> int:
+        return int(self.items.shape[0])
+
+    @property
+    def num_merge(self) -> int:
+        return int(self.merge_rows.size)
+
+
+def prefill_geometry(group_size: int, cta_rows: int):
+    """(tokens per block, heads per slice, slices per block) for a GQA group and a CTA's packed rows."""
+    if group_size <= cta_rows:
+        return cta_rows // group_size, group_size, 1
+    return 1, cta_rows, -(-group_size // cta_rows)
+
+
+def prefill_bounds(max_batch_size: int, max_total_qo: int, group_size: int, num_kv_heads: int, cta_rows: int,
+                   *, num_sms: int = 132, ctas_per_sm: int = 2):
+    """(max_items, max_partial_rows, max_merge) of any plan within the bounds (graph mode sizes with them)."""
+    mb = _as_int("max_batch_size", max_batch_size, 1)
+    mq = _as_int("max_total_qo", max_total_qo, 1)
+    tpb, _, nz = prefill_geometry(group_size, cta_rows)
+    slots_h = max(1, (num_sms * ctas_per_sm) // num_kv_heads)
+    max_blocks = min(mq, mq // tpb + mb)
+    return max_blocks * nz + slots_h, 2 * tpb * slots_h, mq
+
+
+def _ceil64(x):
+    return (x + 63) // 64 * 64
+
+
+def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal=False, window_left=-1,
+                 num_sms=132, ctas_per_sm=2) -> PrefillPlan:
+    """Schedule a prefill / append batch (see the section doc above).  qo_lens, kv_lens: int [B]."""
+    group = _as_int("group_size", group_size, 1)
+    hkv = _as_int("num_kv_heads", num_kv_heads, 1)
+    rows = _as_int("cta_rows", cta_rows, 16)
+    qo, _ = _as_kv_lens(qo_lens)
+    kv, _ = _as_kv_lens(kv_lens)
+    if qo.size == 0 and kv.size == 0:
+        qo = kv = _EMPTY
+    if qo.shape != kv.shape:
+        raise ValueError(f"qo_lens and kv_lens must have the same length, got {qo.size} and {kv.size}")
+    if causal and (kv < qo).any():
+        i = int(np.argmax(kv < qo))
+        raise ValueError(f"causal: requires kv_len >= qo_len, request {i} has qo_len {int(qo[i])} > kv_len {int(kv[i])}")
+    B = qo.size
+    tpb, hs, nz = prefill_geometry(group, rows)
+    nblk = -(-qo // tpb)
+    NB = int(nblk.sum())
+    bfirst = np.cumsum(nblk) - nblk
+    breq = np.repeat(np.arange(B, dtype=np.int64), nblk)
+    t0 = (np.arange(NB, dtype=np.int64) - bfirst[breq]) * tpb
+    t1 = np.minimum(t0 + tpb, qo[breq])
+    kvb = kv[breq]
+    delta = kvb - qo[breq]
+    hi = np.minimum(kvb, delta + t1) if causal else kvb.copy()
+    hi = np.maximum(hi, 0)
+    if window_left >= 0:
+        lo = np.clip(delta + t0 - window_left, 0, hi)
+    else:
+        lo = np.zeros(NB, np.int64)
+    ln = hi - lo
+    slots_h = max(1, (num_sms * ctas_per_sm) // hkv)
+    total = int(ln.sum()) * nz
+    nchunk = np.ones(NB, np.int64)
+    csize = np.maximum(ln, 1)
+    L = 0
+    if NB and total:
+        L0 = max(PREFILL_MIN_CHUNK, _ceil64(-(-total // slots_h)))
+        maxlen = int(ln.max())
+        if maxlen > L0:
+            if NB * nz <= slots_h:
+                lo_k, hi_k = PREFILL_MIN_CHUNK // 64, -(-maxlen // 64)   # hi_k always fits one wave
+                while lo_k < hi_k:
+                    mid = (lo_k + hi_k) // 2
+                    if int(np.maximum(1, -(-ln // (64 * mid))).sum()) * nz <= slots_h:
+                        hi_k = mid
+                    else:
+                        lo_k = mid + 1
+                L = 64 * lo_k
+            else:
+                L = L0
+            n = np.maximum(1, -(-ln // L))
+            csize = np.maximum(_ceil64(-(-ln // n)), 64)
+            nchunk = np.maximum(1, -(-ln // csize))
+            csize = np.where(nchunk > 1, csize, np.maximum(ln, 1))
+    split_blk = nchunk > 1
+    ntok = t1 - t0
+    pcount = np.where(split_blk, ntok * nchunk, 0)
+    pbase = np.cumsum(pcount) - pcount
+    num_partial = int(pcount.sum())
+
+    per = nchunk * nz
+    W = int(per.sum())
+    bidx = np.repeat(np.arange(NB, dtype=np.int64), per)
+    q = np.arange(W, dtype=np.int64) - (np.cumsum(per) - per)[bidx]
+    k, z = q // nz, q % nz
+    items = np.zeros((W, PREFILL_ITEM_FIELDS), np.int32)
+    kb = lo[bidx] + k * csize[bidx]
+    ke = np.minimum(kb + csize[bidx], hi[bidx])
+    items[:, 0] = breq[bidx]
+    items[:, 1] = t0[bidx] * group + z * hs
+    items[:, 2] = ntok[bidx] * group if nz == 1 else np.minimum(hs, group - z * hs)
+    items[:, 3] = kb
+    items[:, 4] = ke
+    sb = split_blk[bidx]
+    items[:, 5] = np.where(sb, pbase[bidx] + k, -1)
+    items[:, 6] = np.where(sb, nchunk[bidx], 1)
+    order = np.argsort(-(ke - kb), kind="stable")
+    items = np.ascontiguousarray(items[order])
+
+    # merges: every token of every split block, its chunks' partial rows are consecutive
+    sblk = np.nonzero(split_blk)[0]
+    mt = ntok[sblk]
+    mb = np.repeat(sblk, mt)
+    mi = np.arange(int(mt.sum()), dtype=np.int64) - np.repeat(np.cumsum(mt) - mt, mt)
+    qo_start = np.cumsum(qo) - qo
+    merge_rows = (qo_start[breq[mb]] + t0[mb] + mi).astype(np.int32)
+    merge_indptr = np.zeros(merge_rows.size + 1, np.int32)
+    np.cumsum(nchunk[mb], out=merge_indptr[1:])
+    return PrefillPlan(items, merge_indptr, merge_rows, num_partial, bool(sblk.size), int(L), tpb, nz)
+
+
+__all__ += ["PREFILL_TILE_KV", "PREFILL_MIN_CHUNK", "PREFILL_ITEM_FIELDS", "PrefillPlan", "prefill_geometry",
+            "prefill_bounds", "plan_prefill"]

@@ -1,0 +1,413 @@
+// Batch prefill / append on a paged or ragged KV cache: FA2-style tensor-core kernel (mma.sync m16n8k16).
+//
+// One CTA (4 warps) runs one work item of the plan for one KV head (blockIdx.x = item, blockIdx.y = kv head):
+// packed query rows [row0, row0 + nrows) of request req against KV tokens [kv_begin, kv_end). Packed row pr is
+// query token pr / group and query head kv_head * group + pr % group (head-group fusion: the group's heads share
+// every K/V tile load). The CTA's ROWS = 16 * MT * WARPS_M rows are split among WARPS_M warps (MT 16-row MMA
+// tiles each); with WARPS_M = 1 the 4 warps split each 64-token KV tile instead and their softmax states are
+// merged through shared memory at the end (small packed lengths: speculative verification, short appends).
+// K/V tiles of 64 tokens stream through a cp.async ring of STAGES stages; each tile's per-token element offsets
+// (page lookup) are computed one tile ahead into shared memory. A ragged KV is a paged KV with one "page" per
+// request of 2^30 tokens whose id is the request's first token (kv_stride_page = kv_stride_token).
+// Causal is bottom-right aligned: token i sees kv j <= kv_len - qo_len + i; the plan never schedules a fully
+// masked tile, and only tiles that straddle a mask boundary take the masked path. Scores live in the log2
+// domain; the LSE written is natural. Items with partial >= 0 write float32 (o, lse) rows that the merge kernel
+// (merge.cuh, indexed form) combines: row partial + (token - first token of the item) * pstride.
+// The mainloop (load_q / issue_kv / compute) is the part a Hopper wgmma + TMA version replaces; the plan,
+// the item decoding, the variants and the epilogue stay.
+#pragma once
+#include "mma.cuh"
+
+namespace kvattn {
+
+// Mirrored by kvattn.prefill.PREFILL_PARAMS (a test checks the size). Strides in elements; offsets in int32
+// elements of `plan`.
+struct PrefillParams {
+  const void* q;               // [total_qo, Hq, D] (any row / head strides, D contiguous)
+  const void* k;               // token t of page pg, head h at pg*kv_stride_page + t*kv_stride_token + h*kv_stride_head
+  const void* v;
+  void* o;                     // [total_qo, Hq, D]
+  float* lse;                  // [total_qo, Hq] natural log, may be null
+  float* tmp_o;                // [partial rows, Hq, D] float32
+  float* tmp_lse;              // [partial rows, Hq]
+  const int* plan;             // header[0] = number of items; the regions below
+  const unsigned char* mask;   // bit-packed custom mask (CUSTOM only), little bit order
+  long long q_stride_n, q_stride_h, o_stride_n, o_stride_h, lse_stride_n;
+  long long kv_stride_page, kv_stride_token, kv_stride_head;
+  int off_qo_indptr, off_kv_len, off_page_indptr, off_page_indices, off_mask_indptr, off_items;
+  int num_qo_heads, group_size, page_size, page_shift, causal, window_left;
+  float score_scale;           // log2(e) * sm_scale, or sm_scale / cap with a soft cap
+  float cap_log2;              // log2(e) * cap (soft cap only)
+};
+
+template <int D, int WARPS_M, int MT, bool SOFT_CAP, bool WINDOW, bool CUSTOM, typename T>
+struct PrefillKernel {
+  static constexpr int WARPS = 4;
+  static constexpr int THREADS = WARPS * 32;
+  static constexpr int WARPS_N = WARPS / WARPS_M;
+  static constexpr int ROWS = 16 * MT * WARPS_M;     // packed query rows per CTA
+  static constexpr int TILE = 64;                    // KV tokens per pipeline stage
+  static constexpr int NW = TILE / WARPS_N;          // tokens of each tile a warp handles
+  // Tokens per softmax step: the whole slice when the accumulators are small, else fewer (register budget).
+  static constexpr int SUBN = (D * MT <= 128) ? NW : (NW < (MT == 2 ? 16 : 32) ? NW : (MT == 2 ? 16 : 32));
+  static constexpr int KK_UNROLL = 2;                // partial unroll of the QK^T k-loop (register pressure)
+  static constexpr int NB = SUBN / 8;                // 8-token MMA blocks per step
+  static constexpr int CHUNKS = D / 8;               // 16-byte chunks per row
+  static constexpr int STAGES = (WARPS_M == 1 && D <= 128) ? 3 : 2;
+  static constexpr int KV_ELEMS = TILE * D;          // one of K or V per stage
+  static constexpr int Q_ELEMS = ROWS * D;
+  static constexpr int RSTEP = THREADS / CHUNKS;     // rows per copy pass
+  static constexpr int RPT = TILE / RSTEP;           // rows each thread copies per tile (of K and of V)
+  static constexpr int OSTRIDE = D + 4;              // padded float row of the warp-merge scratch
+  static constexpr int SMEM_BYTES = (Q_ELEMS + STAGES * 2 * KV_ELEMS) * (int)sizeof(T) + 2 * TILE * 8;
+  static_assert(D % 64 == 0, "head_dim must be 64, 128 or 256");
+  static_assert(WARPS_N == 1 || MT == 1, "warps split the KV tile only with one m-tile per warp");
+  static_assert(SUBN % 16 == 0, "softmax step is a multiple of the MMA k");
+  static_assert(WARPS_N == 1 ||
+                WARPS * 16 * OSTRIDE * 4 + 2 * WARPS * 16 * 4 <= STAGES * 2 * KV_ELEMS * (int)sizeof(T),
+                "warp-merge scratch fits the K/V stages");
+
+  // Per-item state of this thread.
+  struct Item {
+    int req, row0, nrows, kb, ke, partial, pstride;
+    int qo_start, qo_len, kv_len, delta, tok_lo, tok_hi;
+    const int* pages;
+    long long mask_bit0;     // first bit of the request's custom mask
+  };
+
+  __device__ __forceinline__ static long long tok_offset(const PrefillParams& p, const int* pages, int tok) {
+    int pg, in;
+    if (p.page_shift >= 0) { pg = tok >> p.page_shift; in = tok & ((1 << p.page_shift) - 1); }
+    else { pg = tok / p.page_size; in = tok - pg * p.page_size; }
+    return (long long)__ldg(pages + pg) * p.kv_stride_page + (long long)in * p.kv_stride_token;
+  }
+
+  __device__ __forceinline__ static void issue_kv(const PrefillParams& p, T* stage, const long long* off, int t0,
+                                                  int ke, int kvh) {
+    const int chunk = threadIdx.x % CHUNKS;
+    const T* kg = static_cast<const T*>(p.k) + kvh * p.kv_stride_head + chunk * 8;
+    const T* vg = static_cast<const T*>(p.v) + kvh * p.kv_stride_head + chunk * 8;
+#pragma unroll
+    for (int j = 0; j < RPT; ++j) {
+      const int row = threadIdx.x / CHUNKS + j * RSTEP;
+      const long long o = off[row];
+      const int bytes = t0 + row < ke ? 16 : 0;
+      cp_async16(stage + swz<D>(row, chunk), kg + o, bytes);
+      cp_async16(stage + KV_ELEMS + swz<D>(row, chunk), vg + o, bytes);
+    }
+  }
+
+  __device__ __forceinline__ static void load_q(const PrefillParams& p, const Item& it, T* qs, int kvh) {
+    const T* qg = static_cast<const T*>(p.q);
+    const int group = p.group_size;
+    for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
+      const int r = i / CHUNKS, ch = i % CHUNKS;
+      const bool ok = r < it.nrows;
+      const int pr = it.row0 + (ok ? r : 0);
+      const int tq = pr / group, h = pr - tq * group;
+      const T* src = qg + (long long)(it.qo_start + tq) * p.q_stride_n + (long long)(kvh * group + h) * p.q_stride_h + ch * 8;
+      cp_async16(qs + swz<D>(r, ch), src, ok ? 16 : 0);
+    }
+  }
+
+  // One 64-token tile (t0 = its first kv index) for this warp's rows and token slice.
+  template <bool MASK>
+  __device__ __forceinline__ static void compute(const PrefillParams& p, const Item& it, const T* qs, const T* ks,
+                                                 int t0, const int (&tokr)[MT][2], int lane, int warp_m, int warp_n,
+                                                 float (&o)[MT][CHUNKS][4], float (&m)[MT][2], float (&l)[MT][2]) {
+    const T* vs = ks + KV_ELEMS;
+    const int j8 = lane / 8;
+#pragma unroll
+    for (int sub = 0; sub < NW / SUBN; ++sub) {
+      const int tw = warp_n * NW + sub * SUBN;   // first token of this step inside the tile
+      float s[MT][NB][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][nb][e] = 0.f;
+#pragma unroll KK_UNROLL
+      for (int kk = 0; kk < D / 16; ++kk) {
+        unsigned a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          ldmatrix_x4(a[mt], qs + swz<D>((warp_m * MT + mt) * 16 + (j8 % 2) * 8 + lane % 8, 2 * kk + j8 / 2));
+#pragma unroll
+        for (int nb2 = 0; nb2 < NB / 2; ++nb2) {
+          unsigned b[4];
+          ldmatrix_x4(b, ks + swz<D>(tw + nb2 * 16 + (j8 / 2) * 8 + lane % 8, 2 * kk + j8 % 2));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            Mma<T>::run(s[mt][2 * nb2], a[mt], b[0], b[1]);
+            Mma<T>::run(s[mt][2 * nb2 + 1], a[mt], b[2], b[3]);
+          }
+        }
+      }
+      // Scores -> log2 domain, variants, masks; online softmax over the thread's two rows (g, g + 8).
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        float mx[2] = {KVATTN_NEG_INF, KVATTN_NEG_INF};
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float x = s[mt][nb][e] * p.score_scale;
+            if (SOFT_CAP) x = p.cap_log2 * tanhf(x);
+            if (MASK) {
+              const int j = t0 + tw + nb * 8 + 2 * (lane % 4) + (e & 1);
+              const int lim = it.delta + tokr[mt][e >> 1];   // the diagonal of this row
+              bool ok = j < it.ke;
+              if (p.causal) ok = ok && j <= lim;
+              if (WINDOW) ok = ok && (p.window_left < 0 || j >= lim - p.window_left);
+              if (CUSTOM) {
+                if (ok) {
+                  const long long bit = it.mask_bit0 + (long long)tokr[mt][e >> 1] * it.kv_len + j;
+                  ok = (__ldg(p.mask + (bit >> 3)) >> (bit & 7)) & 1;
+                }
+              }
+              x = ok ? x : KVATTN_NEG_INF;
+            }
+            s[mt][nb][e] = x;
+            mx[e >> 1] = fmaxf(mx[e >> 1], x);
+          }
+        float scale[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+          mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+          const float m_new = fmaxf(m[mt][r], mx[r]);
+          scale[r] = m_new == KVATTN_NEG_INF ? 1.f : fast_exp2(m[mt][r] - m_new);
+          const float base = m_new == KVATTN_NEG_INF ? 0.f : m_new;
+          float sum = 0.f;
+#pragma unroll
+          for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e2 = 0; e2 < 2; ++e2) {
+              float& x = s[mt][nb][2 * r + e2];
+              x = fast_exp2(x - base);
+              sum += x;
+            }
+          l[mt][r] = l[mt][r] * scale[r] + sum;
+          m[mt][r] = m_new;
+        }
+        // Rescale the accumulators only when some row's running max moved (rare after the first tiles).
+        if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) {
+#pragma unroll
+          for (int dn = 0; dn < CHUNKS; ++dn) {
+            o[mt][dn][0] *= scale[0]; o[mt][dn][1] *= scale[0];
+            o[mt][dn][2] *= scale[1]; o[mt][dn][3] *= scale[1];
+          }
+        }
+      }
+      // O += P V over the step's tokens, 16 at a time.
+#pragma unroll
+      for (int kst = 0; kst < SUBN / 16; ++kst) {
+        unsigned pa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          pa[mt][0] = Mma<T>::pack(s[mt][2 * kst][0], s[mt][2 * kst][1]);
+          pa[mt][1] = Mma<T>::pack(s[mt][2 * kst][2], s[mt][2 * kst][3]);
+          pa[mt][2] = Mma<T>::pack(s[mt][2 * kst + 1][0], s[mt][2 * kst + 1][1]);
+          pa[mt][3] = Mma<T>::pack(s[mt][2 * kst + 1][2], s[mt][2 * kst + 1][3]);
+        }
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+          unsigned b[4];
+          ldmatrix_x4_trans(b, vs + swz<D>(tw + kst * 16 + (j8 % 2) * 8 + lane % 8, 2 * dp + j8 / 2));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            Mma<T>::run(o[mt][2 * dp], pa[mt], b[0], b[1]);
+            Mma<T>::run(o[mt][2 * dp + 1], pa[mt], b[2], b[3]);
+          }
+        }
+      }
+    }
+  }
+
+  // Final (or partial) output of one packed row: `vals` are 8 consecutive elements starting at column `col`,
+  // already normalised.
+  __device__ __forceinline__ static void row_dest(const PrefillParams& p, const Item& it, int row, int kvh, int& tq,
+                                                  int& head) {
+    const int pr = it.row0 + row;
+    tq = pr / p.group_size;
+    head = kvh * p.group_size + (pr - tq * p.group_size);
+  }
+
+  __device__ static void run(const PrefillParams& p, int w, T* smem) {
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
+    const int kvh = blockIdx.y;
+    Item it;
+    {
+      const int4 a = *reinterpret_cast<const int4*>(p.plan + p.off_items + 8 * w);
+      const int4 b = *reinterpret_cast<const int4*>(p.plan + p.off_items + 8 * w + 4);
+      it.req = a.x; it.row0 = a.y; it.nrows = a.z; it.kb = a.w; it.ke = b.x; it.partial = b.y; it.pstride = b.z;
+      it.qo_start = p.plan[p.off_qo_indptr + it.req];
+      it.qo_len = p.plan[p.off_qo_indptr + it.req + 1] - it.qo_start;
+      it.kv_len = p.plan[p.off_kv_len + it.req];
+      it.delta = it.kv_len - it.qo_len;
+      it.tok_lo = it.row0 / p.group_size;
+      it.tok_hi = (it.row0 + it.nrows - 1) / p.group_size;
+      it.pages = p.plan + p.off_page_indices + p.plan[p.off_page_indptr + it.req];
+      it.mask_bit0 = CUSTOM ? (long long)p.plan[p.off_mask_indptr + it.req] * 8 : 0;
+    }
+    T* qs = smem;
+    T* kvs = smem + Q_ELEMS;
+    long long* offs = reinterpret_cast<long long*>(kvs + STAGES * 2 * KV_ELEMS);   // [2][TILE]
+
+    load_q(p, it, qs, kvh);
+    const int ntiles = (it.ke - it.kb + TILE - 1) / TILE;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < ntiles) {
+        if (tid < TILE) offs[(s & 1) * TILE + tid] = tok_offset(p, it.pages, min(it.kb + s * TILE + tid, it.ke - 1));
+        __syncthreads();
+        issue_kv(p, kvs + s * 2 * KV_ELEMS, offs + (s & 1) * TILE, it.kb + s * TILE, it.ke, kvh);
+      }
+      cp_async_commit();
+    }
+    __syncthreads();   // the prologue's reads of the offset slots are done
+    if (tid < TILE && STAGES - 1 < ntiles)
+      offs[((STAGES - 1) & 1) * TILE + tid] =
+          tok_offset(p, it.pages, min(it.kb + (STAGES - 1) * TILE + tid, it.ke - 1));
+
+    // This thread's rows: query token of rows g and g + 8 of each m-tile (clamped for padding rows).
+    int tokr[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = min((warp_m * MT + mt) * 16 + lane / 4 + 8 * r, it.nrows - 1);
+        tokr[mt][r] = (it.row0 + row) / p.group_size;
+      }
+    float o[MT][CHUNKS][4];
+    float m[MT][2], l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      m[mt][0] = m[mt][1] = KVATTN_NEG_INF;
+      l[mt][0] = l[mt][1] = 0.f;
+#pragma unroll
+      for (int dn = 0; dn < CHUNKS; ++dn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][dn][e] = 0.f;
+    }
+
+    for (int ti = 0; ti < ntiles; ++ti) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();
+      const int nt = ti + STAGES - 1;
+      if (nt < ntiles)
+        issue_kv(p, kvs + (nt % STAGES) * 2 * KV_ELEMS, offs + (nt & 1) * TILE, it.kb + nt * TILE, it.ke, kvh);
+      cp_async_commit();
+      const bool pf_on = tid < TILE && nt + 1 < ntiles;
+      long long pf = 0;
+      if (pf_on) pf = tok_offset(p, it.pages, min(it.kb + (nt + 1) * TILE + tid, it.ke - 1));
+
+      const T* ks = kvs + (ti % STAGES) * 2 * KV_ELEMS;
+      const int t0 = it.kb + ti * TILE;
+      bool need = CUSTOM || t0 + TILE > it.ke;
+      if (p.causal) need = need || t0 + TILE - 1 > it.delta + it.tok_lo;
+      if (WINDOW) need = need || (p.window_left >= 0 && t0 < it.delta + it.tok_hi - p.window_left);
+      if (need) compute<true>(p, it, qs, ks, t0, tokr, lane, warp_m, warp_n, o, m, l);
+      else compute<false>(p, it, qs, ks, t0, tokr, lane, warp_m, warp_n, o, m, l);
+      if (pf_on) offs[((nt + 1) & 1) * TILE + tid] = pf;
+    }
+    cp_async_wait<0>();
+
+    if constexpr (WARPS_N == 1) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float lr = l[mt][r];
+          lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+          lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+          const int row = (warp_m * MT + mt) * 16 + lane / 4 + 8 * r;
+          if (row < it.nrows) {
+            int tq, head;
+            row_dest(p, it, row, kvh, tq, head);
+            const bool empty = m[mt][r] == KVATTN_NEG_INF;
+            const float inv = empty ? 0.f : 1.f / lr;
+            const float lse = empty ? KVATTN_NEG_INF : (m[mt][r] + __log2f(lr)) * kLn2;
+            const int col = 2 * (lane % 4);
+            if (it.partial < 0) {
+              T* dst = static_cast<T*>(p.o) + (long long)(it.qo_start + tq) * p.o_stride_n + (long long)head * p.o_stride_h + col;
+#pragma unroll
+              for (int dn = 0; dn < CHUNKS; ++dn)
+                *reinterpret_cast<unsigned*>(dst + dn * 8) = Mma<T>::pack(o[mt][dn][2 * r] * inv, o[mt][dn][2 * r + 1] * inv);
+              if (p.lse && lane % 4 == 0) p.lse[(long long)(it.qo_start + tq) * p.lse_stride_n + head] = lse;
+            } else {
+              const long long prow = it.partial + (long long)(tq - it.tok_lo) * it.pstride;
+              float* dst = p.tmp_o + (prow * p.num_qo_heads + head) * D + col;
+#pragma unroll
+              for (int dn = 0; dn < CHUNKS; ++dn)
+                *reinterpret_cast<float2*>(dst + dn * 8) = make_float2(o[mt][dn][2 * r] * inv, o[mt][dn][2 * r + 1] * inv);
+              if (lane % 4 == 0) p.tmp_lse[prow * p.num_qo_heads + head] = lse;
+            }
+          }
+        }
+    } else {
+      // Merge the warps' states (each saw a quarter of every tile) through the K/V stages' shared memory.
+      __syncthreads();
+      float* so = reinterpret_cast<float*>(kvs);
+      float* sm = so + WARPS * 16 * OSTRIDE;
+      float* sl = sm + WARPS * 16;
+      const int g = lane / 4, t = lane % 4;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float lr = l[0][r];
+        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+        const int row = g + 8 * r;
+        if (t == 0) { sm[warp * 16 + row] = m[0][r]; sl[warp * 16 + row] = lr; }
+#pragma unroll
+        for (int dn = 0; dn < CHUNKS; ++dn)
+          *reinterpret_cast<float2*>(so + (warp * 16 + row) * OSTRIDE + dn * 8 + 2 * t) =
+              make_float2(o[0][dn][2 * r], o[0][dn][2 * r + 1]);
+      }
+      __syncthreads();
+      for (int i = tid; i < it.nrows * CHUNKS; i += THREADS) {
+        const int row = i / CHUNKS, ch = i % CHUNKS;
+        float mw[WARPS], big = KVATTN_NEG_INF;
+#pragma unroll
+        for (int ww = 0; ww < WARPS; ++ww) { mw[ww] = sm[ww * 16 + row]; big = fmaxf(big, mw[ww]); }
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        float lsum = 0.f;
+        if (big != KVATTN_NEG_INF) {
+#pragma unroll
+          for (int ww = 0; ww < WARPS; ++ww) {
+            const float f = fast_exp2(mw[ww] - big);
+            lsum += f * sl[ww * 16 + row];
+            const float* src = so + (ww * 16 + row) * OSTRIDE + ch * 8;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] = fmaf(f, src[e], acc[e]);
+          }
+          const float inv = 1.f / lsum;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[e] *= inv;
+        }
+        const float lse = big == KVATTN_NEG_INF ? KVATTN_NEG_INF : (big + __log2f(lsum)) * kLn2;
+        int tq, head;
+        row_dest(p, it, row, kvh, tq, head);
+        if (it.partial < 0) {
+          Vec8<T>::store(static_cast<T*>(p.o) + (long long)(it.qo_start + tq) * p.o_stride_n + (long long)head * p.o_stride_h + ch * 8, acc);
+          if (p.lse && ch == 0) p.lse[(long long)(it.qo_start + tq) * p.lse_stride_n + head] = lse;
+        } else {
+          const long long prow = it.partial + (long long)(tq - it.tok_lo) * it.pstride;
+          Vec8<float>::store(p.tmp_o + (prow * p.num_qo_heads + head) * D + ch * 8, acc);
+          if (ch == 0) p.tmp_lse[prow * p.num_qo_heads + head] = lse;
+        }
+      }
+    }
+  }
+};
+
+template <int D, int WARPS_M, int MT, bool SOFT_CAP, bool WINDOW, bool CUSTOM, typename T>
+__global__ void __launch_bounds__(128) prefill_kernel(const __grid_constant__ PrefillParams p) {
+  if ((int)blockIdx.x >= p.plan[0]) return;   // padded grid (graph mode) or fewer items than launched
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  PrefillKernel<D, WARPS_M, MT, SOFT_CAP, WINDOW, CUSTOM, T>::run(p, blockIdx.x, reinterpret_cast<T*>(smem_raw));
+}
+
+}  // namespace kvattn

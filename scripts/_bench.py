@@ -1,0 +1,77 @@
+"""Shared pieces of the benchmark scripts: random device data, peers' timing, table printing."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import kvattn  # noqa: E402
+from kvattn import _dtypes  # noqa: E402
+
+
+def random_device(shape, dtype, rng):
+    """Random values in +-[0.5, 4) (never zeros) in a new device array: generated on the GPU through CuPy
+    when it is installed (fast for GB-sized caches), else on the host."""
+    n = int(np.prod(shape))
+    try:
+        import cupy as cp
+    except ImportError:
+        host = (rng.standard_normal(shape) + 0.1).astype(_dtypes.to_numpy(dtype))
+        return kvattn.from_numpy(host)
+    a = kvattn.empty(shape, dtype)
+    g = cp.random.default_rng(int(rng.integers(1 << 31)))
+    if a.itemsize == 2:
+        bits = g.integers(0, 1 << 16, n, dtype=cp.uint32).astype(cp.uint16)
+        if dtype == "bfloat16":   # sign | exponent 126..129 | 7 random mantissa bits
+            bits = (bits & cp.uint16(0x807F)) | ((cp.uint16(126) + ((bits >> 7) & 3)) << 7).astype(cp.uint16)
+        else:                     # float16: sign | exponent 14..17 | 10 random mantissa bits
+            bits = (bits & cp.uint16(0x83FF)) | ((cp.uint16(14) + ((bits >> 10) & 3)) << 10).astype(cp.uint16)
+        view = cp.ndarray((n,), cp.uint16, cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(a.ptr, a.nbytes, a), 0))
+        view[...] = bits
+    else:
+        view = cp.ndarray((n,), cp.float32, cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(a.ptr, a.nbytes, a), 0))
+        view[...] = g.standard_normal(n, dtype=cp.float32)
+    cp.cuda.runtime.deviceSynchronize()
+    return a
+
+
+def torch_time_us(fn, warmup=5, reps=30):
+    import torch
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) * 1e3)
+    return float(np.median(ts))
+
+
+def try_flashinfer():
+    try:
+        import torch
+        import flashinfer
+        return torch, flashinfer
+    except Exception as exc:  # peers are optional
+        print(f"# FlashInfer not measured: {exc.__class__.__name__}: {exc}")
+        return None, None
+
+
+def record(path, **row):
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def table(rows, cols):
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(str(r.get(c, "")).rjust(w) for c, w in zip(cols, widths)))

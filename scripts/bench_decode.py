@@ -1,0 +1,137 @@
+"""Batch decode benchmark on the GPU: kvattn vs the copy ceiling and FlashInfer (both decode paths), same process.
+
+    PYTHONPATH=. python scripts/bench_decode.py [--extra] [--no-peers] [--json out.jsonl]
+
+Every case is also checked against the float64 reference on a sample of requests (the longest included).
+Useful bytes: K and V of the real lengths, read once.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from _bench import kvattn, random_device, record, table, torch_time_us, try_flashinfer
+from kvattn import reference
+from kvattn.timing import copy_bandwidth_tbs, time_us
+
+SKEWED = [32768 if i % 16 == 0 else 256 + (i * 389) % 1024 for i in range(64)]
+MAIN = {"b64_L4096": [4096] * 64, "b16_L32768": [32768] * 16, "b64_skewed": SKEWED,
+        "b1_L65536": [65536], "b128_L1024": [1024] * 128}
+
+
+def extra_cases():
+    base = dict(hq=32, hkv=8, d=128, dtype="bfloat16", layout="NHD", page=16)
+    out = {}
+    for name, over in [("D64", dict(d=64)), ("D256", dict(d=256)), ("GQA1", dict(hq=32, hkv=32)),
+                       ("GQA8", dict(hq=64, hkv=8)), ("GQA32", dict(hq=32, hkv=1)), ("fp16", dict(dtype="float16")),
+                       ("HND", dict(layout="HND")), ("page1", dict(page=1))]:
+        out[f"b64_L4096_{name}"] = ([4096] * 64, {**base, **over})
+    for b in (1, 8, 32, 128, 256, 512):
+        out[f"b{b}_L2048"] = ([2048] * b, base)
+    return out
+
+
+TUNINGS = {"default": {}, "l2_off": dict(l2_prefetch=False), "no_split_ok": dict(allow_no_split=True),
+           "stages2": dict(stages=2), "stages4": dict(stages=4)}
+
+
+def build(lens, cfg, rng):
+    hq, hkv, d, dtype, layout, page = cfg["hq"], cfg["hkv"], cfg["d"], cfg["dtype"], cfg["layout"], cfg["page"]
+    pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), page, rng=rng)
+    npages = pt.num_pages_used
+    shape = (npages, page, hkv, d) if layout == "NHD" else (npages, hkv, page, d)
+    k, v = random_device(shape, dtype, rng), random_device(shape, dtype, rng)
+    q = random_device((len(lens), hq, d), dtype, rng)
+    return pt, q, k, v
+
+
+def time_kvattn(pt, q, k, v, cfg, tuning=None):
+    out = kvattn.empty(q.shape, cfg["dtype"])
+    w = kvattn.BatchDecodeWithPagedKVCache(kv_layout=cfg["layout"], tuning=tuning)
+    t0 = time.perf_counter()
+    w.plan(pt, cfg["hq"], cfg["hkv"], cfg["d"], q_dtype=cfg["dtype"])
+    plan_us = (time.perf_counter() - t0) * 1e6
+    w.run(q, k, v, out=out)
+    us = time_us(lambda: w.run(q, k, v, out=out))
+    return us, out, w, plan_us
+
+
+def sample_error(rng, lens, pt, q, k, v, out, cfg):
+    """Max relative L2 error over the longest request and 3 random ones, against the float64 reference."""
+    sample = sorted({int(np.argmax(lens)), *rng.choice(len(lens), min(3, len(lens)), replace=False).tolist()})
+    qh, kh, vh, oh = q.numpy(), k.numpy(), v.numpy(), out.numpy()
+    sub = kvattn.PageTable(np.concatenate([[0], np.cumsum([pt.indptr[i + 1] - pt.indptr[i] for i in sample])]),
+                           np.concatenate([pt.indices[pt.indptr[i]:pt.indptr[i + 1]] for i in sample]),
+                           pt.last_page_len[sample], cfg["page"])
+    ro = reference.batch_attention_paged(qh[sample], kh, vh, np.arange(len(sample) + 1), sub, kv_layout=cfg["layout"])
+    return max(float(np.linalg.norm(oh[i].astype(np.float64) - ro[j]) / np.linalg.norm(ro[j]))
+               for j, i in enumerate(sample))
+
+
+def run_case(name, lens, cfg, rng, ceiling, torch, fi, jsonl, tunings=None):
+    lens = np.asarray(lens)
+    pt, q, k, v = build(lens, cfg, rng)
+    nbytes = int(lens.sum()) * cfg["hkv"] * cfg["d"] * 2 * k.itemsize
+    us, out, w, plan_us = time_kvattn(pt, q, k, v, cfg)
+    tbs = nbytes / us / 1e6
+    err = sample_error(rng, lens, pt, q, k, v, out, cfg)
+    row = dict(case=name, us=round(us, 1), TBps=round(tbs, 2), frac=round(tbs / ceiling, 3), err=f"{err:.1e}",
+               plan_us=round(plan_us), chunks=w._plan["grid"][0], merges=w._plan["plan"].num_merge)
+    for tname, tuning in (tunings or {}).items():
+        tus, _, _, _ = time_kvattn(pt, q, k, v, cfg, tuning)
+        row[tname] = round(nbytes / tus / 1e6, 3)
+    hq, hkv, d, dtype, page = cfg["hq"], cfg["hkv"], cfg["d"], cfg["dtype"], cfg["page"]
+    if fi is not None and cfg["layout"] == "NHD":
+        dt = torch.bfloat16 if dtype == "bfloat16" else torch.float16
+        tq, tk, tv = (torch.from_dlpack(a) for a in (q, k, v))
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        ind, idx, last = (torch.from_numpy(np.array(a)).cuda() for a in (pt.indptr, pt.indices, pt.last_page_len))
+        for tc, col in ((False, "fi_cc"), (True, "fi_tc")):
+            try:
+                fw = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
+                fw.plan(ind, idx, last, hq, hkv, d, page, q_data_type=dt, kv_data_type=dt)
+                fus = torch_time_us(lambda: fw.run(tq, (tk, tv)))
+                row[col] = f"{fus:.0f}us {nbytes / fus / 1e6:.2f}"
+                row[col + "_tbs"] = round(nbytes / fus / 1e6, 3)
+            except Exception as exc:
+                row[col] = f"error {exc.__class__.__name__}"
+        torch.cuda.synchronize()
+    record(jsonl, **row, cfg=cfg)
+    print(row, flush=True)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--extra", action="store_true")
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--only", default=None)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--tune", action="store_true", help="also time the tuning alternatives (TB/s columns)")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    ceiling = copy_bandwidth_tbs()
+    print(f"copy ceiling {ceiling:.3f} TB/s (2 GiB device-to-device, read + write); GPU "
+          f"{kvattn._driver.device_name()}")
+    record(args.json, section="ceiling", copy_TBps=round(ceiling, 3))
+    torch, fi = (None, None) if args.no_peers else try_flashinfer()
+    base = dict(hq=32, hkv=8, d=128, dtype="bfloat16", layout="NHD", page=16)
+    cases = {k: (v, base) for k, v in MAIN.items()}
+    if args.extra:
+        cases.update(extra_cases())
+    rows = []
+    for name, (lens, cfg) in cases.items():
+        if args.only and args.only not in name:
+            continue
+        rows.append(run_case(name, lens, cfg, rng, ceiling, torch, fi, args.json, TUNINGS if args.tune else None))
+    print(f"\ndecode, bf16 unless named, Hq 32 Hkv 8 D 128 page 16 unless named; copy ceiling {ceiling:.2f} TB/s")
+    table(rows, ["case", "us", "TBps", "frac", "fi_cc", "fi_tc", "err", "chunks", "merges", "plan_us"])
+    if args.tune:
+        print("\ntuning alternatives, TB/s")
+        table(rows, ["case", "TBps", *TUNINGS])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Fill KVATTN_CACHE_DIR with the kernels the GPU tests and benchmarks use (so a bare GPU machine skips NVRTC).
+
+    KVATTN_CACHE_DIR=.kvcache python scripts/fill_cache.py
+"""
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kvattn import decode, kernels, ops  # noqa: E402,F401
+from kvattn.variants import Variant  # noqa: E402
+
+
+def specs():
+    out = [s for ss in kernels.REGISTRY.values() for s in ss]
+    for d in decode.HEAD_DIMS:
+        for mt in ((1, 2) if d <= 128 else (1,)):
+            for t in decode.DTYPES:
+                for v in (Variant(), Variant(True, False), Variant(False, True), Variant(True, True)):
+                    out.append(decode.decode_spec(d, mt, v, t))
+    for stages in (2, 3, 4):
+        for l2 in (False, True):
+            out.append(decode.decode_spec(128, 1, Variant(), "bfloat16", stages, l2))
+    return list(dict.fromkeys(out))
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    ss = specs()
+    for s in ss:
+        s.compile("sm_90a")
+    print(f"{len(ss)} kernels in {os.environ.get('KVATTN_CACHE_DIR')} ({time.time() - t0:.0f} s)")

@@ -1,0 +1,44 @@
+"""CPU tests of the decode wrapper's plan-time validation (raised before any GPU call)."""
+import numpy as np
+import pytest
+
+import kvattn
+
+
+def _pt():
+    return kvattn.PageTable.from_kv_lens(np.array([10, 20]), 16, rng=0)
+
+
+@pytest.mark.parametrize("kwargs,exc,msg", [
+    (dict(head_dim=96), ValueError, "head_dim: expected one of"),
+    (dict(num_qo_heads=6, num_kv_heads=4), ValueError, "must be a multiple of num_kv_heads"),
+    (dict(q_dtype="float32"), TypeError, "q_dtype: expected float16 or bfloat16"),
+    (dict(kv_dtype="float16"), TypeError, "kv_dtype: must equal q_dtype"),
+    (dict(window_left=-2), ValueError, "window_left: expected -1"),
+    (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap: expected a finite value"),
+])
+def test_plan_validation(kwargs, exc, msg):
+    args = dict(num_qo_heads=8, num_kv_heads=2, head_dim=128)
+    args.update(kwargs)
+    w = kvattn.BatchDecodeWithPagedKVCache()
+    with pytest.raises(exc, match=msg):
+        w.plan(_pt(), args.pop("num_qo_heads"), args.pop("num_kv_heads"), args.pop("head_dim"), **args)
+
+
+def test_plan_needs_a_page_table():
+    with pytest.raises(TypeError, match="page_table: expected a kvattn.PageTable"):
+        kvattn.BatchDecodeWithPagedKVCache().plan({"indptr": [0]}, 8, 2, 128)
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError, match="kv_layout: expected 'NHD' or 'HND'"):
+        kvattn.BatchDecodeWithPagedKVCache(kv_layout="NDH")
+    with pytest.raises(ValueError, match="use_cuda_graph=True needs max_batch_size"):
+        kvattn.BatchDecodeWithPagedKVCache(use_cuda_graph=True)
+
+
+def test_smem_formula_matches_kernel_constants():
+    # The compile step's resource report has static smem only; the launch uses this formula.
+    from kvattn import decode
+    assert decode.smem_bytes(128, 1, 3) == (3 * (2 * 64 * 128 + 768) + 3 * 16 * 128) * 2
+    assert decode.smem_bytes(128, 1) + 1024 <= 228 * 1024 // 2   # two CTAs per SM at head_dim 128

@@ -1,0 +1,144 @@
+"""GPU tests of batch decode against the float64 reference."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import kvattn
+from kvattn import _dtypes, reference
+from _gpu import assert_lse, poisoned, rel_l2, requires_gpu
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+GPU = settings(max_examples=50, deadline=None)
+TOL = {"bfloat16": (1e-2, 1e-2), "float16": (2e-3, 2e-3)}
+
+
+def make_case(rng, kv_lens, page_size, hq, hkv, d, dtype, layout, combined=False, slack_pages=3):
+    npd = _dtypes.to_numpy(dtype)
+    pt = kvattn.PageTable.from_kv_lens(np.asarray(kv_lens), page_size,
+                                       num_pages=int(sum(-(-int(n) // page_size) for n in kv_lens)) + slack_pages,
+                                       rng=rng)
+    num_pages = pt.num_pages_used + slack_pages
+    shape = (num_pages, page_size, hkv, d) if layout == "NHD" else (num_pages, hkv, page_size, d)
+    k = rng.standard_normal(shape).astype(npd)
+    v = rng.standard_normal(shape).astype(npd)
+    q = rng.standard_normal((len(kv_lens), hq, d)).astype(npd)
+    return pt, q, k, v
+
+
+def check(rng, kv_lens, page_size, hq, hkv, d, dtype="bfloat16", layout="NHD", window_left=-1, cap=0.0,
+          combined=False, sm_scale=None):
+    pt, q, k, v = make_case(rng, kv_lens, page_size, hq, hkv, d, dtype, layout)
+    w = kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout)
+    w.plan(pt, hq, hkv, d, q_dtype=dtype, window_left=window_left, logits_soft_cap=cap, sm_scale=sm_scale)
+    out = poisoned(q.shape, dtype)
+    lse = poisoned(q.shape[:2], "float32")
+    if combined:
+        kv = np.stack([k, v], 1)
+        w.run(q, kv, None, out=out, lse=lse)
+    else:
+        w.run(q, k, v, out=out, lse=lse)
+    qo_indptr = np.arange(len(kv_lens) + 1, dtype=np.int32)
+    ro, rl = reference.batch_attention_paged(q, k, v, qo_indptr, pt, kv_layout=layout, window_left=window_left,
+                                             logits_soft_cap=cap, sm_scale=sm_scale, return_lse=True)
+    got, got_lse = out.numpy(), lse.numpy()
+    otol, ltol = TOL[dtype]
+    for i, n in enumerate(kv_lens):
+        if n == 0:
+            assert np.all(got[i] == 0), f"request {i}: empty request must give 0"
+        else:
+            assert rel_l2(got[i], ro[i]) <= otol, f"request {i} (kv_len {n})"
+    assert_lse(got_lse, rl, ltol)
+
+
+@GPU
+@given(data=st.data(), seed=st.integers(0, 2**31))
+def test_decode_matches_reference(data, seed):
+    rng = np.random.default_rng(seed)
+    batch = data.draw(st.integers(1, 64), "batch")
+    lens = data.draw(st.lists(st.one_of(st.integers(0, 600), st.integers(0, 600), st.integers(0, 8192)), min_size=batch,
+                              max_size=batch), "kv_lens")
+    group = data.draw(st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 16, 32]), "group")
+    hkv = data.draw(st.integers(1, 4), "hkv")
+    d = data.draw(st.sampled_from([64, 128, 256]), "head_dim")
+    dtype = data.draw(st.sampled_from(["bfloat16", "float16"]), "dtype")
+    layout = data.draw(st.sampled_from(["NHD", "HND"]), "layout")
+    page = data.draw(st.sampled_from([1, 3, 8, 16, 32, 64, 256]), "page_size")
+    window = data.draw(st.sampled_from([-1, -1, 0, 17, 300]), "window_left")
+    cap = data.draw(st.sampled_from([0.0, 0.0, 30.0, 5.0]), "soft_cap")
+    combined = data.draw(st.booleans(), "combined")
+    check(rng, lens, page, group * hkv, hkv, d, dtype, layout, window, cap, combined)
+
+
+@pytest.mark.parametrize("lens", [[32768, 5, 0, 1000], [65536], [0, 0, 0], [1] * 200])
+def test_decode_long_and_edge_batches(lens):
+    check(np.random.default_rng(), lens, 16, 32, 8, 128)
+
+
+def test_decode_skewed_batch():
+    lens = [32768 if i % 16 == 0 else 256 + (i * 389) % 1024 for i in range(64)]
+    check(np.random.default_rng(), lens, 16, 32, 8, 128)
+
+
+def test_single_decode():
+    rng = np.random.default_rng()
+    q = rng.standard_normal((8, 128)).astype(_dtypes.to_numpy("bfloat16"))
+    k = rng.standard_normal((777, 2, 128)).astype(q.dtype)
+    v = rng.standard_normal((777, 2, 128)).astype(q.dtype)
+    o, lse = kvattn.single_decode(q, k, v, return_lse=True)
+    ro, rl = reference.attention(q[None], k, v, return_lse=True)
+    assert rel_l2(o.numpy(), ro[0]) <= 1e-2
+    assert_lse(lse.numpy(), rl[0], 1e-2)
+
+
+def test_graph_mode_replays_after_replan_with_other_batch():
+    rng = np.random.default_rng()
+    hq, hkv, d, page, max_b, max_pages = 32, 8, 128, 16, 48, 4096
+    npd = _dtypes.to_numpy("bfloat16")
+    k = kvattn.from_numpy(rng.standard_normal((max_pages, page, hkv, d)).astype(npd))
+    v = kvattn.from_numpy(rng.standard_normal((max_pages, page, hkv, d)).astype(npd))
+    q = kvattn.empty((max_b, hq, d), "bfloat16")
+    out = kvattn.empty((max_b, hq, d), "bfloat16")
+    lse = kvattn.empty((max_b, hq), "float32")
+    w = kvattn.BatchDecodeWithPagedKVCache(use_cuda_graph=True, max_batch_size=max_b, max_num_pages=max_pages)
+    s = kvattn.Stream()
+    graph = None
+    for step, batch in enumerate([40, 7, 48, 1, 23]):
+        lens = rng.integers(0, 2000, batch)
+        lens[0] = 5000
+        pt = kvattn.PageTable.from_kv_lens(lens, page, num_pages=max_pages, rng=rng)
+        w.plan(pt, hq, hkv, d, stream=s)
+        qh = rng.standard_normal((max_b, hq, d)).astype(npd)
+        q.copy_from_host(qh, s)
+        out.fill_bytes(0xFF, s)
+        # Graph mode: q/out/lse keep max_batch_size rows; the batch lives in the plan, rows past it are not read.
+        if graph is None:
+            w.run(q, k, v, out=out, lse=lse, stream=s)
+            with kvattn.graphs.capture(s) as cap:
+                w.run(q, k, v, out=out, lse=lse, stream=s)
+            graph = cap.graph
+        graph.replay(s)
+        ro, rl = reference.batch_attention_paged(qh[:batch], k.numpy(), v.numpy(), np.arange(batch + 1), pt,
+                                                 return_lse=True)
+        got = out.numpy(s)[:batch]
+        assert rel_l2(got, ro) <= 1e-2, f"step {step} batch {batch}"
+        assert_lse(lse.numpy(s)[:batch], rl, 1e-2)
+
+
+def test_run_errors_before_launch():
+    rng = np.random.default_rng()
+    pt, q, k, v = make_case(rng, [100, 50], 16, 8, 2, 64, "bfloat16", "NHD")
+    w = kvattn.BatchDecodeWithPagedKVCache()
+    with pytest.raises(RuntimeError, match="before plan"):
+        w.run(q, k, v)
+    w.plan(pt, 8, 2, 64)
+    with pytest.raises(ValueError, match=r"q: expected shape \(2, 8, 64\)"):
+        w.run(q[:1], k, v)
+    with pytest.raises(TypeError, match="q: expected dtype bfloat16"):
+        w.run(q.astype(np.float16), k, v)
+    with pytest.raises(ValueError, match="k_cache: expected shape"):
+        w.run(q, k[:, :8], v)
+    with pytest.raises(ValueError, match="cache holds 1 pages"):
+        w.run(q, k[:1], v[:1])
+    g = kvattn.BatchDecodeWithPagedKVCache(use_cuda_graph=True, max_batch_size=1, max_num_pages=100)
+    with pytest.raises(ValueError, match="exceeds max_batch_size 1"):
+        g.plan(pt, 8, 2, 64)
