@@ -1,0 +1,501 @@
+"""Batch prefill / append on a paged or ragged KV cache: plan() on the host, run() only launches (capturable).
+
+    w = kvattn.BatchPrefillWithPagedKVCache(kv_layout="NHD")
+    w.plan(qo_indptr, page_table, num_qo_heads=32, num_kv_heads=8, head_dim=128, causal=True)
+    o = w.run(q, k_cache, v_cache)       # q [qo_indptr[-1], Hq, D]; caches [pages, page_size, Hkv, D] (NHD)
+
+    r = kvattn.BatchPrefillWithRaggedKVCache()
+    r.plan(qo_indptr, kv_indptr, 32, 8, 128, causal=True)
+    o = r.run(q, k, v)                   # k, v [kv_indptr[-1], Hkv, D] (NHD) or [Hkv, kv_indptr[-1], D] (HND)
+
+plan() picks the query tile from the packed query length (qo_len * group), schedules with
+kvattn.scheduler.plan_prefill (KV split when the query tiles do not fill the GPU), packs the work list, the
+lengths, the page table and the custom mask into one pinned host buffer and issues one host-to-device copy
+into a fixed workspace region. run() launches the prefill kernel and, when the plan split some KV range, the
+indexed merge kernel over the float32 partial states (deterministic: fixed order, no atomics).
+
+A ragged KV is the paged kernel with one "page" per request: page id = the request's first token, page size
+2^30, page stride = token stride. Graph mode (use_cuda_graph=True) fixes every buffer, the query tile and the
+grid from max_batch_size / max_total_qo / max_num_pages, so one captured run() serves any later plan() within
+those bounds (same heads, head_dim, dtype, variant, causal flag, sm_scale, window and arrays).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _driver, _dtypes, _validate as _v, scheduler
+from .formats import PageTable, pack_mask
+from .kernels import KernelSpec, ParamBuffer, get_kernel, register
+from .memory import DeviceArray, PinnedBuffer, Workspace, asarray, empty
+from .merge import MERGE_PARAMS, merge_spec
+from .stream import Event, as_stream
+from .variants import Variant
+
+PREFILL_PARAMS = np.dtype([
+    ("q", "u8"), ("k", "u8"), ("v", "u8"), ("o", "u8"), ("lse", "u8"), ("tmp_o", "u8"), ("tmp_lse", "u8"),
+    ("plan", "u8"), ("mask", "u8"),
+    ("q_stride_n", "i8"), ("q_stride_h", "i8"), ("o_stride_n", "i8"), ("o_stride_h", "i8"), ("lse_stride_n", "i8"),
+    ("kv_stride_page", "i8"), ("kv_stride_token", "i8"), ("kv_stride_head", "i8"),
+    ("off_qo_indptr", "i4"), ("off_kv_len", "i4"), ("off_page_indptr", "i4"), ("off_page_indices", "i4"),
+    ("off_mask_indptr", "i4"), ("off_items", "i4"),
+    ("num_qo_heads", "i4"), ("group_size", "i4"), ("page_size", "i4"), ("page_shift", "i4"), ("causal", "i4"),
+    ("window_left", "i4"),
+    ("score_scale", "f4"), ("cap_log2", "f4"),
+], align=True)
+
+HEAD_DIMS = (64, 128, 256)
+DTYPES = ("float16", "bfloat16")
+THREADS = 128
+LOG2E = 1.4426950408889634
+DEFAULT_WORKSPACE = 256 << 20
+RAGGED_PAGE_SHIFT = 30
+#: query tile (packed rows per CTA) -> (WARPS_M, MT) of prefill_kernel
+CONFIGS = {128: (4, 2), 64: (4, 1), 16: (1, 1)}
+HEADER = 8
+
+
+def choose_cta_rows(packed_len: float, head_dim: int) -> int:
+    """Query tile from the (average) packed query length qo_len * group."""
+    if packed_len <= 16:
+        return 16
+    if packed_len <= 64 or head_dim == 256:
+        return 64
+    return 128
+
+
+def prefill_spec(head_dim: int, cta_rows: int, variant: Variant, dtype: str) -> KernelSpec:
+    wm, mt = CONFIGS[cta_rows]
+    return KernelSpec("prefill.cuh", f"kvattn::prefill_kernel<{head_dim}, {wm}, {mt}, {variant.prefill_flags()}, "
+                                     f"{_dtypes.to_ctype(dtype)}>")
+
+
+def stages(head_dim: int, cta_rows: int) -> int:
+    return 3 if CONFIGS[cta_rows][0] == 1 and head_dim <= 128 else 2
+
+
+def smem_bytes(head_dim: int, cta_rows: int) -> int:
+    """Dynamic shared memory of prefill_kernel (mirrors PrefillKernel::SMEM_BYTES)."""
+    return (cta_rows * head_dim + stages(head_dim, cta_rows) * 2 * 64 * head_dim) * 2 + 2 * 64 * 8
+
+
+def ctas_per_sm(head_dim: int, cta_rows: int, registers: int | None) -> int:
+    by_smem = (228 * 1024) // (smem_bytes(head_dim, cta_rows) + 1024)
+    regs = registers or 255
+    by_regs = 65536 // (4 * (-(-regs * 32 // 256) * 256))
+    return max(1, min(by_smem, by_regs, 16))
+
+
+register("prefill", [prefill_spec(128, r, Variant(), "bfloat16") for r in (128, 64, 16)]
+         + [prefill_spec(128, 128, Variant(), "float16"), prefill_spec(64, 128, Variant(), "bfloat16"),
+            prefill_spec(256, 64, Variant(), "bfloat16"),
+            prefill_spec(128, 128, Variant(soft_cap=True, window=True, custom_mask=True), "bfloat16")])
+
+
+def _elem_strides(a: DeviceArray):
+    return [s // a.itemsize for s in a.strides]
+
+
+def _round4(n: int) -> int:
+    return (n + 3) // 4 * 4
+
+
+def _check_array(a: DeviceArray, name, shape, dtype, rows16=True):
+    if a.shape != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {a.shape}")
+    if a.dtype_name != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {a.dtype_name}")
+    if rows16:
+        if a.strides[-1] != a.itemsize or a.ptr % 16 or any(st % 16 for st in a.strides[:-1]):
+            raise ValueError(f"{name}: head_dim must be contiguous and rows 16-byte aligned")
+    elif a.strides[-1] != a.itemsize or a.ptr % 4:
+        raise ValueError(f"{name}: the head axis must be contiguous and 4-byte aligned")
+
+
+class _BatchPrefill:
+    """Shared plan/run machinery of the paged and ragged wrappers."""
+
+    _paged = True
+
+    def __init__(self, kv_layout="NHD", use_cuda_graph=False, max_batch_size=None, max_num_pages=None,
+                 max_total_qo=None, workspace_bytes=None, num_sms=None):
+        self.kv_layout = _v.check_layout(kv_layout)
+        self.use_cuda_graph = bool(use_cuda_graph)
+        if self.use_cuda_graph:
+            need = ["max_batch_size", "max_total_qo"] + (["max_num_pages"] if self._paged else [])
+            vals = dict(max_batch_size=max_batch_size, max_total_qo=max_total_qo, max_num_pages=max_num_pages)
+            missing = [n for n in need if vals[n] is None]
+            if missing:
+                raise ValueError(f"use_cuda_graph=True needs {', '.join(missing)} (they fix the buffers)")
+            for n in need:
+                _v.as_int(vals[n], n, min_value=1)
+        self.max_batch_size = max_batch_size
+        self.max_num_pages = max_num_pages
+        self.max_total_qo = max_total_qo
+        self.num_sms = num_sms or _driver.sm_count()
+        self._fixed_workspace = workspace_bytes is not None or self.use_cuda_graph
+        self.workspace = Workspace(workspace_bytes or DEFAULT_WORKSPACE) if self._fixed_workspace else None
+        self._staging = [None, None]
+        self._copy_done = [None, None]
+        self._turn = 0
+        self._plan = None
+
+    # -- plan ------------------------------------------------------------------------------------
+    def _plan_common(self, qo_indptr, kv_lens, page_indptr, page_indices, page_size, page_shift, num_qo_heads,
+                     num_kv_heads, head_dim, causal, custom_mask, mask_indptr, sm_scale, window_left,
+                     logits_soft_cap, q_dtype, kv_dtype, cta_rows, stream):
+        q_dtype = _dtypes.dtype_name(q_dtype)
+        kv_dtype = q_dtype if kv_dtype is None else _dtypes.dtype_name(kv_dtype)
+        if q_dtype not in DTYPES:
+            raise TypeError(f"q_dtype: expected float16 or bfloat16, got {q_dtype}")
+        if kv_dtype != q_dtype:
+            raise TypeError(f"kv_dtype: must equal q_dtype ({q_dtype}) for now, got {kv_dtype}")
+        hq = _v.as_int(num_qo_heads, "num_qo_heads", min_value=1)
+        hkv = _v.as_int(num_kv_heads, "num_kv_heads", min_value=1)
+        head_dim = _v.as_int(head_dim, "head_dim")
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim: expected one of {HEAD_DIMS}, got {head_dim}")
+        if hq % hkv:
+            raise ValueError(f"num_qo_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
+        window_left = _v.as_int(window_left, "window_left", min_value=-1)
+        cap = _v.as_float(logits_soft_cap, "logits_soft_cap", min_value=0.0)
+        scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else _v.as_float(sm_scale, "sm_scale")
+        causal = bool(causal)
+        batch = qo_indptr.size - 1
+        qo_lens = np.diff(qo_indptr).astype(np.int64)
+        total_qo = int(qo_indptr[-1])
+        if causal and (kv_lens < qo_lens).any():
+            i = int(np.argmax(kv_lens < qo_lens))
+            raise ValueError(f"causal: requires kv_len >= qo_len for every request; request {i} has qo_len "
+                             f"{int(qo_lens[i])} > kv_len {int(kv_lens[i])}")
+        if self.use_cuda_graph:
+            if batch > self.max_batch_size:
+                raise ValueError(f"qo_indptr: batch size {batch} exceeds max_batch_size {self.max_batch_size}")
+            if total_qo > self.max_total_qo:
+                raise ValueError(f"qo_indptr: {total_qo} query tokens exceed max_total_qo {self.max_total_qo}")
+            if self._paged and page_indices.size > self.max_num_pages:
+                raise ValueError(f"page_table: {page_indices.size} pages exceed max_num_pages {self.max_num_pages}")
+        packed_mask, mask_offsets = self._mask(custom_mask, mask_indptr, qo_lens, kv_lens)
+        group = hq // hkv
+        if cta_rows is None:
+            if self.use_cuda_graph:
+                packed = self.max_total_qo * group / self.max_batch_size
+            else:
+                nz = int(np.count_nonzero(qo_lens))
+                packed = total_qo * group / max(nz, 1)
+            cta_rows = choose_cta_rows(packed, head_dim)
+        elif cta_rows not in CONFIGS or (head_dim == 256 and cta_rows == 128):
+            raise ValueError(f"cta_rows: expected one of {sorted(CONFIGS)} (not 128 with head_dim 256), got {cta_rows}")
+        variant = Variant(soft_cap=cap > 0, window=window_left >= 0, custom_mask=packed_mask is not None)
+        kernel = get_kernel(prefill_spec(head_dim, cta_rows, variant, q_dtype))
+        occ = ctas_per_sm(head_dim, cta_rows, kernel.resources.registers if kernel.resources else None)
+        plan = scheduler.plan_prefill(qo_lens, kv_lens, group, hkv, cta_rows, causal=causal,
+                                      window_left=window_left, num_sms=self.num_sms, ctas_per_sm=occ)
+
+        # Packed int32 buffer: header, qo_indptr, kv_len, page_indptr, mask_indptr, items, merge lists, pages.
+        if self.use_cuda_graph:
+            cap_b = self.max_batch_size
+            cap_w, cap_part, cap_m = scheduler.prefill_bounds(cap_b, self.max_total_qo, group, hkv, cta_rows,
+                                                              num_sms=self.num_sms, ctas_per_sm=occ)
+            cap_p = self.max_num_pages if self._paged else cap_b
+        else:
+            cap_b, cap_w, cap_part, cap_m = batch, plan.num_items, plan.num_partial_rows, plan.num_merge
+            cap_p = page_indices.size
+        if plan.num_items > cap_w or plan.num_partial_rows > cap_part or plan.num_merge > cap_m:
+            raise AssertionError("prefill plan exceeds its graph-mode bounds")  # prefill_bounds guarantees it
+        off = {}
+        pos = HEADER
+        for name, n in (("qo_indptr", cap_b + 1), ("kv_len", cap_b), ("page_indptr", cap_b + 1),
+                        ("mask_indptr", cap_b), ("items", 8 * cap_w), ("merge_indptr", cap_m + 1),
+                        ("merge_rows", cap_m), ("page_indices", cap_p)):
+            off[name] = pos
+            pos += _round4(max(n, 1))
+        total_i32 = pos
+        mask_bytes = packed_mask.size if packed_mask is not None else 0
+        host = self._staging_buffer(total_i32 * 4 + mask_bytes)
+        h = host.view(np.int32)
+        h[:total_i32] = 0
+        h[0], h[1], h[2], h[3] = plan.num_items, plan.num_merge, batch, plan.num_partial_rows
+        h[off["qo_indptr"]:off["qo_indptr"] + batch + 1] = qo_indptr
+        h[off["kv_len"]:off["kv_len"] + batch] = kv_lens
+        h[off["page_indptr"]:off["page_indptr"] + batch + 1] = page_indptr
+        if mask_offsets is not None:
+            h[off["mask_indptr"]:off["mask_indptr"] + batch] = mask_offsets[:batch]
+        h[off["items"]:off["items"] + 8 * plan.num_items] = plan.items.ravel()
+        mi = off["merge_indptr"]
+        h[mi:mi + plan.num_merge + 1] = plan.merge_indptr
+        h[mi + plan.num_merge + 1:mi + cap_m + 1] = plan.merge_indptr[-1]
+        h[off["merge_rows"]:off["merge_rows"] + plan.num_merge] = plan.merge_rows
+        h[off["page_indices"]:off["page_indices"] + page_indices.size] = page_indices
+        if mask_bytes:
+            host[total_i32 * 4:total_i32 * 4 + mask_bytes] = packed_mask
+
+        regions = {
+            "plan": ((total_i32,), "int32"),
+            "tmp_o": ((max(cap_part, 1), hq, head_dim), "float32"),
+            "tmp_lse": ((max(cap_part, 1), hq), "float32"),
+            "mask": ((max(mask_bytes, 16),), "uint8"),
+        }
+        dev = self._regions(regions)
+        s = as_stream(stream)
+        _driver.call("cuMemcpyHtoDAsync", dev["plan"].ptr, host.ctypes.data, total_i32 * 4, s.handle)
+        if mask_bytes:
+            _driver.call("cuMemcpyHtoDAsync", dev["mask"].ptr, host.ctypes.data + total_i32 * 4, mask_bytes, s.handle)
+        self._copy_done[self._turn].record(s)
+        self._turn ^= 1
+
+        base = dev["plan"].ptr
+        p = ParamBuffer(PREFILL_PARAMS)
+        p.set(tmp_o=dev["tmp_o"].ptr, tmp_lse=dev["tmp_lse"].ptr, plan=base,
+              mask=dev["mask"].ptr if mask_bytes else 0,
+              off_qo_indptr=off["qo_indptr"], off_kv_len=off["kv_len"], off_page_indptr=off["page_indptr"],
+              off_page_indices=off["page_indices"], off_mask_indptr=off["mask_indptr"], off_items=off["items"],
+              num_qo_heads=hq, group_size=group, page_size=page_size, page_shift=page_shift, causal=int(causal),
+              window_left=window_left,
+              score_scale=(scale / cap) if cap > 0 else scale * LOG2E, cap_log2=cap * LOG2E)
+        mp = ParamBuffer(MERGE_PARAMS)
+        mp.set(o_in=dev["tmp_o"].ptr, lse_in=dev["tmp_lse"].ptr, indptr=base + mi * 4,
+               out_rows=base + off["merge_rows"] * 4, num_rows_dev=base + 1 * 4,
+               s_row=hq * head_dim, s_n=hq * head_dim, s_h=head_dim, l_row=hq, l_n=hq, l_h=1,
+               num_rows=plan.num_merge, n=0, num_heads=hq, head_dim=head_dim)
+        merge_rows = cap_m if self.use_cuda_graph else plan.num_merge
+        self._plan = dict(
+            plan=plan, batch=batch, total_qo=total_qo, hq=hq, hkv=hkv, d=head_dim, dtype=q_dtype,
+            page_size=page_size, num_pages_needed=int(page_indices.max(initial=-1)) + 1 if self._paged else 0,
+            total_kv=int(kv_lens.sum()) if not self._paged else 0, cta_rows=cta_rows, variant=variant,
+            kernel=kernel, grid=(cap_w, hkv, 1), smem=smem_bytes(head_dim, cta_rows), params=p,
+            merge_kernel=get_kernel(merge_spec("float32", q_dtype)) if merge_rows else None,
+            merge_grid=-(-merge_rows * hq * (head_dim // 8) // 256), merge_params=mp)
+        return self
+
+    @staticmethod
+    def _mask(custom_mask, mask_indptr, qo_lens, kv_lens):
+        """(packed uint8 mask or None, int32 byte offsets [B + 1] or None), validated against the lengths."""
+        if custom_mask is None:
+            if mask_indptr is not None:
+                raise ValueError("mask_indptr: given without custom_mask")
+            return None, None
+        bits = qo_lens * kv_lens
+        nbytes = -(-bits // 8)
+        if isinstance(custom_mask, (list, tuple)):
+            if len(custom_mask) != qo_lens.size:
+                raise ValueError(f"custom_mask: expected {qo_lens.size} per-request masks, got {len(custom_mask)}")
+            parts = []
+            for i, m in enumerate(custom_mask):
+                m = _v.as_bool_array(m, f"custom_mask[{i}]")
+                if m.size != bits[i]:
+                    raise ValueError(f"custom_mask[{i}]: expected qo_len * kv_len = {int(bits[i])} entries, got {m.size}")
+                parts.append(m.ravel())
+            custom_mask = np.concatenate(parts) if parts else np.zeros(0, bool)
+        m = custom_mask if isinstance(custom_mask, np.ndarray) else np.asarray(custom_mask)
+        if m.dtype == np.bool_:
+            if mask_indptr is not None:
+                raise ValueError("mask_indptr: only for a bit-packed uint8 custom_mask (bool masks are packed here)")
+            if m.size != int(bits.sum()):
+                raise ValueError(f"custom_mask: expected sum(qo_len * kv_len) = {int(bits.sum())} entries, got {m.size}")
+            ind = np.concatenate([[0], np.cumsum(bits)])
+            packed, byte_indptr = pack_mask(m.ravel(), ind)
+            return np.ascontiguousarray(packed, np.uint8), np.asarray(byte_indptr, np.int32)
+        if m.dtype != np.uint8:
+            raise TypeError(f"custom_mask: expected a bool array or a bit-packed uint8 array, got dtype {m.dtype}")
+        if mask_indptr is None:
+            raise ValueError("mask_indptr: required with a bit-packed uint8 custom_mask (byte offsets, [batch + 1])")
+        mind = _v.as_indptr(mask_indptr, "mask_indptr", length=qo_lens.size + 1, total=m.size)
+        if (np.diff(mind) != nbytes).any():
+            i = int(np.argmax(np.diff(mind) != nbytes))
+            raise ValueError(f"mask_indptr: request {i} has {int(np.diff(mind)[i])} mask bytes, expected "
+                             f"ceil(qo_len * kv_len / 8) = {int(nbytes[i])}")
+        return np.ascontiguousarray(m.ravel()), mind
+
+    def _staging_buffer(self, nbytes: int) -> np.ndarray:
+        """The pinned buffer of this turn (uint8 view), once its previous copy has finished."""
+        t = self._turn
+        if self._copy_done[t] is None:
+            self._copy_done[t] = Event(disable_timing=True)
+        else:
+            self._copy_done[t].synchronize()
+        buf = self._staging[t]
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._staging[t] = PinnedBuffer(max(nbytes, 4096, 2 * (buf.nbytes if buf else 0)))
+        return buf.view(np.uint8)
+
+    def _regions(self, spec) -> dict:
+        need = Workspace.bytes_needed(spec)
+        if self.workspace is None or (not self._fixed_workspace and self.workspace.nbytes < need):
+            if self.workspace is not None:
+                as_stream(None).synchronize()  # the old buffer may still be read by queued work
+            self.workspace = Workspace(max(need, 1 << 20))
+        return self.workspace.regions(spec)
+
+    # -- run -------------------------------------------------------------------------------------
+    def _run(self, q, k, v, out, lse, return_lse, stream, kv_strides):
+        st = self._plan
+        s = as_stream(stream)
+        shape_o = (st["total_qo"], st["hq"], st["d"])
+        _check_array(q, "q", shape_o, st["dtype"])
+        if out is None:
+            out = empty(shape_o, st["dtype"])
+        else:
+            out = asarray(out, s)
+            _check_array(out, "out", shape_o, st["dtype"])
+        if return_lse and lse is None:
+            lse = empty(shape_o[:2], "float32")
+        if lse is not None:
+            lse = asarray(lse, s)
+            _check_array(lse, "lse", shape_o[:2], "float32", rows16=False)
+        qs, os_ = _elem_strides(q), _elem_strides(out)
+        kv_page, kv_tok, kv_head = kv_strides
+        p = st["params"]
+        p.set(q=q.ptr, k=k.ptr, v=v.ptr, o=out.ptr, lse=lse.ptr if lse is not None else 0,
+              q_stride_n=qs[0], q_stride_h=qs[1], o_stride_n=os_[0], o_stride_h=os_[1],
+              lse_stride_n=(lse.strides[0] // 4) if lse is not None else 0,
+              kv_stride_page=kv_page, kv_stride_token=kv_tok, kv_stride_head=kv_head)
+        if st["grid"][0] > 0:
+            st["kernel"].launch(st["grid"], THREADS, st["smem"], p, s)
+        if st["merge_kernel"] is not None:
+            mp = st["merge_params"]
+            mp.set(o_out=out.ptr, so_row=os_[0], so_h=os_[1], lse_out=lse.ptr if lse is not None else 0,
+                   lo_row=(lse.strides[0] // 4) if lse is not None else 0, lo_h=1)
+            st["merge_kernel"].launch(st["merge_grid"], 256, 0, mp, s)
+        return (out, lse) if return_lse else out
+
+    def _kv_pair(self, k, v, s):
+        k = asarray(k, s)
+        if v is None:
+            if k.ndim < 2 or k.shape[1] != 2:
+                raise ValueError(f"k_cache: with v_cache=None expected [pages, 2, ...], got {k.shape}")
+            return k[:, 0], k[:, 1]
+        return k, asarray(v, s)
+
+    def _require_plan(self):
+        if self._plan is None:
+            raise RuntimeError("run() called before plan()")
+        return self._plan
+
+
+class BatchPrefillWithPagedKVCache(_BatchPrefill):
+    """Prefill / append of ragged queries against a paged KV cache. See the module docstring.
+
+    kv_layout: "NHD" (caches [pages, page_size, Hkv, D]) or "HND" ([pages, Hkv, page_size, D]).
+    use_cuda_graph: fix the buffers, query tile and grid from max_batch_size, max_num_pages and max_total_qo.
+    """
+
+    _paged = True
+
+    def plan(self, qo_indptr, page_table: PageTable, num_qo_heads, num_kv_heads, head_dim, *, causal=False,
+             custom_mask=None, mask_indptr=None, sm_scale=None, window_left=-1, logits_soft_cap=0.0,
+             q_dtype="bfloat16", kv_dtype=None, cta_rows=None, stream=None):
+        """Schedule the batch (host arrays are read now, not at run()).
+
+        qo_indptr: int [B + 1] (query rows of request i are q[qo_indptr[i]:qo_indptr[i + 1]]); page_table: a
+        kvattn.PageTable of B requests. custom_mask: bool (flat [sum(qo_i * kv_i)], row-major per request, or a
+        list of [qo_i, kv_i]) or bit-packed uint8 with mask_indptr (byte offsets, [B + 1]); True = keep.
+        cta_rows: override the query tile (16, 64, 128; for tuning).
+        """
+        if not isinstance(page_table, PageTable):
+            raise TypeError(f"page_table: expected a kvattn.PageTable, got {type(page_table).__name__}")
+        qo_indptr = _v.as_indptr(qo_indptr, "qo_indptr", length=page_table.indptr.size)
+        ps = page_table.page_size
+        shift = (ps.bit_length() - 1) if ps & (ps - 1) == 0 else -1
+        return self._plan_common(qo_indptr, page_table.kv_lens.astype(np.int64), page_table.indptr,
+                                 page_table.indices, ps, shift, num_qo_heads, num_kv_heads, head_dim, causal,
+                                 custom_mask, mask_indptr, sm_scale, window_left, logits_soft_cap, q_dtype,
+                                 kv_dtype, cta_rows, stream)
+
+    def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None):
+        """q: [qo_indptr[-1], Hq, D]; caches [pages, page_size, Hkv, D] ("NHD") / [pages, Hkv, page_size, D]
+        ("HND"), or k_cache [pages, 2, ...] with v_cache None. out: [total_qo, Hq, D] in q's dtype; lse:
+        [total_qo, Hq] float32, natural log. Returns out, or (out, lse) with return_lse. Capturable when every
+        array is a device array and out (and lse) are given."""
+        st = self._require_plan()
+        s = as_stream(stream)
+        q = asarray(q, s)
+        k, v = self._kv_pair(k_cache, v_cache, s)
+        ps, hkv, d = st["page_size"], st["hkv"], st["d"]
+        want = (ps, hkv, d) if self.kv_layout == "NHD" else (hkv, ps, d)
+        for name, a in (("k_cache", k), ("v_cache", v)):
+            if a.ndim != 4 or a.shape[1:] != want:
+                raise ValueError(f"{name}: expected shape [num_pages, {', '.join(map(str, want))}] "
+                                 f"({self.kv_layout}), got {a.shape}")
+            if a.dtype_name != st["dtype"]:
+                raise TypeError(f"{name}: expected dtype {st['dtype']}, got {a.dtype_name}")
+            if a.strides[-1] != a.itemsize or a.ptr % 16 or any(x % 16 for x in a.strides[:-1]):
+                raise ValueError(f"{name}: head_dim must be contiguous and 16-byte aligned")
+            if a.shape[0] < st["num_pages_needed"]:
+                raise ValueError(f"{name}: the page table uses page id {st['num_pages_needed'] - 1} but the "
+                                 f"cache holds {a.shape[0]} pages")
+        if k.strides != v.strides:
+            raise ValueError("k_cache, v_cache: must have the same strides")
+        ks = _elem_strides(k)
+        strides = (ks[0], ks[1], ks[2]) if self.kv_layout == "NHD" else (ks[0], ks[2], ks[1])
+        return self._run(q, k, v, out, lse, return_lse, s, strides)
+
+
+class BatchPrefillWithRaggedKVCache(_BatchPrefill):
+    """Prefill of ragged queries against ragged (contiguous per request) K/V. See the module docstring.
+
+    kv_layout: "NHD" (k, v [total_kv, Hkv, D]) or "HND" ([Hkv, total_kv, D]).
+    use_cuda_graph: fix the buffers, query tile and grid from max_batch_size and max_total_qo.
+    """
+
+    _paged = False
+
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, *, causal=False,
+             custom_mask=None, mask_indptr=None, sm_scale=None, window_left=-1, logits_soft_cap=0.0,
+             q_dtype="bfloat16", kv_dtype=None, cta_rows=None, stream=None):
+        """qo_indptr, kv_indptr: int [B + 1]. Other arguments as BatchPrefillWithPagedKVCache.plan."""
+        qo_indptr = _v.as_indptr(qo_indptr, "qo_indptr")
+        kv_indptr = _v.as_indptr(kv_indptr, "kv_indptr", length=qo_indptr.size)
+        kv_lens = np.diff(kv_indptr).astype(np.int64)
+        if kv_lens.size and kv_lens.max() >= 1 << RAGGED_PAGE_SHIFT:
+            raise ValueError(f"kv_indptr: a request holds more than 2^{RAGGED_PAGE_SHIFT} tokens")
+        b = qo_indptr.size - 1
+        self._plan_common(qo_indptr, kv_lens, np.arange(b + 1, dtype=np.int32), kv_indptr[:-1],
+                                     1 << RAGGED_PAGE_SHIFT, RAGGED_PAGE_SHIFT, num_qo_heads, num_kv_heads,
+                                     head_dim, causal, custom_mask, mask_indptr, sm_scale, window_left,
+                                     logits_soft_cap, q_dtype, kv_dtype, cta_rows, stream)
+        self._plan["total_kv"] = int(kv_indptr[-1])
+        return self
+
+    def run(self, q, k, v, out=None, lse=None, return_lse=False, stream=None):
+        """q: [qo_indptr[-1], Hq, D]; k, v: [kv_indptr[-1], Hkv, D] ("NHD") or [Hkv, kv_indptr[-1], D] ("HND").
+        Returns out (and lse) as BatchPrefillWithPagedKVCache.run."""
+        st = self._require_plan()
+        s = as_stream(stream)
+        q, k, v = asarray(q, s), asarray(k, s), asarray(v, s)
+        n, hkv, d = st["total_kv"], st["hkv"], st["d"]
+        want = (n, hkv, d) if self.kv_layout == "NHD" else (hkv, n, d)
+        for name, a in (("k", k), ("v", v)):
+            if a.ndim != 3 or a.shape != want:
+                raise ValueError(f"{name}: expected shape {list(want)} ({self.kv_layout}), got {a.shape}")
+            if a.dtype_name != st["dtype"]:
+                raise TypeError(f"{name}: expected dtype {st['dtype']}, got {a.dtype_name}")
+            if a.strides[-1] != a.itemsize or a.ptr % 16 or any(x % 16 for x in a.strides[:-1]):
+                raise ValueError(f"{name}: head_dim must be contiguous and 16-byte aligned")
+        if k.strides != v.strides:
+            raise ValueError("k, v: must have the same strides")
+        ks = _elem_strides(k)
+        tok, head = (ks[0], ks[1]) if self.kv_layout == "NHD" else (ks[1], ks[0])
+        return self._run(q, k, v, out, lse, return_lse, s, (tok, tok, head))
+
+
+def single_prefill(q, k, v, causal=False, *, kv_layout="NHD", custom_mask=None, sm_scale=None, window_left=-1,
+                   logits_soft_cap=0.0, return_lse=False, stream=None):
+    """One request with contiguous K/V. q: [qo, Hq, D]; k, v: [kv, Hkv, D] ("NHD") or [Hkv, kv, D] ("HND").
+    custom_mask: bool [qo, kv] (True = keep). Returns o [qo, Hq, D] (and lse [qo, Hq]) as DeviceArrays."""
+    s = as_stream(stream)
+    q, k, v = asarray(q, s), asarray(k, s), asarray(v, s)
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+        raise ValueError(f"q, k, v: expected 3-D arrays, got {q.shape}, {k.shape}, {v.shape}")
+    kv_len, hkv = (k.shape[0], k.shape[1]) if _v.check_layout(kv_layout) == "NHD" else (k.shape[1], k.shape[0])
+    if custom_mask is not None:
+        custom_mask = np.asarray(custom_mask)
+        if custom_mask.dtype == np.bool_:
+            custom_mask = custom_mask.ravel()
+    w = BatchPrefillWithRaggedKVCache(kv_layout=kv_layout)
+    w.plan([0, q.shape[0]], [0, kv_len], q.shape[1], hkv, q.shape[2], causal=causal, custom_mask=custom_mask,
+           mask_indptr=None if custom_mask is None or custom_mask.dtype == np.bool_ else [0, custom_mask.size],
+           sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, q_dtype=q.dtype_name,
+           stream=s)
+    return w.run(q, k, v, return_lse=return_lse, stream=s)
