@@ -1,9 +1,10 @@
 // Batch decode on a paged KV cache: tensor-core (mma.sync m16n8k16) split-KV kernel.
 //
-// CTA (chunk c = blockIdx.x, kv head h = blockIdx.y) walks the work items [chunk_indptr[c], chunk_indptr[c+1])
+// CTA (chunk c = blockIdx.x / z_split, kv head h = blockIdx.y) walks the work items [chunk_indptr[c], chunk_indptr[c+1])
 // of the plan as ONE stream of 64-token KV tiles, so the cp.async pipeline keeps bytes in flight across item
 // boundaries. The rows of the MMA tile are the group's query heads (head-group fusion): heads
-// [blockIdx.z * ROWS, +ROWS) of the group, so any group size works (blockIdx.z > 0 only past 16 * M_TILES). Each of the 4 warps takes 16 tokens of every tile; their partial softmax states are merged
+// [z * ROWS, +ROWS) of the group with z = blockIdx.x % z_split, so any group size works; the z slices of one
+// chunk are adjacent CTAs, so their common K/V is read from DRAM once and then hit in L2. Each of the 4 warps takes 16 tokens of every tile; their partial softmax states are merged
 // through shared memory at the end of each item. Scores live in the log2 domain; the LSE written is natural.
 #pragma once
 #include "mma.cuh"
@@ -27,7 +28,7 @@ struct DecodeParams {
   long long kv_stride_page, kv_stride_token, kv_stride_head;
   int off_chunk_indptr, off_work_req, off_work_begin, off_work_end, off_work_partial;
   int num_qo_heads, group_size, page_size, page_shift;   // page_shift = log2(page_size), or -1
-  int window_left;
+  int window_left, z_split;
   float score_scale;           // log2(e) * sm_scale, or sm_scale / cap with a soft cap
   float cap_log2;              // log2(e) * cap (soft cap only)
 };
@@ -144,7 +145,8 @@ struct DecodeKernel {
     int kv_len = 0;
     for (int it = 0; cons.valid(); ++it) {
       T* stage = smem + (it % STAGES) * STAGE_ELEMS;
-      cp_async_wait<STAGES - 2>();
+      // Refill the slot freed by the previous iteration BEFORE waiting for this tile: STAGES tiles are in
+      // flight during the wait (two barriers per tile, but ~1.5x the bytes in flight of wait-then-refill).
       __syncthreads();
       if (prod.valid()) {
         issue(prod, off, smem + ((it + STAGES - 1) % STAGES) * STAGE_ELEMS, q_slot(prod, smem));
@@ -152,6 +154,8 @@ struct DecodeKernel {
         row_offsets(prod, off);
       }
       cp_async_commit();
+      cp_async_wait<STAGES - 1>();
+      __syncthreads();
 
       if (cons.t0 == cons.begin) {  // a new item: reset the running state
 #pragma unroll
@@ -311,8 +315,9 @@ struct DecodeKernel {
 template <int D, int M_TILES, int STAGES, bool SOFT_CAP, bool WINDOW, typename T>
 __global__ void __launch_bounds__(128) decode_kernel(const __grid_constant__ DecodeParams p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  DecodeKernel<D, M_TILES, STAGES, SOFT_CAP, WINDOW, T> k(p, blockIdx.y, blockIdx.z);
-  k.run(blockIdx.x, reinterpret_cast<T*>(smem_raw));
+  const int chunk = blockIdx.x / p.z_split, z = blockIdx.x - chunk * p.z_split;
+  DecodeKernel<D, M_TILES, STAGES, SOFT_CAP, WINDOW, T> k(p, blockIdx.y, z);
+  k.run(chunk, reinterpret_cast<T*>(smem_raw));
 }
 
 }  // namespace kvattn

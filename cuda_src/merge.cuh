@@ -24,13 +24,14 @@ struct MergeParams {
 // One thread merges 8 consecutive elements of one (row, head); head_dim / 8 threads per (row, head).
 template <typename TIn, typename TOut>
 __global__ void __launch_bounds__(256) merge_states_kernel(const __grid_constant__ MergeParams p) {
-  const int tpp = p.head_dim >> 3;
-  const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const long long pair = gid / tpp;
+  // 32-bit index math (64-bit division costs ~100 instructions per thread; launches keep rows*heads*D/8 < 2^31).
+  const unsigned tpp = unsigned(p.head_dim) >> 3;
+  const unsigned gid = blockIdx.x * blockDim.x + threadIdx.x;
+  const unsigned pair = gid / tpp;
   const int d = int(gid - pair * tpp) * 8;
   const int rows = p.num_rows_dev ? *p.num_rows_dev : p.num_rows;
-  const int m = int(pair / p.num_heads);
-  const int h = int(pair - (long long)m * p.num_heads);
+  const int m = int(pair / unsigned(p.num_heads));
+  const int h = int(pair - unsigned(m) * unsigned(p.num_heads));
   if (m >= rows) return;
   if (p.mask && !p.mask[m]) return;
   int n = p.n;

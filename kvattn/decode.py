@@ -30,7 +30,7 @@ DECODE_PARAMS = np.dtype([
     ("off_chunk_indptr", "i4"), ("off_work_req", "i4"), ("off_work_begin", "i4"), ("off_work_end", "i4"),
     ("off_work_partial", "i4"),
     ("num_qo_heads", "i4"), ("group_size", "i4"), ("page_size", "i4"), ("page_shift", "i4"), ("window_left", "i4"),
-    ("score_scale", "f4"), ("cap_log2", "f4"),
+    ("z_split", "i4"), ("score_scale", "f4"), ("cap_log2", "f4"),
 ], align=True)
 
 HEAD_DIMS = (64, 128, 256)
@@ -40,17 +40,13 @@ LOG2E = 1.4426950408889634
 DEFAULT_WORKSPACE = 128 << 20
 
 
-def m_tiles(group_size: int, head_dim: int) -> int:
-    """16-row MMA tiles per CTA: two for groups of 17..32 at head_dim <= 128, else one (more go to blockIdx.z)."""
-    return 2 if 16 < group_size <= 32 and head_dim <= 128 else 1
-
-
 # Kernel tuning: defaults measured on the H200 (BENCHMARKS.md); a `tuning=` dict overrides them.
-DEFAULT_TUNING = dict(stages=None, l2_prefetch=True, allow_no_split=False, ctas_per_sm=None)
+DEFAULT_TUNING = dict(stages=None, l2_prefetch=True, allow_no_split=False, ctas_per_sm=None, m_tiles=1)
 
 
 def default_stages(head_dim: int) -> int:
-    return 4 if head_dim <= 64 else 3
+    """3 stages: with 2 CTAs per SM (head_dim 128) or 3 (head_dim 64) this measured best."""
+    return 3
 
 
 def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: int | None = None,
@@ -69,8 +65,7 @@ def smem_bytes(head_dim: int, mt: int, stages: int | None = None) -> int:
 
 
 register("decode", [decode_spec(d, 1, Variant(), t) for d in HEAD_DIMS for t in DTYPES]
-         + [decode_spec(128, 2, Variant(), "bfloat16"),
-            decode_spec(128, 1, Variant(soft_cap=True, window=True), "bfloat16")])
+         + [decode_spec(128, 1, Variant(soft_cap=True, window=True), "bfloat16")])
 
 
 def _elem_strides(a: DeviceArray):
@@ -145,10 +140,10 @@ class BatchDecodeWithPagedKVCache:
                                  f"heads, head_dim, dtype, page_size and variants were {self._graph_static}, got {static}")
             self._graph_static = static
         group = num_qo_heads // num_kv_heads
-        mt = m_tiles(group, head_dim)
+        tn = self.tuning
+        mt = tn["m_tiles"]                  # 16-row MMA tiles per CTA; larger groups are sliced over CTAs
         zsplit = -(-group // (16 * mt))
         variant = Variant(soft_cap=logits_soft_cap > 0, window=window_left >= 0)
-        tn = self.tuning
         stages = tn["stages"] or default_stages(head_dim)
         smem = smem_bytes(head_dim, mt, stages)
         ctas_per_sm = tn["ctas_per_sm"] or max(1, min(3, (228 * 1024) // (smem + 1024)))
@@ -170,7 +165,7 @@ class BatchDecodeWithPagedKVCache:
         total_i32 = off_last + _round4(max(cap_b, 1))
         host = self._staging_buffer(total_i32 * 4)
         plan = scheduler.plan_decode(
-            kv_lens, page_table.page_size, num_qo_heads, num_kv_heads * zsplit, head_dim, num_sms=self.num_sms,
+            kv_lens, page_table.page_size, num_kv_heads * zsplit, num_kv_heads * zsplit, head_dim, num_sms=self.num_sms,
             ctas_per_sm=ctas_per_sm, max_batch_size=self.max_batch_size if self.use_cuda_graph else None,
             max_chunks=layout.max_chunks if layout else None, out=host[:plan_cap],
             allow_no_split=tn["allow_no_split"])
@@ -201,7 +196,7 @@ class BatchDecodeWithPagedKVCache:
               off_work_end=L.work_end, off_work_partial=L.work_partial,
               num_qo_heads=num_qo_heads, group_size=group, page_size=page_size,
               page_shift=(page_size.bit_length() - 1) if page_size & (page_size - 1) == 0 else -1,
-              window_left=window_left,
+              window_left=window_left, z_split=zsplit,
               score_scale=(scale / logits_soft_cap) if logits_soft_cap > 0 else scale * LOG2E,
               cap_log2=logits_soft_cap * LOG2E)
         # Merge of partial rows: row count read from the plan header in graph mode.
@@ -216,7 +211,7 @@ class BatchDecodeWithPagedKVCache:
             plan=plan, batch=batch, hq=num_qo_heads, hkv=num_kv_heads, d=head_dim, dtype=q_dtype,
             page_size=page_size, num_pages_needed=int(page_table.indices.max(initial=-1)) + 1,
             kernel=get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"])),
-            grid=(plan.num_chunks, num_kv_heads, zsplit), smem=smem, params=p,
+            grid=(plan.num_chunks * zsplit, num_kv_heads, 1), smem=smem, params=p,
             merge_kernel=get_kernel(merge_spec("float32", q_dtype)) if merge_rows else None,
             merge_grid=-(-merge_rows * num_qo_heads * (head_dim // 8) // 256), merge_params=mp)
         return self

@@ -25,7 +25,7 @@ cost of one work item: query load, output / partial write, pipeline start) follo
   ``NO_SPLIT_BALANCE`` (1.1) times the mean, and ``n`` CTAs fit the grid bound ``max_chunks``,
   every chunk is one whole request: ``active_chunks = n``, no partial rows, and the merge list
   holds only the empty requests (so the merge launch can be skipped when there are none).
-* **Split** otherwise: ``C = ceil(num_sms * ctas_per_sm / num_kv_heads)`` chunks (one wave of
+* **Split** otherwise: ``C = max(1, floor(num_sms * ctas_per_sm / num_kv_heads))`` chunks (one wave of
   CTAs), capped by ``max_chunks`` and by ``total_cost // MIN_CHUNK_COST`` (at least 1) so tiny
   batches are not shredded into chunks smaller than ``MIN_CHUNK_TOKENS``.  The cost line is cut
   at ``k * total / C`` (``cumsum`` + ``searchsorted``, no per-request loop).  A cut inside a
@@ -49,7 +49,8 @@ ITEM_OVERHEAD_TOKENS``) is at most ``ceil(total / C) + G + ITEM_OVERHEAD_TOKENS`
 CUDA graphs
 -----------
 With ``max_batch_size`` (and optionally ``max_chunks``, default one wave
-``ceil(num_sms * ctas_per_sm / num_kv_heads)``) the packed layout is fixed by the bounds, not by
+``max(1, floor(num_sms * ctas_per_sm / num_kv_heads))``: a ceiling would start a second, nearly empty
+wave of CTAs, measured at half speed on the H200) the packed layout is fixed by the bounds, not by
 the batch: ``max_work = max_batch_size + max_chunks`` (each cut adds at most one item),
 ``max_merge = max_batch_size``, and ``num_chunks`` (the grid) is always ``max_chunks``; chunks
 past ``active_chunks`` have empty ranges.  In graph mode the merge kernel is part of the captured
@@ -277,7 +278,7 @@ def _config(page_size, num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_s
     if max_chunks is not None:
         max_chunks = _as_int("max_chunks", max_chunks, 1)
     slots = num_sms * ctas_per_sm
-    c_target = max(1, -(-slots // num_kv_heads))
+    c_target = max(1, slots // num_kv_heads)
     if max_batch_size is not None and max_chunks is None:
         max_chunks = c_target
     if max_chunks is not None:
@@ -290,9 +291,9 @@ def _config(page_size, num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_s
 
 
 def default_num_chunks(num_kv_heads: int, *, num_sms: int = 132, ctas_per_sm: int = 2) -> int:
-    """Chunk count of the split path: one wave, ``ceil(num_sms * ctas_per_sm / num_kv_heads)``."""
+    """Chunk count of the split path: one wave, ``max(1, floor(num_sms * ctas_per_sm / num_kv_heads))``."""
     slots = _as_int("num_sms", num_sms, 1) * _as_int("ctas_per_sm", ctas_per_sm, 1)
-    return max(1, -(-slots // _as_int("num_kv_heads", num_kv_heads, 1)))
+    return max(1, slots // _as_int("num_kv_heads", num_kv_heads, 1))
 
 
 def graph_layout(max_batch_size: int, num_kv_heads: int, *, num_sms: int = 132,

@@ -42,3 +42,10 @@ def test_smem_formula_matches_kernel_constants():
     from kvattn import decode
     assert decode.smem_bytes(128, 1, 3) == (3 * (2 * 64 * 128 + 768) + 3 * 16 * 128) * 2
     assert decode.smem_bytes(128, 1) + 1024 <= 228 * 1024 // 2   # two CTAs per SM at head_dim 128
+
+
+def test_one_wave_of_chunks_never_overshoots():
+    # ceil(264 / 32) = 9 chunks would launch 288 CTAs on 264 slots: a second, nearly empty wave.
+    from kvattn import scheduler
+    assert scheduler.default_num_chunks(32, num_sms=132, ctas_per_sm=2) == 8
+    assert scheduler.default_num_chunks(8, num_sms=132, ctas_per_sm=1) == 16

@@ -312,7 +312,7 @@ def test_nearly_uniform_within_ten_percent_does_not_split():
 
 def test_unbalanced_full_batch_splits():
     p = run_and_check(skewed(256))
-    assert p.split and p.num_chunks == 33  # ceil(132 * 2 / 8)
+    assert p.split and p.num_chunks == 33  # floor(132 * 2 / 8)
     assert p.num_work <= 256 + 33 - 1
 
 

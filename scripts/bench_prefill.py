@@ -1,0 +1,153 @@
+"""Batch prefill benchmark (H200): TFLOP/s of causal prefill (ragged and paged), the long-prefix append and
+speculative verification (TB/s vs the copy ceiling), with a sampled correctness check of every case.
+
+    PYTHONPATH=. python3 scripts/bench_prefill.py [--cta-rows 64,128] [--quick]
+
+FLOPs of causal prefill: 2 * B * Hq * S^2 * D (ANCHORS.md's convention). Append: 4 * Hq * D * (attended pairs).
+Ceilings measured in the same process: bf16 GEMM 8192^3 (torch or cupy, skipped when neither imports) and a
+2 GiB device-to-device copy.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+import kvattn  # noqa: E402
+from kvattn import _dtypes  # noqa: E402
+from kvattn.formats import PageTable  # noqa: E402
+from kvattn.prefill import BatchPrefillWithPagedKVCache, BatchPrefillWithRaggedKVCache  # noqa: E402
+from kvattn.timing import copy_bandwidth_tbs, time_us  # noqa: E402
+from _prefill_ref import request_ref, sample_rows  # noqa: E402
+
+HQ, HKV, D, PS = 32, 8, 128, 16
+BF = _dtypes.to_numpy("bfloat16")
+FI_FA2 = {"b1_S8192": 336, "b8_S2048": 316, "b1_S32768": 383, "paged_b1_S8192": 313}
+
+
+def gemm_tflops():
+    try:
+        import torch
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            a @ b
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(30):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record(); a @ b; e1.record()
+            torch.cuda.synchronize()
+            ts.append(e0.elapsed_time(e1))
+        return 2 * 8192 ** 3 / (np.median(ts) * 1e-3) / 1e12
+    except Exception:
+        pass
+    return None
+
+
+def rand(rng, shape):
+    return rng.standard_normal(shape, dtype=np.float32).astype(BF)
+
+
+def check(rng, q_h, qo_indptr, fetch, out, causal, reqs):
+    o = out.numpy()
+    worst = 0.0
+    for i in reqs:
+        qi = q_h[qo_indptr[i]:qo_indptr[i + 1]]
+        k, v = fetch(i)
+        rows = sample_rows(qi.shape[0], 16, rng)
+        ro, _ = request_ref(qi, k, v, rows, causal, -1, 0.0, 1 / np.sqrt(D))
+        got = o[qo_indptr[i] + rows].astype(np.float64)
+        worst = max(worst, float(np.linalg.norm(got - ro) / np.linalg.norm(ro)) if np.isfinite(got).all() else np.inf)
+    return worst
+
+
+def pairs(qo, kv, causal):
+    qo, kv = np.asarray(qo, np.int64), np.asarray(kv, np.int64)
+    if not causal:
+        return int((qo * kv).sum())
+    return int((qo * (kv - qo) + qo * (qo + 1) // 2).sum())
+
+
+def ragged_case(rng, name, qo_lens, kv_lens, cta_rows, causal=True):
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    q_h = rand(rng, (int(qo_indptr[-1]), HQ, D))
+    k_h, v_h = rand(rng, (int(kv_indptr[-1]), HKV, D)), rand(rng, (int(kv_indptr[-1]), HKV, D))
+    q, k, v = kvattn.from_numpy(q_h), kvattn.from_numpy(k_h), kvattn.from_numpy(v_h)
+    w = BatchPrefillWithRaggedKVCache()
+    w.plan(qo_indptr, kv_indptr, HQ, HKV, D, causal=causal, cta_rows=cta_rows)
+    out = kvattn.empty(q.shape, "bfloat16")
+    us = time_us(lambda: w.run(q, k, v, out=out))
+    err = check(rng, q_h, qo_indptr, lambda i: (k_h[kv_indptr[i]:kv_indptr[i + 1]], v_h[kv_indptr[i]:kv_indptr[i + 1]]),
+                out, causal, [0, len(qo_lens) - 1])
+    return w, us, err
+
+
+def paged_case(rng, qo_lens, kv_lens, cta_rows, causal=True):
+    npages = [-(-n // PS) for n in kv_lens]
+    total = sum(npages)
+    ids = rng.permutation(total).astype(np.int32)
+    pt = PageTable(np.concatenate([[0], np.cumsum(npages)]).astype(np.int32), ids,
+                   np.array([n - (p - 1) * PS for n, p in zip(kv_lens, npages)], np.int32), PS)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    q_h = rand(rng, (int(qo_indptr[-1]), HQ, D))
+    kc, vc = rand(rng, (total, PS, HKV, D)), rand(rng, (total, PS, HKV, D))
+    q, k, v = kvattn.from_numpy(q_h), kvattn.from_numpy(kc), kvattn.from_numpy(vc)
+    w = BatchPrefillWithPagedKVCache()
+    w.plan(qo_indptr, pt, HQ, HKV, D, causal=causal, cta_rows=cta_rows)
+    out = kvattn.empty(q.shape, "bfloat16")
+    us = time_us(lambda: w.run(q, k, v, out=out))
+
+    def fetch(i):
+        p = pt.pages(i)
+        n = int(pt.kv_lens[i])
+        return kc[p].reshape(-1, HKV, D)[:n], vc[p].reshape(-1, HKV, D)[:n]
+    err = check(rng, q_h, qo_indptr, fetch, out, causal, [0, len(qo_lens) - 1])
+    return w, us, err
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cta-rows", default="auto", help="comma list of query tiles to try (auto = plan's choice)")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    tiles = [None if t == "auto" else int(t) for t in args.cta_rows.split(",")]
+    rng = np.random.default_rng(0)
+    gemm = gemm_tflops()
+    copy = copy_bandwidth_tbs()
+    print(f"ceilings: bf16 GEMM {gemm and f'{gemm:.0f}'} TFLOP/s, copy {copy:.2f} TB/s")
+    rows = []
+    shapes = [("b1_S8192", 1, 8192), ("b8_S2048", 8, 2048)] + ([] if args.quick else [("b1_S32768", 1, 32768)])
+    for t in tiles:
+        for name, b, s in shapes:
+            w, us, err = ragged_case(rng, name, [s] * b, [s] * b, t)
+            tf = 2 * b * HQ * s * s * D / us / 1e6
+            rows.append((f"ragged {name}", w._plan["cta_rows"], us, f"{tf:.0f} TFLOP/s",
+                         f"{tf / FI_FA2[name]:.2f}x fa2" + (f", {tf / gemm:.2f} GEMM" if gemm else ""), err))
+        w, us, err = paged_case(rng, [8192], [8192], t)
+        tf = 2 * HQ * 8192 ** 2 * D / us / 1e6
+        rows.append(("paged b1_S8192", w._plan["cta_rows"], us, f"{tf:.0f} TFLOP/s",
+                     f"{tf / FI_FA2['paged_b1_S8192']:.2f}x fa2 paged", err))
+        qo, kv = [256], [65536 + 256]
+        w, us, err = ragged_case(rng, "append", qo, kv, t)
+        tf = 4 * HQ * D * pairs(qo, kv, True) / us / 1e6
+        rows.append(("append 256 x 65536 prefix", w._plan["cta_rows"], us, f"{tf:.0f} TFLOP/s",
+                     f"target 300, split={w._plan['plan'].split}", err))
+    for t in [None, 16]:
+        w, us, err = paged_case(rng, [4] * 64, [4096] * 64, t)
+        nbytes = 2 * 64 * 4096 * HKV * D * 2
+        tbs = nbytes / us / 1e6
+        rows.append(("spec verify b64 x 4, kv 4096", w._plan["cta_rows"], us, f"{tbs:.2f} TB/s",
+                     f"{tbs / copy:.2f} of copy (target 0.88)", err))
+    print(f"{'case':32s} {'tile':>4s} {'time':>10s} {'rate':>15s}  {'vs':34s} {'max rel err':>11s}")
+    for name, tile, us, rate, vs, err in rows:
+        print(f"{name:32s} {tile:4d} {us:8.1f}us {rate:>15s}  {vs:34s} {err:11.2e}")
+
+
+if __name__ == "__main__":
+    main()
