@@ -9,6 +9,10 @@
 #pragma once
 #include "mma.cuh"
 
+#ifndef KVATTN_REFILL_FIRST
+#define KVATTN_REFILL_FIRST 0
+#endif
+
 namespace kvattn {
 
 // Mirrored by kvattn.decode.DECODE_PARAMS (a test checks size and offsets). Strides in elements.
@@ -145,8 +149,9 @@ struct DecodeKernel {
     int kv_len = 0;
     for (int it = 0; cons.valid(); ++it) {
       T* stage = smem + (it % STAGES) * STAGE_ELEMS;
+#if KVATTN_REFILL_FIRST
       // Refill the slot freed by the previous iteration BEFORE waiting for this tile: STAGES tiles are in
-      // flight during the wait (two barriers per tile, but ~1.5x the bytes in flight of wait-then-refill).
+      // flight during the wait (two barriers per tile instead of one).
       __syncthreads();
       if (prod.valid()) {
         issue(prod, off, smem + ((it + STAGES - 1) % STAGES) * STAGE_ELEMS, q_slot(prod, smem));
@@ -156,6 +161,17 @@ struct DecodeKernel {
       cp_async_commit();
       cp_async_wait<STAGES - 1>();
       __syncthreads();
+#else
+      // Wait for this tile, then refill the slot freed by the previous iteration (one barrier per tile).
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();
+      if (prod.valid()) {
+        issue(prod, off, smem + ((it + STAGES - 1) % STAGES) * STAGE_ELEMS, q_slot(prod, smem));
+        advance(prod);
+        row_offsets(prod, off);
+      }
+      cp_async_commit();
+#endif
 
       if (cons.t0 == cons.begin) {  // a new item: reset the running state
 #pragma unroll

@@ -44,36 +44,43 @@ __global__ void __launch_bounds__(256) merge_states_kernel(const __grid_constant
   }
   const long long orow = p.out_rows ? p.out_rows[m] : m;
   const float* lse = p.lse_in + lbase + h * p.l_h;
-  float mx = KVATTN_NEG_INF;
-  for (int i = 0; i < n; ++i) mx = fmaxf(mx, lse[i * p.l_n]);
+  const TIn* o = static_cast<const TIn*>(p.o_in) + base + h * p.s_h + d;
+  // One pass, four states per round with online rescaling: the lse and o loads of a round are issued
+  // together, so each round costs one memory latency (a max-then-accumulate pass would cost two).
+  float mx = KVATTN_NEG_INF, sum = 0.f;
   float acc[8];
 #pragma unroll
   for (int k = 0; k < 8; ++k) acc[k] = 0.f;
-  float sum = 0.f;
-  if (mx != KVATTN_NEG_INF) {
-    const TIn* o = static_cast<const TIn*>(p.o_in) + base + h * p.s_h + d;
-    const float mx2 = mx * kLog2e;
-    // Four states per round, loads issued before any use: memory-level parallelism even for n = 2.
-    for (int i0 = 0; i0 < n; i0 += 4) {
-      Raw8<TIn> raw[4];
-      float w[4];
+  for (int i0 = 0; i0 < n; i0 += 4) {
+    Raw8<TIn> raw[4];
+    float l[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float l = i0 + j < n ? lse[(i0 + j) * p.l_n] : KVATTN_NEG_INF;
-        w[j] = l == KVATTN_NEG_INF ? 0.f : fast_exp2(fmaf(l, kLog2e, -mx2));
-        if (w[j] != 0.f) raw[j].load(o + (i0 + j) * p.s_n);
-      }
+    for (int j = 0; j < 4; ++j) {
+      const bool ok = i0 + j < n;
+      l[j] = ok ? lse[(i0 + j) * p.l_n] : KVATTN_NEG_INF;
+      if (ok) raw[j].load(o + (i0 + j) * p.s_n);
+    }
+    const float bm = fmaxf(fmaxf(l[0], l[1]), fmaxf(l[2], l[3]));
+    if (bm == KVATTN_NEG_INF) continue;
+    const float m_new = fmaxf(mx, bm);
+    const float scale = mx == KVATTN_NEG_INF ? 0.f : fast_exp2((mx - m_new) * kLog2e);
+    sum *= scale;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (w[j] != 0.f) {
-          float v[8];
-          raw[j].to_float(v);
-          sum += w[j];
+    for (int k = 0; k < 8; ++k) acc[k] *= scale;
 #pragma unroll
-          for (int k = 0; k < 8; ++k) acc[k] = fmaf(w[j], v[k], acc[k]);
-        }
+    for (int j = 0; j < 4; ++j) {
+      if (l[j] != KVATTN_NEG_INF) {   // an empty state's o is never read (it may be garbage)
+        const float w = fast_exp2((l[j] - m_new) * kLog2e);
+        float v[8];
+        raw[j].to_float(v);
+        sum += w;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] = fmaf(w, v[k], acc[k]);
       }
     }
+    mx = m_new;
+  }
+  if (mx != KVATTN_NEG_INF) {
     const float inv = 1.f / sum;
 #pragma unroll
     for (int k = 0; k < 8; ++k) acc[k] *= inv;

@@ -38,10 +38,12 @@ DTYPES = ("float16", "bfloat16")
 THREADS = 128
 LOG2E = 1.4426950408889634
 DEFAULT_WORKSPACE = 128 << 20
+_F32 = np.dtype(np.float32)
 
 
 # Kernel tuning: defaults measured on the H200 (BENCHMARKS.md); a `tuning=` dict overrides them.
-DEFAULT_TUNING = dict(stages=None, l2_prefetch=True, allow_no_split=False, ctas_per_sm=None, m_tiles=1)
+DEFAULT_TUNING = dict(stages=None, l2_prefetch=True, allow_no_split=False, ctas_per_sm=None, m_tiles=1,
+                      refill_first=False)
 
 
 def default_stages(head_dim: int) -> int:
@@ -50,11 +52,11 @@ def default_stages(head_dim: int) -> int:
 
 
 def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: int | None = None,
-                l2_prefetch: bool = True) -> KernelSpec:
+                l2_prefetch: bool = True, refill_first: bool = False) -> KernelSpec:
     stages = stages or default_stages(head_dim)
     return KernelSpec("decode.cuh", f"kvattn::decode_kernel<{head_dim}, {mt}, {stages}, {variant.cpp_flags()}, "
                                     f"{_dtypes.to_ctype(dtype)}>",
-                      defines=(("KVATTN_L2_PREFETCH", int(l2_prefetch)),))
+                      defines=(("KVATTN_L2_PREFETCH", int(l2_prefetch)), ("KVATTN_REFILL_FIRST", int(refill_first))))
 
 
 def smem_bytes(head_dim: int, mt: int, stages: int | None = None) -> int:
@@ -209,8 +211,12 @@ class BatchDecodeWithPagedKVCache:
         merge_rows = L.max_merge if self.use_cuda_graph else plan.num_merge
         self._plan = dict(
             plan=plan, batch=batch, hq=num_qo_heads, hkv=num_kv_heads, d=head_dim, dtype=q_dtype,
+            npdtype=_dtypes.to_numpy(q_dtype),
+            cache_shape=(page_size, num_kv_heads, head_dim) if self.kv_layout == "NHD" else
+            (num_kv_heads, page_size, head_dim),
             page_size=page_size, num_pages_needed=int(page_table.indices.max(initial=-1)) + 1,
-            kernel=get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"])),
+            kernel=get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"],
+                                          tn["refill_first"])),
             grid=(plan.num_chunks * zsplit, num_kv_heads, 1), smem=smem, params=p,
             merge_kernel=get_kernel(merge_spec("float32", q_dtype)) if merge_rows else None,
             merge_grid=-(-merge_rows * num_qo_heads * (head_dim // 8) // 256), merge_params=mp)
@@ -263,18 +269,18 @@ class BatchDecodeWithPagedKVCache:
         rows = st["batch"]
         if self.use_cuda_graph and q.ndim == 3 and q.shape[0] == self.max_batch_size:
             rows = self.max_batch_size
-        self._check(q, "q", (rows, st["hq"], st["d"]), st["dtype"])
+        self._check(q, "q", (rows, st["hq"], st["d"]), st["npdtype"])
         k, v = self._caches(k_cache, v_cache, s, st)
         if out is None:
             out = empty((rows, st["hq"], st["d"]), st["dtype"])
         else:
             out = asarray(out, s)
-            self._check(out, "out", (rows, st["hq"], st["d"]), st["dtype"])
+            self._check(out, "out", (rows, st["hq"], st["d"]), st["npdtype"])
         if return_lse and lse is None:
             lse = empty((rows, st["hq"]), "float32")
         if lse is not None:
             lse = asarray(lse, s)
-            self._check(lse, "lse", (rows, st["hq"]), "float32", inner_contiguous_heads=True)
+            self._check(lse, "lse", (rows, st["hq"]), _F32, inner_contiguous_heads=True)
         qs, os_ = _elem_strides(q), _elem_strides(out)
         ks = _elem_strides(k)
         if self.kv_layout == "NHD":
@@ -297,15 +303,20 @@ class BatchDecodeWithPagedKVCache:
 
     @staticmethod
     def _check(a: DeviceArray, name, shape, dtype, inner_contiguous_heads=False):
+        """Shape, dtype (numpy dtype) and layout of an argument; cheap on the hot path (run() host time)."""
         if a.shape != shape:
             raise ValueError(f"{name}: expected shape {shape}, got {a.shape}")
-        if a.dtype_name != dtype:
-            raise TypeError(f"{name}: expected dtype {dtype}, got {a.dtype_name}")
-        if inner_contiguous_heads:
-            if a.strides[-1] != a.itemsize:
-                raise ValueError(f"{name}: the head axis must be contiguous")
-        elif a.strides[-1] != a.itemsize or a.ptr % 16 or any(st % 16 for st in a.strides[:-1]):
-            raise ValueError(f"{name}: head_dim must be contiguous and rows 16-byte aligned")
+        if a.dtype != dtype:
+            raise TypeError(f"{name}: expected dtype {_dtypes.dtype_name(dtype)}, got {a.dtype_name}")
+        strides = a.strides
+        if strides[-1] != a.itemsize:
+            raise ValueError(f"{name}: the last axis must be contiguous")
+        if not inner_contiguous_heads:
+            bad = a.ptr & 15
+            for x in strides[:-1]:
+                bad |= x & 15
+            if bad:
+                raise ValueError(f"{name}: rows must be 16-byte aligned (pointer and strides)")
 
     def _caches(self, k_cache, v_cache, s, st):
         k = asarray(k_cache, s)
@@ -316,16 +327,12 @@ class BatchDecodeWithPagedKVCache:
             k = k[:, 0]
         else:
             v = asarray(v_cache, s)
-        ps, hkv, d = st["page_size"], st["hkv"], st["d"]
-        want = ("pages", ps, hkv, d) if self.kv_layout == "NHD" else ("pages", hkv, ps, d)
+        want = st["cache_shape"]
         for name, a in (("k_cache", k), ("v_cache", v)):
-            if a.ndim != 4 or a.shape[1:] != want[1:]:
-                raise ValueError(f"{name}: expected shape [num_pages, {', '.join(map(str, want[1:]))}] "
+            if a.ndim != 4 or a.shape[1:] != want:
+                raise ValueError(f"{name}: expected shape [num_pages, {', '.join(map(str, want))}] "
                                  f"({self.kv_layout}), got {a.shape}")
-            if a.dtype_name != st["dtype"]:
-                raise TypeError(f"{name}: expected dtype {st['dtype']}, got {a.dtype_name}")
-            if a.strides[-1] != a.itemsize or a.ptr % 16 or any(x % 16 for x in a.strides[:-1]):
-                raise ValueError(f"{name}: head_dim must be contiguous and 16-byte aligned")
+            self._check(a, name, a.shape, st["npdtype"])
             if a.shape[0] < st["num_pages_needed"]:
                 raise ValueError(f"{name}: the page table uses page id {st['num_pages_needed'] - 1} but the "
                                  f"cache holds {a.shape[0]} pages")

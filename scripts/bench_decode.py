@@ -33,8 +33,9 @@ def extra_cases():
     return out
 
 
-TUNINGS = {"default": {}, "l2_off": dict(l2_prefetch=False), "no_split_ok": dict(allow_no_split=True),
-           "stages2": dict(stages=2), "stages4": dict(stages=4)}
+TUNINGS = {"default": {}, "l2_off": dict(l2_prefetch=False), "refill1st": dict(refill_first=True),
+           "st2": dict(stages=2), "st2_refill1st": dict(stages=2, refill_first=True),
+           "st4_refill1st": dict(stages=4, refill_first=True)}
 
 
 def build(lens, cfg, rng):

@@ -111,11 +111,31 @@ def paged_case(rng, qo_lens, kv_lens, cta_rows, causal=True):
     return w, us, err
 
 
+SWEEP = {64: [(), (("KVATTN_PF_KK_UNROLL", 8),), (("KVATTN_PF_QREGS", 1),)],
+         128: [(), (("KVATTN_PF_SUBN2", 32),), (("KVATTN_PF_KK_UNROLL", 1),)]}
+
+
+def sweep():
+    from kvattn import prefill
+    rng = np.random.default_rng(0)
+    print(f"{'tile':>4s} {'defines':60s} {'case':10s} {'TFLOP/s':>8s} {'err':>9s}")
+    for rows, lst in SWEEP.items():
+        for defs in lst:
+            prefill.TUNING[rows] = defs
+            for name, b, s in (("b1_S8192", 1, 8192), ("b8_S2048", 8, 2048)):
+                w, us, err = ragged_case(rng, name, [s] * b, [s] * b, rows)
+                print(f"{rows:4d} {str(defs):60s} {name:10s} {2 * b * HQ * s * s * D / us / 1e6:8.0f} {err:9.2e}")
+        prefill.TUNING.pop(rows, None)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cta-rows", default="auto", help="comma list of query tiles to try (auto = plan's choice)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="time the tuning knobs of prefill.cuh on two shapes")
     args = ap.parse_args()
+    if args.sweep:
+        return sweep()
     tiles = [None if t == "auto" else int(t) for t in args.cta_rows.split(",")]
     rng = np.random.default_rng(0)
     gemm = gemm_tflops()

@@ -20,7 +20,8 @@ def specs():
                     out.append(decode.decode_spec(d, mt, v, t))
     for stages in (2, 3, 4):
         for l2 in (False, True):
-            out.append(decode.decode_spec(128, 1, Variant(), "bfloat16", stages, l2))
+            for refill in (False, True):
+                out.append(decode.decode_spec(128, 1, Variant(), "bfloat16", stages, l2, refill))
     return list(dict.fromkeys(out))
 
 
