@@ -42,17 +42,19 @@ _F32 = np.dtype(np.float32)
 
 
 # Kernel tuning: defaults measured on the H200 (BENCHMARKS.md); a `tuning=` dict overrides them.
-DEFAULT_TUNING = dict(stages=None, l2_prefetch=True, allow_no_split=False, ctas_per_sm=None, m_tiles=1,
+DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=1,
                       refill_first=False)
 
 
 def default_stages(head_dim: int) -> int:
-    """3 stages: with 2 CTAs per SM (head_dim 128) or 3 (head_dim 64) this measured best."""
-    return 3
+    """Measured on the H200 (BENCHMARKS.md): head_dim 128 is best with 2 stages and 3 CTAs per SM (+2..4% over
+    3 stages and 2 CTAs per SM on 4 of the 5 anchor cases); 64 with 3 stages (3 CTAs per SM); 256 fits one CTA
+    per SM either way, so 3 stages keep more bytes in flight."""
+    return 2 if head_dim == 128 else 3
 
 
 def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: int | None = None,
-                l2_prefetch: bool = True, refill_first: bool = False) -> KernelSpec:
+                l2_prefetch: bool = False, refill_first: bool = False) -> KernelSpec:
     stages = stages or default_stages(head_dim)
     return KernelSpec("decode.cuh", f"kvattn::decode_kernel<{head_dim}, {mt}, {stages}, {variant.cpp_flags()}, "
                                     f"{_dtypes.to_ctype(dtype)}>",

@@ -33,8 +33,8 @@ def extra_cases():
     return out
 
 
-TUNINGS = {"default": {}, "l2_off": dict(l2_prefetch=False), "refill1st": dict(refill_first=True),
-           "st2": dict(stages=2), "st2_refill1st": dict(stages=2, refill_first=True),
+TUNINGS = {"default": {}, "l2_256B": dict(l2_prefetch=True), "refill1st": dict(refill_first=True),
+           "st3": dict(stages=3), "st3_refill1st": dict(stages=3, refill_first=True),
            "st4_refill1st": dict(stages=4, refill_first=True)}
 
 
