@@ -8,6 +8,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvattn import decode, kernels, ops  # noqa: E402,F401
+try:
+    from kvattn import prefill  # noqa: F401  (registers its default set)
+except ImportError:
+    pass
 from kvattn.variants import Variant  # noqa: E402
 
 
