@@ -125,6 +125,17 @@ struct DecodeKernel {
     }
   }
 
+  // Issue the producer's tile into the slot consumed at iteration it - 1, move the producer on, and start the
+  // page-id loads of its next tile (used one iteration later). Always commits a group (maybe empty).
+  __device__ __forceinline__ void refill(Cursor& prod, long long (&off)[ROWS_PER_THREAD], T* smem, int it) const {
+    if (prod.valid()) {
+      issue(prod, off, smem + ((it + STAGES - 1) % STAGES) * STAGE_ELEMS, q_slot(prod, smem));
+      advance(prod);
+      row_offsets(prod, off);
+    }
+    cp_async_commit();
+  }
+
   __device__ void run(int c_index, T* smem) const {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int* chunk_indptr = p.plan + p.off_chunk_indptr;
@@ -135,14 +146,7 @@ struct DecodeKernel {
     long long off[ROWS_PER_THREAD];
     row_offsets(prod, off);
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      if (prod.valid()) {
-        issue(prod, off, smem + s * STAGE_ELEMS, q_slot(prod, smem));
-        advance(prod);
-        row_offsets(prod, off);
-      }
-      cp_async_commit();
-    }
+    for (int s = 0; s < STAGES - 1; ++s) refill(prod, off, smem, s + 1 - STAGES);   // fills slot s
 
     float o[M_TILES][CHUNKS][4];
     float m[M_TILES][2], l[M_TILES][2];
@@ -153,24 +157,14 @@ struct DecodeKernel {
       // Refill the slot freed by the previous iteration BEFORE waiting for this tile: STAGES tiles are in
       // flight during the wait (two barriers per tile instead of one).
       __syncthreads();
-      if (prod.valid()) {
-        issue(prod, off, smem + ((it + STAGES - 1) % STAGES) * STAGE_ELEMS, q_slot(prod, smem));
-        advance(prod);
-        row_offsets(prod, off);
-      }
-      cp_async_commit();
+      refill(prod, off, smem, it);
       cp_async_wait<STAGES - 1>();
       __syncthreads();
 #else
       // Wait for this tile, then refill the slot freed by the previous iteration (one barrier per tile).
       cp_async_wait<STAGES - 2>();
       __syncthreads();
-      if (prod.valid()) {
-        issue(prod, off, smem + ((it + STAGES - 1) % STAGES) * STAGE_ELEMS, q_slot(prod, smem));
-        advance(prod);
-        row_offsets(prod, off);
-      }
-      cp_async_commit();
+      refill(prod, off, smem, it);
 #endif
 
       if (cons.t0 == cons.begin) {  // a new item: reset the running state

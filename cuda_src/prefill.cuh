@@ -49,8 +49,24 @@ struct PrefillKernel {
   static constexpr int TILE = 64;                    // KV tokens per pipeline stage
   static constexpr int NW = TILE / WARPS_N;          // tokens of each tile a warp handles
   // Tokens per softmax step: the whole slice when the accumulators are small, else fewer (register budget).
-  static constexpr int SUBN = (D * MT <= 128) ? NW : (NW < (MT == 2 ? 16 : 32) ? NW : (MT == 2 ? 16 : 32));
-  static constexpr int KK_UNROLL = 2;                // partial unroll of the QK^T k-loop (register pressure)
+  // Tuning knobs (defines of the KernelSpec; the defaults are what kvattn.prefill launches):
+  //   KVATTN_PF_SUBN2: softmax step of the MT = 2 tiles; KVATTN_PF_KK_UNROLL: unroll of the QK^T k-loop;
+  //   KVATTN_PF_QREGS: keep the Q fragments in registers (MT = 1 tiles; halves the ldmatrix traffic of QK^T).
+#ifndef KVATTN_PF_SUBN2
+#define KVATTN_PF_SUBN2 32
+#endif
+#ifndef KVATTN_PF_KK_UNROLL
+#define KVATTN_PF_KK_UNROLL 2
+#endif
+#ifndef KVATTN_PF_QREGS
+#define KVATTN_PF_QREGS 0
+#endif
+  // (variant kernels of MT = 2 keep 16: their extra registers would spill at 32)
+  static constexpr int SUB_CAP = MT == 2 ? ((SOFT_CAP || WINDOW || CUSTOM) ? 16 : KVATTN_PF_SUBN2) : 32;
+  static constexpr int SUBN = (D * MT <= 128) ? NW : (NW < SUB_CAP ? NW : SUB_CAP);
+  static constexpr bool QREGS = KVATTN_PF_QREGS && MT == 1;
+  static constexpr int KK_UNROLL = QREGS ? D / 16 : KVATTN_PF_KK_UNROLL;
+  static constexpr int QF = QREGS ? D / 16 : 1;      // Q fragments held in registers
   static constexpr int NB = SUBN / 8;                // 8-token MMA blocks per step
   static constexpr int CHUNKS = D / 8;               // 16-byte chunks per row
   static constexpr int STAGES = (WARPS_M == 1 && D <= 128) ? 3 : 2;
@@ -113,8 +129,9 @@ struct PrefillKernel {
   // One 64-token tile (t0 = its first kv index) for this warp's rows and token slice.
   template <bool MASK>
   __device__ __forceinline__ static void compute(const PrefillParams& p, const Item& it, const T* qs, const T* ks,
-                                                 int t0, const int (&tokr)[MT][2], int lane, int warp_m, int warp_n,
-                                                 float (&o)[MT][CHUNKS][4], float (&m)[MT][2], float (&l)[MT][2]) {
+                                                 int t0, const int (&tokr)[MT][2], const unsigned (&qf)[QF][4], int lane,
+                                                 int warp_m, int warp_n, float (&o)[MT][CHUNKS][4], float (&m)[MT][2],
+                                                 float (&l)[MT][2]) {
     const T* vs = ks + KV_ELEMS;
     const int j8 = lane / 8;
 #pragma unroll
@@ -130,9 +147,14 @@ struct PrefillKernel {
 #pragma unroll KK_UNROLL
       for (int kk = 0; kk < D / 16; ++kk) {
         unsigned a[MT][4];
+        if constexpr (QREGS) {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-          ldmatrix_x4(a[mt], qs + swz<D>((warp_m * MT + mt) * 16 + (j8 % 2) * 8 + lane % 8, 2 * kk + j8 / 2));
+          for (int e = 0; e < 4; ++e) a[0][e] = qf[kk][e];
+        } else {
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+            ldmatrix_x4(a[mt], qs + swz<D>((warp_m * MT + mt) * 16 + (j8 % 2) * 8 + lane % 8, 2 * kk + j8 / 2));
+        }
 #pragma unroll
         for (int nb2 = 0; nb2 < NB / 2; ++nb2) {
           unsigned b[4];
@@ -234,24 +256,30 @@ struct PrefillKernel {
     head = kvh * p.group_size + (pr - tq * p.group_size);
   }
 
+  // The item's fields. The epilogue reads them again through a volatile pointer, so that the ones it alone
+  // needs are not held in registers across the mainloop (register budget of the MT = 2 tiles).
+  template <typename P>
+  __device__ __forceinline__ static Item load_item(const PrefillParams& p, P plan, int w) {
+    Item it;
+    const int base = p.off_items + 8 * w;
+    it.req = plan[base]; it.row0 = plan[base + 1]; it.nrows = plan[base + 2]; it.kb = plan[base + 3];
+    it.ke = plan[base + 4]; it.partial = plan[base + 5]; it.pstride = plan[base + 6];
+    it.qo_start = plan[p.off_qo_indptr + it.req];
+    it.qo_len = plan[p.off_qo_indptr + it.req + 1] - it.qo_start;
+    it.kv_len = plan[p.off_kv_len + it.req];
+    it.delta = it.kv_len - it.qo_len;
+    it.tok_lo = it.row0 / p.group_size;
+    it.tok_hi = (it.row0 + it.nrows - 1) / p.group_size;
+    it.pages = p.plan + p.off_page_indices + plan[p.off_page_indptr + it.req];
+    it.mask_bit0 = CUSTOM ? (long long)plan[p.off_mask_indptr + it.req] * 8 : 0;
+    return it;
+  }
+
   __device__ static void run(const PrefillParams& p, int w, T* smem) {
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
     const int kvh = blockIdx.y;
-    Item it;
-    {
-      const int4 a = *reinterpret_cast<const int4*>(p.plan + p.off_items + 8 * w);
-      const int4 b = *reinterpret_cast<const int4*>(p.plan + p.off_items + 8 * w + 4);
-      it.req = a.x; it.row0 = a.y; it.nrows = a.z; it.kb = a.w; it.ke = b.x; it.partial = b.y; it.pstride = b.z;
-      it.qo_start = p.plan[p.off_qo_indptr + it.req];
-      it.qo_len = p.plan[p.off_qo_indptr + it.req + 1] - it.qo_start;
-      it.kv_len = p.plan[p.off_kv_len + it.req];
-      it.delta = it.kv_len - it.qo_len;
-      it.tok_lo = it.row0 / p.group_size;
-      it.tok_hi = (it.row0 + it.nrows - 1) / p.group_size;
-      it.pages = p.plan + p.off_page_indices + p.plan[p.off_page_indptr + it.req];
-      it.mask_bit0 = CUSTOM ? (long long)p.plan[p.off_mask_indptr + it.req] * 8 : 0;
-    }
+    Item it = load_item(p, p.plan, w);
     T* qs = smem;
     T* kvs = smem + Q_ELEMS;
     long long* offs = reinterpret_cast<long long*>(kvs + STAGES * 2 * KV_ELEMS);   // [2][TILE]
@@ -293,6 +321,9 @@ struct PrefillKernel {
         for (int e = 0; e < 4; ++e) o[mt][dn][e] = 0.f;
     }
 
+    unsigned qf[QF][4];
+#pragma unroll
+    for (int kk = 0; kk < QF; ++kk) qf[kk][0] = qf[kk][1] = qf[kk][2] = qf[kk][3] = 0u;
     for (int ti = 0; ti < ntiles; ++ti) {
       cp_async_wait<STAGES - 2>();
       __syncthreads();
@@ -304,16 +335,24 @@ struct PrefillKernel {
       long long pf = 0;
       if (pf_on) pf = tok_offset(p, it.pages, min(it.kb + (nt + 1) * TILE + tid, it.ke - 1));
 
+      if constexpr (QREGS) {
+        if (ti == 0) {   // Q arrived with tile 0: its A fragments stay in registers for the whole item
+#pragma unroll
+          for (int kk = 0; kk < D / 16; ++kk)
+            ldmatrix_x4(qf[kk], qs + swz<D>(warp_m * 16 + ((lane / 8) % 2) * 8 + lane % 8, 2 * kk + lane / 16));
+        }
+      }
       const T* ks = kvs + (ti % STAGES) * 2 * KV_ELEMS;
       const int t0 = it.kb + ti * TILE;
       bool need = CUSTOM || t0 + TILE > it.ke;
       if (p.causal) need = need || t0 + TILE - 1 > it.delta + it.tok_lo;
       if (WINDOW) need = need || (p.window_left >= 0 && t0 < it.delta + it.tok_hi - p.window_left);
-      if (need) compute<true>(p, it, qs, ks, t0, tokr, lane, warp_m, warp_n, o, m, l);
-      else compute<false>(p, it, qs, ks, t0, tokr, lane, warp_m, warp_n, o, m, l);
+      if (need) compute<true>(p, it, qs, ks, t0, tokr, qf, lane, warp_m, warp_n, o, m, l);
+      else compute<false>(p, it, qs, ks, t0, tokr, qf, lane, warp_m, warp_n, o, m, l);
       if (pf_on) offs[((nt + 1) & 1) * TILE + tid] = pf;
     }
     cp_async_wait<0>();
+    it = load_item(p, static_cast<const volatile int*>(p.plan), w);
 
     if constexpr (WARPS_N == 1) {
 #pragma unroll
@@ -404,7 +443,7 @@ struct PrefillKernel {
 };
 
 template <int D, int WARPS_M, int MT, bool SOFT_CAP, bool WINDOW, bool CUSTOM, typename T>
-__global__ void __launch_bounds__(128) prefill_kernel(const __grid_constant__ PrefillParams p) {
+__global__ void __launch_bounds__(128, 1) prefill_kernel(const __grid_constant__ PrefillParams p) {
   if ((int)blockIdx.x >= p.plan[0]) return;   // padded grid (graph mode) or fewer items than launched
   extern __shared__ __align__(128) unsigned char smem_raw[];
   PrefillKernel<D, WARPS_M, MT, SOFT_CAP, WINDOW, CUSTOM, T>::run(p, blockIdx.x, reinterpret_cast<T*>(smem_raw));

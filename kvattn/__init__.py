@@ -6,6 +6,7 @@ from .stream import Event, Stream, default_stream
 from .formats import BlockSparse, CascadeLevels, PagedKVLayout, PageTable, Ragged, pack_mask, unpack_mask
 from .merge import merge_state, merge_state_in_place, merge_states
 from .decode import BatchDecodeWithPagedKVCache, single_decode
+from .prefill import BatchPrefillWithPagedKVCache, BatchPrefillWithRaggedKVCache, single_prefill
 from . import graphs, reference, scheduler
 
 __version__ = "0.1.0"

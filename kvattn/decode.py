@@ -109,7 +109,11 @@ class BatchDecodeWithPagedKVCache:
     # -- plan ------------------------------------------------------------------------------------
     def plan(self, page_table: PageTable, num_qo_heads, num_kv_heads, head_dim, *, q_dtype="bfloat16",
              kv_dtype=None, sm_scale=None, window_left=-1, logits_soft_cap=0.0, stream=None):
-        """Schedule the batch described by page_table (its host arrays are read now, not at run())."""
+        """Schedule the batch described by page_table (its host arrays are read now, not at run()).
+
+        The work lists reach the device by one async copy on `stream`. run() on another stream waits for that
+        copy; but the next plan() rewrites the same device region, so runs on other streams must be done first.
+        """
         if not isinstance(page_table, PageTable):
             raise TypeError(f"page_table: expected a kvattn.PageTable, got {type(page_table).__name__}")
         q_dtype = _dtypes.dtype_name(q_dtype)
@@ -186,7 +190,8 @@ class BatchDecodeWithPagedKVCache:
         dev = self._regions(regions)
         s = as_stream(stream)
         _driver.call("cuMemcpyHtoDAsync", dev["plan"].ptr, host.ctypes.data, total_i32 * 4, s.handle)
-        self._copy_done[self._turn].record(s)
+        copy_done = self._copy_done[self._turn]
+        copy_done.record(s)
         self._turn ^= 1
 
         base = dev["plan"].ptr
@@ -221,7 +226,8 @@ class BatchDecodeWithPagedKVCache:
                                           tn["refill_first"])),
             grid=(plan.num_chunks * zsplit, num_kv_heads, 1), smem=smem, params=p,
             merge_kernel=get_kernel(merge_spec("float32", q_dtype)) if merge_rows else None,
-            merge_grid=-(-merge_rows * num_qo_heads * (head_dim // 8) // 256), merge_params=mp)
+            merge_grid=-(-merge_rows * num_qo_heads * (head_dim // 8) // 256), merge_params=mp,
+            plan_stream=s.ptr, copy_done=copy_done)
         return self
 
     def _staging_buffer(self, nbytes: int) -> np.ndarray:
@@ -289,6 +295,8 @@ class BatchDecodeWithPagedKVCache:
             kv_page, kv_tok, kv_head = ks[0], ks[1], ks[2]
         else:
             kv_page, kv_head, kv_tok = ks[0], ks[1], ks[2]
+        if s.ptr != st["plan_stream"] and not self.use_cuda_graph:
+            s.wait(st["copy_done"])   # run() on another stream than plan(): order it after the plan's copy
         p = st["params"]
         p.set(q=q.ptr, k=k.ptr, v=v.ptr, o=out.ptr, lse=lse.ptr if lse is not None else 0,
               q_stride_n=qs[0], q_stride_h=qs[1], o_stride_n=os_[0], o_stride_h=os_[1],

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import reference
+from . import prefill, reference  # noqa: F401  (importing registers every op's kernels)
 from .decode import BatchDecodeWithPagedKVCache
 from .formats import PageTable
 from .merge import merge_state, merge_states

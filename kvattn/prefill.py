@@ -65,10 +65,15 @@ def choose_cta_rows(packed_len: float, head_dim: int) -> int:
     return 128
 
 
+#: query tile -> KernelSpec defines (tuning knobs of prefill.cuh: KVATTN_PF_SUBN2, KVATTN_PF_KK_UNROLL,
+#: KVATTN_PF_QREGS); empty = the header's defaults. scripts/bench_prefill.py --sweep overrides it.
+TUNING: dict = {}
+
+
 def prefill_spec(head_dim: int, cta_rows: int, variant: Variant, dtype: str) -> KernelSpec:
     wm, mt = CONFIGS[cta_rows]
     return KernelSpec("prefill.cuh", f"kvattn::prefill_kernel<{head_dim}, {wm}, {mt}, {variant.prefill_flags()}, "
-                                     f"{_dtypes.to_ctype(dtype)}>")
+                                     f"{_dtypes.to_ctype(dtype)}>", defines=tuple(TUNING.get(cta_rows, ())))
 
 
 def stages(head_dim: int, cta_rows: int) -> int:
@@ -189,6 +194,7 @@ class _BatchPrefill:
             raise ValueError(f"cta_rows: expected one of {sorted(CONFIGS)} (not 128 with head_dim 256), got {cta_rows}")
         variant = Variant(soft_cap=cap > 0, window=window_left >= 0, custom_mask=packed_mask is not None)
         kernel = get_kernel(prefill_spec(head_dim, cta_rows, variant, q_dtype))
+        kernel._allow_smem(smem_bytes(head_dim, cta_rows))   # now, not during a graph capture
         occ = ctas_per_sm(head_dim, cta_rows, kernel.resources.registers if kernel.resources else None)
         plan = scheduler.plan_prefill(qo_lens, kv_lens, group, hkv, cta_rows, causal=causal,
                                       window_left=window_left, num_sms=self.num_sms, ctas_per_sm=occ)
@@ -310,6 +316,7 @@ class _BatchPrefill:
 
     def _staging_buffer(self, nbytes: int) -> np.ndarray:
         """The pinned buffer of this turn (uint8 view), once its previous copy has finished."""
+        nbytes = (nbytes + 15) // 16 * 16
         t = self._turn
         if self._copy_done[t] is None:
             self._copy_done[t] = Event(disable_timing=True)

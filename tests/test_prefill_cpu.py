@@ -1,0 +1,171 @@
+"""CPU tests of the prefill scheduler, the prefill wrapper's validation and its parameter struct."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvattn import compiler, kernels, scheduler
+from kvattn.prefill import (CONFIGS, PREFILL_PARAMS, BatchPrefillWithPagedKVCache, BatchPrefillWithRaggedKVCache,
+                            choose_cta_rows, prefill_spec, smem_bytes)
+from kvattn.formats import PageTable
+from kvattn.variants import Variant
+
+
+def coverage(plan, qo, kv, group, causal, window_left):
+    """Check every allowed (request, token, head, kv position) is covered exactly once; returns nothing."""
+    qo, kv = np.asarray(qo), np.asarray(kv)
+    qo_start = np.concatenate([[0], np.cumsum(qo)])
+    cover = {}
+    for it in plan.items:
+        req, row0, nrows, kb, ke, part, pstride, _ = (int(x) for x in it)
+        assert 0 <= kb <= ke <= kv[req] and 1 <= nrows
+        assert (part < 0) == (pstride == 1 and part == -1) or part >= 0
+        for r in range(row0, row0 + nrows):
+            cover.setdefault((req, r), []).append((kb, ke, part, pstride, row0 // group))
+    # partial rows written by items are all distinct and merged exactly once
+    written = []
+    for (req, r), spans in cover.items():
+        tok = r // group
+        spans.sort()
+        # contiguous, non-overlapping, covering [lo, hi)
+        diag = kv[req] - qo[req] + tok
+        lo = 0 if window_left < 0 else max(0, diag - window_left)
+        hi = min(kv[req], diag + 1) if causal else kv[req]
+        assert spans[0][0] <= max(lo, 0) or spans[0][0] == spans[0][1]
+        assert spans[-1][1] >= min(hi, kv[req])
+        for a, b in zip(spans, spans[1:]):
+            assert a[1] == b[0]
+        if len(spans) == 1:
+            assert spans[0][2] == -1
+        else:
+            for kb, ke, part, pstride, t_lo in spans:
+                written.append((part + (tok - t_lo) * pstride, r % group, req))
+    for req in range(qo.size):
+        for r in range(qo[req] * group):
+            assert (req, r) in cover, f"request {req} packed row {r} not covered"
+    assert len(cover) == int((qo * group).sum())
+    # merges: each merged output token gathers exactly the partial rows of its chunks
+    merged = {}
+    for m in range(plan.num_merge):
+        rows = range(plan.merge_indptr[m], plan.merge_indptr[m + 1])
+        tok = int(plan.merge_rows[m])
+        req = int(np.searchsorted(qo_start, tok, side="right") - 1)
+        assert tok not in merged
+        merged[tok] = set(rows)
+        assert all(0 <= x < plan.num_partial_rows for x in rows)
+    for prow, h, req in written:
+        assert any(prow in s for s in merged.values())
+    seen = [x for s in merged.values() for x in s]
+    assert len(seen) == len(set(seen))
+
+
+@settings(max_examples=60, deadline=None)
+@given(qo=st.lists(st.integers(0, 300), min_size=1, max_size=6), extra=st.lists(st.integers(0, 5000), min_size=6,
+       max_size=6), group=st.sampled_from([1, 3, 4, 8, 40]), hkv=st.sampled_from([1, 8]),
+       rows=st.sampled_from([16, 64, 128]), causal=st.booleans(), window=st.sampled_from([-1, 0, 100]),
+       sms=st.sampled_from([4, 132]))
+def test_plan_covers_each_pair_once(qo, extra, group, hkv, rows, causal, window, sms):
+    kv = [q + e for q, e in zip(qo, extra)] if causal else extra[:len(qo)]
+    plan = scheduler.plan_prefill(qo, kv, group, hkv, rows, causal=causal, window_left=window, num_sms=sms)
+    coverage(plan, qo, kv, group, causal, window)
+    again = scheduler.plan_prefill(qo, kv, group, hkv, rows, causal=causal, window_left=window, num_sms=sms)
+    assert np.array_equal(plan.items, again.items)      # deterministic
+    mi, mp, mm = scheduler.prefill_bounds(len(qo), max(sum(qo), 1), group, hkv, rows, num_sms=sms)
+    assert plan.num_items <= mi and plan.num_partial_rows <= mp and plan.num_merge <= mm
+
+
+def test_long_append_is_split_into_one_wave():
+    plan = scheduler.plan_prefill([256], [65536 + 256], 4, 8, 128, causal=True, num_sms=132, ctas_per_sm=2)
+    assert plan.split and plan.num_items * 8 <= 264
+    lens = plan.items[:, 4] - plan.items[:, 3]
+    assert lens.max() <= 1.1 * lens.mean()
+
+
+def test_many_tiles_do_not_split_and_go_heavy_first():
+    plan = scheduler.plan_prefill([8192], [8192], 4, 8, 128, causal=True)
+    assert not plan.split
+    lens = plan.items[:, 4] - plan.items[:, 3]
+    assert (np.diff(lens) <= 0).all()
+
+
+def test_head_slices_when_group_exceeds_tile():
+    plan = scheduler.plan_prefill([3], [100], 40, 1, 16)
+    assert plan.head_slices == 3 and plan.num_items == 9
+    coverage(plan, [3], [100], 40, False, -1)
+
+
+def test_causal_needs_kv_ge_qo():
+    with pytest.raises(ValueError, match="kv_len >= qo_len"):
+        scheduler.plan_prefill([5], [4], 1, 1, 16, causal=True)
+
+
+def test_choose_cta_rows():
+    assert choose_cta_rows(16, 128) == 16 and choose_cta_rows(17, 128) == 64 and choose_cta_rows(4096, 128) == 128
+    assert choose_cta_rows(4096, 256) == 64
+
+
+def test_param_struct_size_matches_c_struct():
+    src = '#include "prefill.cuh"\n' + kernels.size_assert("kvattn::PrefillParams", PREFILL_PARAMS)
+    compiler.compile_cubin(src, "prefill_asserts.cu", [], [], "sm_90a")
+
+
+def test_variant_flags():
+    assert Variant().cpp_flags() == "false, false"
+    assert Variant(True, False, True).prefill_flags() == "true, false, true"
+    with pytest.raises(ValueError):
+        Variant(custom_mask=True).cpp_flags()
+
+
+def test_smem_fits():
+    for d in (64, 128, 256):
+        for r in CONFIGS:
+            if d == 256 and r == 128:
+                continue
+            assert smem_bytes(d, r) <= 227 * 1024
+
+
+def _ragged():
+    return BatchPrefillWithRaggedKVCache(num_sms=132)
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(causal=True, kv_indptr=[0, 3, 10]), ValueError, "kv_len >= qo_len"),
+    (dict(head_dim=96), ValueError, "head_dim"),
+    (dict(num_qo_heads=6, num_kv_heads=4), ValueError, "multiple of num_kv_heads"),
+    (dict(q_dtype="float32"), TypeError, "q_dtype"),
+    (dict(kv_dtype="float16"), TypeError, "kv_dtype"),
+    (dict(custom_mask=np.ones(5, bool)), ValueError, "custom_mask"),
+    (dict(custom_mask=np.ones(4, np.uint8)), ValueError, "mask_indptr"),
+    (dict(custom_mask=np.ones(4, np.uint8), mask_indptr=[0, 2, 4]), ValueError, "mask bytes"),
+    (dict(custom_mask=np.ones(4, np.float32)), TypeError, "custom_mask"),
+    (dict(qo_indptr=[0, 4, 3]), ValueError, "non-decreasing"),
+    (dict(kv_indptr=[0, 10]), ValueError, "kv_indptr"),
+    (dict(window_left=-2), ValueError, "window_left"),
+    (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap"),
+])
+def test_plan_rejects_bad_input(kw, err, match):
+    args = dict(qo_indptr=[0, 4, 6], kv_indptr=[0, 10, 20], num_qo_heads=8, num_kv_heads=2, head_dim=128)
+    args.update(kw)
+    with pytest.raises(err, match=match):
+        _ragged().plan(**args)
+
+
+def test_graph_mode_needs_bounds_and_checks_them():
+    with pytest.raises(ValueError, match="max_total_qo"):
+        BatchPrefillWithPagedKVCache(use_cuda_graph=True, max_batch_size=4, max_num_pages=10, num_sms=132)
+    with pytest.raises(ValueError, match="max_num_pages"):
+        BatchPrefillWithPagedKVCache(use_cuda_graph=True, max_batch_size=4, max_total_qo=10, num_sms=132)
+
+
+def test_paged_plan_rejects_bad_page_table():
+    w = BatchPrefillWithPagedKVCache(num_sms=132)
+    with pytest.raises(TypeError, match="PageTable"):
+        w.plan([0, 1], [0, 1], 8, 2, 128)
+    pt = PageTable(np.array([0, 1], np.int32), np.array([0], np.int32), np.array([3], np.int32), 16)
+    with pytest.raises(ValueError, match="qo_indptr"):
+        w.plan([0, 1, 2], pt, 8, 2, 128)
+
+
+def test_prefill_specs_are_registered():
+    from kvattn import prefill  # noqa: F401
+    specs = kernels.REGISTRY["prefill"]
+    assert prefill_spec(128, 128, Variant(), "bfloat16") in specs and len(specs) <= 8

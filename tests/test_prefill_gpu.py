@@ -1,0 +1,228 @@
+"""GPU tests of batch prefill / append (paged and ragged) against the float64 reference."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import kvattn
+from kvattn import _dtypes, graphs
+from kvattn.formats import PageTable
+from kvattn.prefill import BatchPrefillWithPagedKVCache, BatchPrefillWithRaggedKVCache, single_prefill
+
+from _gpu import assert_lse, poisoned, rel_l2, requires_gpu
+from _prefill_ref import request_ref, sample_rows
+
+pytestmark = requires_gpu
+TOL = {"bfloat16": 1e-2, "float16": 2e-3}
+SAMPLE_ROWS = 48
+
+
+def _kv_pages(rng, kv_lens, page_size, hkv, d, dtype, layout):
+    """Scattered pages: (k_cache, v_cache numpy, PageTable)."""
+    npages = [-(-int(n) // page_size) for n in kv_lens]
+    total = sum(npages)
+    perm = rng.permutation(total + 3).astype(np.int32)
+    indptr = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)
+    last = np.array([int(n) - (p - 1) * page_size if p else 0 for n, p in zip(kv_lens, npages)], np.int32)
+    pt = PageTable(indptr, perm[:total], last, page_size)
+    shape = (total + 3, page_size, hkv, d) if layout == "NHD" else (total + 3, hkv, page_size, d)
+    npd = _dtypes.to_numpy(dtype)
+    return rng.standard_normal(shape).astype(npd), rng.standard_normal(shape).astype(npd), pt
+
+
+def _request_kv(kc, vc, pt, i, layout):
+    pages = pt.pages(i)
+    n = int(pt.kv_lens[i])
+    k, v = kc[pages], vc[pages]
+    if layout == "HND":
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    return k.reshape(-1, *k.shape[2:])[:n], v.reshape(-1, *v.shape[2:])[:n]
+
+
+def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD", page_size=16, causal=False,
+             window_left=-1, cap=0.0, custom=False, sm_scale=None, check_requests=None, cta_rows=None):
+    hq = hkv * group
+    npd = _dtypes.to_numpy(dtype)
+    qo_lens, kv_lens = np.asarray(qo_lens), np.asarray(kv_lens)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    q = rng.standard_normal((int(qo_indptr[-1]), hq, d)).astype(npd)
+    masks = [rng.random((int(a), int(b))) < 0.7 for a, b in zip(qo_lens, kv_lens)] if custom else None
+    flat = np.concatenate([m.ravel() for m in masks]) if custom else None
+    if paged:
+        kc, vc, pt = _kv_pages(rng, kv_lens, page_size, hkv, d, dtype, layout)
+        w = BatchPrefillWithPagedKVCache(kv_layout=layout)
+        w.plan(qo_indptr, pt, hq, hkv, d, causal=causal, custom_mask=flat, sm_scale=sm_scale,
+               window_left=window_left, logits_soft_cap=cap, q_dtype=dtype, cta_rows=cta_rows)
+        args = (kvattn.from_numpy(kc), kvattn.from_numpy(vc))
+        fetch = lambda i: _request_kv(kc, vc, pt, i, layout)  # noqa: E731
+    else:
+        kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+        n = int(kv_indptr[-1])
+        shape = (n, hkv, d) if layout == "NHD" else (hkv, n, d)
+        k, v = rng.standard_normal(shape).astype(npd), rng.standard_normal(shape).astype(npd)
+        w = BatchPrefillWithRaggedKVCache(kv_layout=layout)
+        w.plan(qo_indptr, kv_indptr, hq, hkv, d, causal=causal, custom_mask=flat, sm_scale=sm_scale,
+               window_left=window_left, logits_soft_cap=cap, q_dtype=dtype, cta_rows=cta_rows)
+        args = (kvattn.from_numpy(k), kvattn.from_numpy(v))
+
+        def fetch(i):
+            s = slice(kv_indptr[i], kv_indptr[i + 1])
+            return (k[s], v[s]) if layout == "NHD" else (k[:, s].transpose(1, 0, 2), v[:, s].transpose(1, 0, 2))
+    total = int(qo_indptr[-1])
+    out = poisoned((total, hq, d), dtype)
+    lse = poisoned((total, hq), "float32")
+    w.run(kvattn.from_numpy(q), *args, out=out, lse=lse)
+    o_h, l_h = out.numpy().astype(np.float64), lse.numpy()
+    assert not np.isnan(o_h).any(), "output has unwritten (NaN) elements"
+    assert not np.isnan(l_h).any(), "lse has unwritten (NaN) elements"
+    reqs = range(len(qo_lens)) if check_requests is None else check_requests
+    for i in reqs:
+        if qo_lens[i] == 0:
+            continue
+        kk, vv = fetch(i)
+        rows = sample_rows(int(qo_lens[i]), SAMPLE_ROWS, rng)
+        qi = q[qo_indptr[i]:qo_indptr[i + 1]]
+        ro, rl = request_ref(qi, kk, vv, rows, causal, window_left, cap,
+                             sm_scale if sm_scale is not None else 1 / np.sqrt(d), masks[i] if custom else None)
+        got = o_h[qo_indptr[i] + rows]
+        err = rel_l2(got, ro)
+        assert err <= TOL[dtype], f"request {i} (qo {qo_lens[i]}, kv {kv_lens[i]}): rel L2 {err:.2e}"
+        assert_lse(l_h[qo_indptr[i] + rows], rl, TOL[dtype])
+    return w
+
+
+@st.composite
+def cases(draw):
+    causal = draw(st.booleans())
+    b = draw(st.integers(1, 3))
+    qo = [draw(st.one_of(st.integers(1, 8), st.integers(0, 1024))) for _ in range(b)]
+    if causal:
+        kv = [q + draw(st.integers(0, 3072)) for q in qo]
+    else:
+        kv = [draw(st.one_of(st.integers(0, 64), st.integers(0, 4096))) for _ in range(b)]
+    return dict(
+        dtype=draw(st.sampled_from(["bfloat16", "float16"])), d=draw(st.sampled_from([64, 128, 256])),
+        hkv=draw(st.sampled_from([1, 2])), group=draw(st.sampled_from([1, 4, 5, 8])), qo_lens=qo, kv_lens=kv,
+        layout=draw(st.sampled_from(["NHD", "HND"])), page_size=draw(st.sampled_from([1, 5, 16, 64])),
+        causal=causal, window_left=draw(st.sampled_from([-1, -1, -1, 0, 37, 300])),
+        cap=draw(st.sampled_from([0.0, 0.0, 0.0, 30.0])), custom=draw(st.sampled_from([False, False, False, True])))
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+@given(c=cases(), seed=st.integers(0, 2**31 - 1))
+def test_paged_matches_reference(c, seed):
+    run_case(np.random.default_rng(seed), paged=True, **c)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+@given(c=cases(), seed=st.integers(0, 2**31 - 1))
+def test_ragged_matches_reference(c, seed):
+    c.pop("page_size")
+    run_case(np.random.default_rng(seed), paged=False, **c)
+
+
+@pytest.mark.parametrize("cta_rows", [16, 64, 128])
+@pytest.mark.parametrize("group", [1, 5, 8])
+def test_every_query_tile(cta_rows, group):
+    run_case(np.random.default_rng(cta_rows * 10 + group), dtype="bfloat16", d=128, hkv=2, group=group,
+             qo_lens=[1, 70, 4, 300], kv_lens=[1000, 70, 900, 2000], paged=True, causal=True, cta_rows=cta_rows)
+
+
+def test_speculative_verify_shape():
+    run_case(np.random.default_rng(1), dtype="bfloat16", d=128, hkv=8, group=4, qo_lens=[4] * 64,
+             kv_lens=[4096] * 64, paged=True, causal=True, check_requests=[0, 17, 63])
+
+
+def test_long_append_splits_kv():
+    w = run_case(np.random.default_rng(2), dtype="bfloat16", d=128, hkv=8, group=4, qo_lens=[256],
+                 kv_lens=[65536 + 256], paged=False, causal=True)
+    assert w._plan["plan"].split
+
+
+def test_long_prefill_and_empty_requests():
+    run_case(np.random.default_rng(3), dtype="float16", d=64, hkv=1, group=8, qo_lens=[0, 5000, 3, 0],
+             kv_lens=[10, 5000, 0, 0], paged=True, causal=False, check_requests=[1, 2])
+
+
+def test_single_prefill():
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((100, 8, 128)).astype(_dtypes.to_numpy("bfloat16"))
+    k = rng.standard_normal((300, 2, 128)).astype(_dtypes.to_numpy("bfloat16"))
+    v = rng.standard_normal((300, 2, 128)).astype(_dtypes.to_numpy("bfloat16"))
+    o, lse = single_prefill(q, k, v, causal=True, return_lse=True)
+    ro, rl = kvattn.reference.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                                        causal=True, return_lse=True)
+    assert rel_l2(o.numpy(), ro) <= 1e-2
+    assert_lse(lse.numpy(), rl, 1e-2)
+
+
+def test_graph_replay_after_replan():
+    rng = np.random.default_rng(5)
+    hkv, group, d, ps = 2, 4, 128, 16
+    hq = hkv * group
+    bf = _dtypes.to_numpy("bfloat16")
+    max_pages = 2000
+    kc = rng.standard_normal((max_pages, ps, hkv, d)).astype(bf)
+    vc = rng.standard_normal((max_pages, ps, hkv, d)).astype(bf)
+    kd, vd = kvattn.from_numpy(kc), kvattn.from_numpy(vc)
+    w = BatchPrefillWithPagedKVCache(use_cuda_graph=True, max_batch_size=8, max_num_pages=max_pages,
+                                     max_total_qo=1024)
+    qbuf = kvattn.empty((1024, hq, d), "bfloat16")
+    obuf = kvattn.empty((1024, hq, d), "bfloat16")
+    lbuf = kvattn.empty((1024, hq), "float32")
+
+    def batch(qo_lens, kv_lens):
+        npages = [-(-n // ps) for n in kv_lens]
+        ids = rng.permutation(max_pages)[:sum(npages)].astype(np.int32)
+        pt = PageTable(np.concatenate([[0], np.cumsum(npages)]).astype(np.int32), ids,
+                       np.array([n - (p - 1) * ps for n, p in zip(kv_lens, npages)], np.int32), ps)
+        qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+        q = rng.standard_normal((int(qo_indptr[-1]), hq, d)).astype(bf)
+        return pt, qo_indptr, q
+
+    def check(pt, qo_indptr, q):
+        o, l = obuf.numpy()[:q.shape[0]], lbuf.numpy()[:q.shape[0]]
+        for i in range(pt.batch_size):
+            pages = pt.pages(i)
+            n = int(pt.kv_lens[i])
+            kk = kc[pages].reshape(-1, hkv, d)[:n]
+            vv = vc[pages].reshape(-1, hkv, d)[:n]
+            qi = q[qo_indptr[i]:qo_indptr[i + 1]]
+            rows = sample_rows(qi.shape[0], SAMPLE_ROWS, rng)
+            ro, rl = request_ref(qi, kk, vv, rows, True, -1, 0.0, 1 / np.sqrt(d))
+            assert rel_l2(o[qo_indptr[i] + rows], ro) <= 1e-2
+            assert_lse(l[qo_indptr[i] + rows], rl, 1e-2)
+
+    def upload(q):
+        tmp = kvattn.from_numpy(q)
+        kvattn._driver.call("cuMemcpyDtoDAsync", qbuf.ptr, tmp.ptr, tmp.nbytes, kvattn.default_stream().handle)
+        kvattn.default_stream().synchronize()
+
+    pt, qi, q = batch([100, 30, 7], [500, 30, 4000])
+    upload(q)
+    w.plan(qi, pt, hq, hkv, d, causal=True)
+    t = int(qi[-1])
+    with graphs.capture() as cap:
+        w.run(qbuf[:t], kd, vd, out=obuf[:t], lse=lbuf[:t])
+    cap.graph.replay()
+    kvattn.default_stream().synchronize()
+    check(pt, qi, q)
+    # a different batch (more requests, one long append that splits): same graph
+    for qo_lens, kv_lens in (([4] * 8, [3000, 40, 4, 900, 16, 17, 2500, 4]), ([300], [20000])):
+        pt, qi, q = batch(qo_lens, kv_lens)
+        upload(q)
+        w.plan(qi, pt, hq, hkv, d, causal=True)
+        cap.graph.replay()
+        kvattn.default_stream().synchronize()
+        check(pt, qi, q)
+
+
+def test_bad_inputs_raise_before_launch():
+    w = BatchPrefillWithRaggedKVCache()
+    w.plan([0, 4, 6], [0, 10, 20], 8, 2, 128, causal=True)
+    q = kvattn.empty((5, 8, 128), "bfloat16")
+    k = kvattn.empty((20, 2, 128), "bfloat16")
+    with pytest.raises(ValueError, match="q: expected shape"):
+        w.run(q, k, k)
+    q = kvattn.empty((6, 8, 128), "float16")
+    with pytest.raises(TypeError, match="q: expected dtype"):
+        w.run(q, k, k)
