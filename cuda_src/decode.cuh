@@ -8,6 +8,7 @@
 // through shared memory at the end of each item. Scores live in the log2 domain; the LSE written is natural.
 #pragma once
 #include "mma.cuh"
+#include "warp_merge.cuh"
 
 #ifndef KVATTN_REFILL_FIRST
 #define KVATTN_REFILL_FIRST 0
@@ -46,15 +47,14 @@ struct DecodeKernel {
   static constexpr int ROWS = 16 * M_TILES;          // query rows of the MMA tile
   static constexpr int STAGES = STAGES_;             // cp.async ring depth (tiles in flight + 1)
   static constexpr int KV_ELEMS = TILE * D;          // one of K or V per stage
-  static constexpr int OSTRIDE = D + 4;              // padded float row of the epilogue scratch
-  static constexpr int SCRATCH_PAD = (WARPS * 16 * 4 * 4 + 2 * WARPS * 16 * 4) / 2;   // elements
+  static constexpr int SCRATCH_PAD = (WarpMerge<D, 4>::BYTES - 2 * TILE * D * 2) / 2;  // epilogue room, elements
   static constexpr int STAGE_ELEMS = 2 * KV_ELEMS + SCRATCH_PAD;   // K, V (+ room for the epilogue)
   static constexpr int Q_ELEMS = ROWS * D;           // one Q slot; STAGES slots, by item ordinal
   static constexpr int SMEM_BYTES = (STAGES * STAGE_ELEMS + STAGES * Q_ELEMS) * 2;
   static constexpr int ROWS_PER_THREAD = TILE * CHUNKS / THREADS;   // K rows each thread copies per tile
   static_assert(D % 64 == 0, "head_dim must be 64, 128 or 256");
   static_assert((THREADS % CHUNKS) == 0, "thread layout");
-  static_assert(WARPS * 16 * OSTRIDE * 4 + 2 * WARPS * 16 * 4 <= STAGE_ELEMS * 2, "epilogue scratch fits a stage");
+  static_assert(WarpMerge<D, WARPS>::BYTES <= STAGE_ELEMS * 2, "epilogue scratch fits a stage");
 
   // Position in the tile stream: work item w (index into the plan), its token range, tile start t0.
   // Item w's query rows live in Q slot (w - w_first) % STAGES: the producer runs at most STAGES - 1 tiles
@@ -266,49 +266,18 @@ struct DecodeKernel {
   // Merge the 4 warps' states of this item through the stage's shared memory and write o / lse.
   __device__ void epilogue(T* stage, const Cursor& c, int lane, int warp, float (&o)[M_TILES][CHUNKS][4],
                            float (&m)[M_TILES][2], float (&l)[M_TILES][2]) const {
-    float* so = reinterpret_cast<float*>(stage);
-    float* sm = so + WARPS * 16 * OSTRIDE;
-    float* sl = sm + WARPS * 16;
+    const WarpMerge<D, WARPS> wm(stage);
     const int partial = p.plan[p.off_work_partial + c.w];
-    const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
       __syncthreads();  // every warp is done with the stage's K/V (and the previous m-tile's scratch)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float lr = l[mt][r];
-        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-        const int row = g + 8 * r;
-        if (t == 0) { sm[warp * 16 + row] = m[mt][r]; sl[warp * 16 + row] = lr; }
-#pragma unroll
-        for (int dn = 0; dn < CHUNKS; ++dn)
-          *reinterpret_cast<float2*>(so + (warp * 16 + row) * OSTRIDE + dn * 8 + 2 * t) =
-              make_float2(o[mt][dn][2 * r], o[mt][dn][2 * r + 1]);
-      }
+      wm.stash(warp, lane, o[mt], m[mt], l[mt]);
       __syncthreads();
       const int rows = min(16, nrows - mt * 16);
       for (int i = threadIdx.x; i < rows * CHUNKS; i += THREADS) {
         const int row = i / CHUNKS, ch = i % CHUNKS;
-        float mw[WARPS], big = KVATTN_NEG_INF;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) { mw[w] = sm[w * 16 + row]; big = fmaxf(big, mw[w]); }
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        float lsum = 0.f;
-        if (big != KVATTN_NEG_INF) {
-#pragma unroll
-          for (int w = 0; w < WARPS; ++w) {
-            const float f = fast_exp2(mw[w] - big);
-            lsum += f * sl[w * 16 + row];
-            const float* src = so + (w * 16 + row) * OSTRIDE + ch * 8;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] = fmaf(f, src[e], acc[e]);
-          }
-          const float inv = 1.f / lsum;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[e] *= inv;
-        }
-        const float lse = big == KVATTN_NEG_INF ? KVATTN_NEG_INF : (big + __log2f(lsum)) * kLn2;
+        float acc[8];
+        const float lse = wm.merge(row, ch, acc);
         const int head = head0 + mt * 16 + row;
         if (partial < 0) {
           Vec8<T>::store(static_cast<T*>(p.o) + c.req * p.o_stride_n + head * p.o_stride_h + ch * 8, acc);

@@ -17,6 +17,7 @@
 // the item decoding, the variants and the epilogue stay.
 #pragma once
 #include "mma.cuh"
+#include "warp_merge.cuh"
 
 namespace kvattn {
 
@@ -74,13 +75,11 @@ struct PrefillKernel {
   static constexpr int Q_ELEMS = ROWS * D;
   static constexpr int RSTEP = THREADS / CHUNKS;     // rows per copy pass
   static constexpr int RPT = TILE / RSTEP;           // rows each thread copies per tile (of K and of V)
-  static constexpr int OSTRIDE = D + 4;              // padded float row of the warp-merge scratch
   static constexpr int SMEM_BYTES = (Q_ELEMS + STAGES * 2 * KV_ELEMS) * (int)sizeof(T) + 2 * TILE * 8;
   static_assert(D % 64 == 0, "head_dim must be 64, 128 or 256");
   static_assert(WARPS_N == 1 || MT == 1, "warps split the KV tile only with one m-tile per warp");
   static_assert(SUBN % 16 == 0, "softmax step is a multiple of the MMA k");
-  static_assert(WARPS_N == 1 ||
-                WARPS * 16 * OSTRIDE * 4 + 2 * WARPS * 16 * 4 <= STAGES * 2 * KV_ELEMS * (int)sizeof(T),
+  static_assert(WARPS_N == 1 || WarpMerge<D, WARPS>::BYTES <= STAGES * 2 * KV_ELEMS * (int)sizeof(T),
                 "warp-merge scratch fits the K/V stages");
 
   // Per-item state of this thread.
@@ -389,44 +388,13 @@ struct PrefillKernel {
     } else {
       // Merge the warps' states (each saw a quarter of every tile) through the K/V stages' shared memory.
       __syncthreads();
-      float* so = reinterpret_cast<float*>(kvs);
-      float* sm = so + WARPS * 16 * OSTRIDE;
-      float* sl = sm + WARPS * 16;
-      const int g = lane / 4, t = lane % 4;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float lr = l[0][r];
-        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-        const int row = g + 8 * r;
-        if (t == 0) { sm[warp * 16 + row] = m[0][r]; sl[warp * 16 + row] = lr; }
-#pragma unroll
-        for (int dn = 0; dn < CHUNKS; ++dn)
-          *reinterpret_cast<float2*>(so + (warp * 16 + row) * OSTRIDE + dn * 8 + 2 * t) =
-              make_float2(o[0][dn][2 * r], o[0][dn][2 * r + 1]);
-      }
+      const WarpMerge<D, WARPS> wm(kvs);
+      wm.stash(warp, lane, o[0], m[0], l[0]);
       __syncthreads();
       for (int i = tid; i < it.nrows * CHUNKS; i += THREADS) {
         const int row = i / CHUNKS, ch = i % CHUNKS;
-        float mw[WARPS], big = KVATTN_NEG_INF;
-#pragma unroll
-        for (int ww = 0; ww < WARPS; ++ww) { mw[ww] = sm[ww * 16 + row]; big = fmaxf(big, mw[ww]); }
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        float lsum = 0.f;
-        if (big != KVATTN_NEG_INF) {
-#pragma unroll
-          for (int ww = 0; ww < WARPS; ++ww) {
-            const float f = fast_exp2(mw[ww] - big);
-            lsum += f * sl[ww * 16 + row];
-            const float* src = so + (ww * 16 + row) * OSTRIDE + ch * 8;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] = fmaf(f, src[e], acc[e]);
-          }
-          const float inv = 1.f / lsum;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[e] *= inv;
-        }
-        const float lse = big == KVATTN_NEG_INF ? KVATTN_NEG_INF : (big + __log2f(lsum)) * kLn2;
+        float acc[8];
+        const float lse = wm.merge(row, ch, acc);
         int tq, head;
         row_dest(p, it, row, kvh, tq, head);
         if (it.partial < 0) {

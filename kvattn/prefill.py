@@ -26,6 +26,7 @@ import math
 import numpy as np
 
 from . import _driver, _dtypes, _validate as _v, scheduler
+from .decode import DTYPES, HEAD_DIMS, LOG2E, THREADS
 from .formats import PageTable, pack_mask
 from .kernels import KernelSpec, ParamBuffer, get_kernel, register
 from .memory import DeviceArray, PinnedBuffer, Workspace, asarray, empty
@@ -45,10 +46,6 @@ PREFILL_PARAMS = np.dtype([
     ("score_scale", "f4"), ("cap_log2", "f4"),
 ], align=True)
 
-HEAD_DIMS = (64, 128, 256)
-DTYPES = ("float16", "bfloat16")
-THREADS = 128
-LOG2E = 1.4426950408889634
 DEFAULT_WORKSPACE = 256 << 20
 RAGGED_PAGE_SHIFT = 30
 #: query tile (packed rows per CTA) -> (WARPS_M, MT) of prefill_kernel

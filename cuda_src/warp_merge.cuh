@@ -1,0 +1,61 @@
+// Merge of the partial softmax states of WARPS warps that each saw part of the same KV, through shared memory.
+// Scratch layout: o [WARPS][16][D + 4] floats (padded rows), then m [WARPS][16], then l [WARPS][16].
+#pragma once
+#include "common.cuh"
+
+namespace kvattn {
+
+template <int D, int WARPS> struct WarpMerge {
+  static constexpr int OSTRIDE = D + 4;
+  static constexpr int CHUNKS = D / 8;
+  static constexpr int BYTES = (WARPS * 16 * OSTRIDE + 2 * WARPS * 16) * 4;
+  float* so;
+  float* sm;
+  float* sl;
+  __device__ explicit WarpMerge(void* scratch)
+      : so(static_cast<float*>(scratch)), sm(so + WARPS * 16 * OSTRIDE), sl(sm + WARPS * 16) {}
+
+  // Each warp stores its 16-row state: o (mma accumulator layout), running max m (log2 domain), row sums l
+  // (per-thread partials, reduced over the quad here). A __syncthreads() must follow before merge().
+  __device__ __forceinline__ void stash(int warp, int lane, const float (&o)[CHUNKS][4], const float (&m)[2],
+                                        const float (&l)[2]) const {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float lr = l[r];
+      lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+      lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+      const int row = g + 8 * r;
+      if (t == 0) { sm[warp * 16 + row] = m[r]; sl[warp * 16 + row] = lr; }
+#pragma unroll
+      for (int dn = 0; dn < CHUNKS; ++dn)
+        *reinterpret_cast<float2*>(so + (warp * 16 + row) * OSTRIDE + dn * 8 + 2 * t) =
+            make_float2(o[dn][2 * r], o[dn][2 * r + 1]);
+    }
+  }
+
+  // The merged, normalised 8 columns [8 ch, 8 ch + 8) of `row`; returns the natural-log LSE (-inf if empty).
+  __device__ __forceinline__ float merge(int row, int ch, float (&acc)[8]) const {
+    float mw[WARPS], big = KVATTN_NEG_INF;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) { mw[w] = sm[w * 16 + row]; big = fmaxf(big, mw[w]); }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+    if (big == KVATTN_NEG_INF) return KVATTN_NEG_INF;
+    float lsum = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float f = fast_exp2(mw[w] - big);
+      lsum += f * sl[w * 16 + row];
+      const float* src = so + (w * 16 + row) * OSTRIDE + ch * 8;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = fmaf(f, src[e], acc[e]);
+    }
+    const float inv = 1.f / lsum;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] *= inv;
+    return (big + __log2f(lsum)) * kLn2;
+  }
+};
+
+}  // namespace kvattn
