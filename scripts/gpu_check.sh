@@ -10,3 +10,4 @@ python3 -m kvattn 2>&1 | tee "$OUT/main.log" | tail -12
 python3 scripts/bench_launch.py 2>&1 | tee "$OUT/launch.log" | tail -6
 python3 scripts/bench_merge.py 2>&1 | tee "$OUT/merge.log" | tail -5
 python3 scripts/bench_decode.py ${BENCH_ARGS:-} --json "$OUT/decode.jsonl" 2>&1 | tee "$OUT/decode.log" | tail -25
+python3 scripts/bench_prefill.py 2>&1 | tee "$OUT/prefill.log" | tail -12
