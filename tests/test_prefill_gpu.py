@@ -11,7 +11,7 @@ from kvattn.prefill import BatchPrefillWithPagedKVCache, BatchPrefillWithRaggedK
 from _gpu import assert_lse, poisoned, rel_l2, requires_gpu
 from _prefill_ref import request_ref, sample_rows
 
-pytestmark = requires_gpu
+pytestmark = [pytest.mark.gpu, requires_gpu]
 TOL = {"bfloat16": 1e-2, "float16": 2e-3}
 SAMPLE_ROWS = 48
 
