@@ -168,15 +168,7 @@ struct DecodeKernel {
 #endif
 
       if (cons.t0 == cons.begin) {  // a new item: reset the running state
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt) {
-          m[mt][0] = m[mt][1] = KVATTN_NEG_INF;
-          l[mt][0] = l[mt][1] = 0.f;
-#pragma unroll
-          for (int dn = 0; dn < CHUNKS; ++dn)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o[mt][dn][e] = 0.f;
-        }
+        reset_state(o, m, l);
         if (WINDOW) {
           const int np = p.page_indptr[cons.req + 1] - p.page_indptr[cons.req];
           kv_len = np == 0 ? 0 : (np - 1) * p.page_size + p.last_page_len[cons.req];

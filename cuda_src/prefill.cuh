@@ -310,15 +310,7 @@ struct PrefillKernel {
       }
     float o[MT][CHUNKS][4];
     float m[MT][2], l[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      m[mt][0] = m[mt][1] = KVATTN_NEG_INF;
-      l[mt][0] = l[mt][1] = 0.f;
-#pragma unroll
-      for (int dn = 0; dn < CHUNKS; ++dn)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[mt][dn][e] = 0.f;
-    }
+    reset_state(o, m, l);
 
     unsigned qf[QF][4];
 #pragma unroll

@@ -5,6 +5,20 @@
 
 namespace kvattn {
 
+// Empty online-softmax state: o = 0, running max m = -inf, row sums l = 0 (MT m-tiles of 16 rows).
+template <int MT, int CHUNKS>
+__device__ __forceinline__ void reset_state(float (&o)[MT][CHUNKS][4], float (&m)[MT][2], float (&l)[MT][2]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    m[mt][0] = m[mt][1] = KVATTN_NEG_INF;
+    l[mt][0] = l[mt][1] = 0.f;
+#pragma unroll
+    for (int dn = 0; dn < CHUNKS; ++dn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][dn][e] = 0.f;
+  }
+}
+
 template <int D, int WARPS> struct WarpMerge {
   static constexpr int OSTRIDE = D + 4;
   static constexpr int CHUNKS = D / 8;

@@ -17,9 +17,9 @@ import numpy as np
 from . import _driver, _dtypes, scheduler
 from .formats import PageTable
 from .kernels import KernelSpec, ParamBuffer, get_kernel, register
-from .memory import DeviceArray, PinnedBuffer, Workspace, asarray, empty
+from .memory import DeviceArray, StagingRing, asarray, empty, fit_workspace
 from .merge import MERGE_PARAMS, merge_spec
-from .stream import Event, as_stream
+from .stream import as_stream
 from .variants import Variant
 
 DECODE_PARAMS = np.dtype([
@@ -101,9 +101,7 @@ class BatchDecodeWithPagedKVCache:
         self.tuning = {**DEFAULT_TUNING, **(tuning or {})}
         self._workspace_bytes = workspace_bytes or (DEFAULT_WORKSPACE if use_cuda_graph else None)
         self.workspace = None   # allocated by the first plan(): constructing a wrapper touches no GPU
-        self._staging = [None, None]   # two pinned buffers: one may still be in flight
-        self._copy_done = [None, None]
-        self._turn = 0
+        self._staging = StagingRing()   # pinned host buffers for plan()'s one copy
         self._plan = None
 
     # -- plan ------------------------------------------------------------------------------------
@@ -171,7 +169,7 @@ class BatchDecodeWithPagedKVCache:
         off_indices = off_indptr + _round4(cap_b + 1)
         off_last = off_indices + _round4(max(cap_p, 1))
         total_i32 = off_last + _round4(max(cap_b, 1))
-        host = self._staging_buffer(total_i32 * 4)
+        host = self._staging.acquire(total_i32 * 4).view(np.int32)
         plan = scheduler.plan_decode(
             kv_lens, page_table.page_size, num_kv_heads * zsplit, num_kv_heads * zsplit, head_dim, num_sms=self.num_sms,
             ctas_per_sm=ctas_per_sm, max_batch_size=self.max_batch_size if self.use_cuda_graph else None,
@@ -187,12 +185,10 @@ class BatchDecodeWithPagedKVCache:
             "tmp_o": ((max_partial, num_qo_heads, head_dim), "float32"),
             "tmp_lse": ((max_partial, num_qo_heads), "float32"),
         }
-        dev = self._regions(regions)
+        self.workspace, dev = fit_workspace(self.workspace, regions, self._workspace_bytes)
         s = as_stream(stream)
         _driver.call("cuMemcpyHtoDAsync", dev["plan"].ptr, host.ctypes.data, total_i32 * 4, s.handle)
-        copy_done = self._copy_done[self._turn]
-        copy_done.record(s)
-        self._turn ^= 1
+        copy_done = self._staging.release(s)
 
         base = dev["plan"].ptr
         L = plan.layout
@@ -229,34 +225,6 @@ class BatchDecodeWithPagedKVCache:
             merge_grid=-(-merge_rows * num_qo_heads * (head_dim // 8) // 256), merge_params=mp,
             plan_stream=s.ptr, copy_done=copy_done)
         return self
-
-    def _staging_buffer(self, nbytes: int) -> np.ndarray:
-        """The pinned buffer of this turn, once its previous copy has finished (double buffering)."""
-        t = self._turn
-        if self._copy_done[t] is None:
-            self._copy_done[t] = Event(disable_timing=True)
-        else:
-            self._copy_done[t].synchronize()
-        buf = self._staging[t]
-        if buf is None or buf.nbytes < nbytes:
-            if self.use_cuda_graph and buf is not None:
-                raise AssertionError("graph-mode staging buffer must not grow")  # sizes are fixed by the bounds
-            buf = self._staging[t] = PinnedBuffer(max(nbytes, 4096))
-        return buf.view(np.int32)
-
-    def _regions(self, spec) -> dict:
-        """Fixed workspace (workspace_bytes or graph mode): carve it, or raise WorkspaceTooSmall naming the
-        bytes needed. Otherwise grow it as needed (allocation happens in plan(), never in run())."""
-        if self._workspace_bytes is not None:
-            if self.workspace is None:
-                self.workspace = Workspace(self._workspace_bytes)
-        else:
-            need = Workspace.bytes_needed(spec)
-            if self.workspace is None or self.workspace.nbytes < need:
-                if self.workspace is not None:
-                    as_stream(None).synchronize()  # queued work may still read the old buffer
-                self.workspace = Workspace(max(need, 1 << 20))
-        return self.workspace.regions(spec)
 
     # -- run -------------------------------------------------------------------------------------
     def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None):

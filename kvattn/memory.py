@@ -302,6 +302,37 @@ def _free_host(ptr):
         pass
 
 
+class StagingRing:
+    """Two pinned host buffers used in turn for plan()'s host-to-device copies: a buffer is reused only after
+    the copy issued from it two plans ago has finished (waits on that copy's event), so it is never overwritten
+    while in flight."""
+
+    def __init__(self):
+        self._buffers = [None, None]
+        self._events = [None, None]
+        self._turn = 0
+
+    def acquire(self, nbytes: int) -> np.ndarray:
+        """This turn's buffer (uint8 view of at least nbytes), once its previous copy is done."""
+        from .stream import Event
+        t = self._turn
+        if self._events[t] is None:
+            self._events[t] = Event(disable_timing=True)
+        else:
+            self._events[t].synchronize()
+        buf = self._buffers[t]
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._buffers[t] = PinnedBuffer(max(nbytes, 4096, 2 * (buf.nbytes if buf else 0)))
+        return buf.bytes
+
+    def release(self, stream) -> "object":
+        """Record the end of the copies just issued from this turn's buffer on `stream`; returns that event."""
+        ev = self._events[self._turn]
+        ev.record(stream)
+        self._turn ^= 1
+        return ev
+
+
 class WorkspaceTooSmall(ValueError):
     """The workspace cannot hold the requested regions; the message says how many bytes are needed."""
 
@@ -341,3 +372,21 @@ class Workspace:
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def fit_workspace(ws: "Workspace | None", spec, fixed_bytes: "int | None"):
+    """(workspace, {name: DeviceArray}) for the regions of spec, for a wrapper's plan().
+
+    fixed_bytes set (graph mode or a user-sized workspace): one allocation of that size for the wrapper's life, so
+    pointers captured in a graph stay valid; too small raises WorkspaceTooSmall naming the bytes needed.
+    fixed_bytes None: grown on demand (never shrunk). Allocation happens in plan(), never in run().
+    """
+    if fixed_bytes is not None:
+        ws = ws or Workspace(fixed_bytes)
+    else:
+        need = Workspace.bytes_needed(spec)
+        if ws is None or ws.nbytes < need:
+            if ws is not None:
+                as_stream(None).synchronize()  # queued work may still read the old buffer
+            ws = Workspace(max(need, 1 << 20))
+    return ws, ws.regions(spec)

@@ -41,7 +41,7 @@ def merge_check(rng, rows=4096, n=4, heads=32, dim=128, dtype=BF16):
     if not np.array_equal(np.isneginf(got), ~fin):
         lse_err = float("inf")
     return [(f"merge_states {rows}x{n}x{heads}x{dim} {dtype}", rel_err(out.numpy(), ref_o), 1e-2, us),
-            (f"merge_states lse abs err", lse_err, 1e-3, None)]
+            ("merge_states lse abs err", lse_err, 1e-3, None)]
 
 
 def merge_pair_check(rng, rows=1000, heads=8, dim=64, dtype="float16"):

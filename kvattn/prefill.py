@@ -29,9 +29,9 @@ from . import _driver, _dtypes, _validate as _v, scheduler
 from .decode import DTYPES, HEAD_DIMS, LOG2E, THREADS
 from .formats import PageTable, pack_mask
 from .kernels import KernelSpec, ParamBuffer, get_kernel, register
-from .memory import DeviceArray, PinnedBuffer, Workspace, asarray, empty
+from .memory import DeviceArray, StagingRing, asarray, empty, fit_workspace
 from .merge import MERGE_PARAMS, merge_spec
-from .stream import Event, as_stream
+from .stream import as_stream
 from .variants import Variant
 
 PREFILL_PARAMS = np.dtype([
@@ -136,11 +136,9 @@ class _BatchPrefill:
         self.max_num_pages = max_num_pages
         self.max_total_qo = max_total_qo
         self.num_sms = num_sms or _driver.sm_count()
-        self._fixed_workspace = workspace_bytes is not None or self.use_cuda_graph
-        self.workspace = Workspace(workspace_bytes or DEFAULT_WORKSPACE) if self._fixed_workspace else None
-        self._staging = [None, None]
-        self._copy_done = [None, None]
-        self._turn = 0
+        self._workspace_bytes = workspace_bytes or (DEFAULT_WORKSPACE if self.use_cuda_graph else None)
+        self.workspace = None   # allocated by the first plan()
+        self._staging = StagingRing()   # pinned host buffers for plan()'s copies
         self._plan = None
 
     # -- plan ------------------------------------------------------------------------------------
@@ -216,7 +214,7 @@ class _BatchPrefill:
             pos += _round4(max(n, 1))
         total_i32 = pos
         mask_bytes = packed_mask.size if packed_mask is not None else 0
-        host = self._staging_buffer(total_i32 * 4 + mask_bytes)
+        host = self._staging.acquire((total_i32 * 4 + mask_bytes + 15) // 16 * 16)
         h = host.view(np.int32)
         h[:total_i32] = 0
         h[0], h[1], h[2], h[3] = plan.num_items, plan.num_merge, batch, plan.num_partial_rows
@@ -240,13 +238,12 @@ class _BatchPrefill:
             "tmp_lse": ((max(cap_part, 1), hq), "float32"),
             "mask": ((max(mask_bytes, 16),), "uint8"),
         }
-        dev = self._regions(regions)
+        self.workspace, dev = fit_workspace(self.workspace, regions, self._workspace_bytes)
         s = as_stream(stream)
         _driver.call("cuMemcpyHtoDAsync", dev["plan"].ptr, host.ctypes.data, total_i32 * 4, s.handle)
         if mask_bytes:
             _driver.call("cuMemcpyHtoDAsync", dev["mask"].ptr, host.ctypes.data + total_i32 * 4, mask_bytes, s.handle)
-        self._copy_done[self._turn].record(s)
-        self._turn ^= 1
+        self._staging.release(s)
 
         base = dev["plan"].ptr
         p = ParamBuffer(PREFILL_PARAMS)
@@ -310,27 +307,6 @@ class _BatchPrefill:
             raise ValueError(f"mask_indptr: request {i} has {int(np.diff(mind)[i])} mask bytes, expected "
                              f"ceil(qo_len * kv_len / 8) = {int(nbytes[i])}")
         return np.ascontiguousarray(m.ravel()), mind
-
-    def _staging_buffer(self, nbytes: int) -> np.ndarray:
-        """The pinned buffer of this turn (uint8 view), once its previous copy has finished."""
-        nbytes = (nbytes + 15) // 16 * 16
-        t = self._turn
-        if self._copy_done[t] is None:
-            self._copy_done[t] = Event(disable_timing=True)
-        else:
-            self._copy_done[t].synchronize()
-        buf = self._staging[t]
-        if buf is None or buf.nbytes < nbytes:
-            buf = self._staging[t] = PinnedBuffer(max(nbytes, 4096, 2 * (buf.nbytes if buf else 0)))
-        return buf.view(np.uint8)
-
-    def _regions(self, spec) -> dict:
-        need = Workspace.bytes_needed(spec)
-        if self.workspace is None or (not self._fixed_workspace and self.workspace.nbytes < need):
-            if self.workspace is not None:
-                as_stream(None).synchronize()  # the old buffer may still be read by queued work
-            self.workspace = Workspace(max(need, 1 << 20))
-        return self.workspace.regions(spec)
 
     # -- run -------------------------------------------------------------------------------------
     def _run(self, q, k, v, out, lse, return_lse, stream, kv_strides):

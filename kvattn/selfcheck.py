@@ -6,7 +6,6 @@ Without a GPU: compile every kernel, run the reference on random data, say so pl
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import numpy as np

@@ -9,7 +9,7 @@ import numpy as np
 
 from _bench import kvattn, table
 from kvattn import _driver, merge
-from kvattn.kernels import ParamBuffer, get_kernel
+from kvattn.kernels import get_kernel
 
 
 def host_us(fn, n=2000, sync=None):

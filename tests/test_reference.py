@@ -3,7 +3,6 @@ import math
 
 import ml_dtypes
 import numpy as np
-import pytest
 from hypothesis import given, strategies as st
 
 from kvattn import reference as ref

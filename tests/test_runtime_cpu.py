@@ -1,11 +1,8 @@
 """CPU tests of the runtime pieces that need no GPU: errors, dtypes, DLPack structures, workspace sizing."""
-import ctypes
-
-import numpy as np
 import pytest
 
 import kvattn
-from kvattn import _dlpack, _driver, _dtypes, memory
+from kvattn import _dlpack, _dtypes, memory
 
 
 @pytest.mark.skipif(kvattn.gpu_available(), reason="this machine has a GPU: the no-GPU error path cannot be seen")
