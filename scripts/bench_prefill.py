@@ -128,11 +128,54 @@ def sweep():
         prefill.TUNING.pop(rows, None)
 
 
+def peer_rates(shapes):
+    """TFLOP/s of FlashInfer (fa2 and fa3 ragged prefill) and PyTorch SDPA (flash, cuDNN) on the causal shapes,
+    in this process. Each peer is optional: a missing package or an error prints a line instead of a figure."""
+    out = {}
+    try:
+        import torch
+    except ImportError:
+        print("# peers not measured: torch is not importable")
+        return out
+    from _bench import torch_time_us  # noqa: E402 (scripts/_bench.py)
+    dt = torch.bfloat16
+    for name, b, s in shapes:
+        flops = 2 * b * HQ * s * s * D
+        q = torch.randn(b * s, HQ, D, dtype=dt, device="cuda")
+        k = torch.randn(b * s, HKV, D, dtype=dt, device="cuda")
+        v = torch.randn_like(k)
+        try:
+            import flashinfer
+            ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+            indptr = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device="cuda")
+            for backend in ("fa2", "fa3"):
+                fw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
+                fw.plan(indptr, indptr, HQ, HKV, D, causal=True, q_data_type=dt)
+                out[(name, "fi_" + backend)] = flops / torch_time_us(lambda: fw.run(q, k, v), reps=10) / 1e6
+        except Exception as exc:
+            print(f"# FlashInfer prefill {name}: {exc.__class__.__name__}: {str(exc)[:120]}")
+        try:
+            import torch.nn.functional as F
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            qb = q.view(b, s, HQ, D).transpose(1, 2)
+            kb, vb = (x.view(b, s, HKV, D).transpose(1, 2) for x in (k, v))
+            for be in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
+                with sdpa_kernel(getattr(SDPBackend, be)):
+                    us = torch_time_us(lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True,
+                                                                              enable_gqa=True), reps=10)
+                out[(name, "torch_" + be.split("_")[0].lower())] = flops / us / 1e6
+        except Exception as exc:
+            print(f"# PyTorch SDPA {name}: {exc.__class__.__name__}: {str(exc)[:120]}")
+        del q, k, v
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cta-rows", default="auto", help="comma list of query tiles to try (auto = plan's choice)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time the tuning knobs of prefill.cuh on two shapes")
+    ap.add_argument("--peers", action="store_true", help="also time FlashInfer fa2/fa3 and PyTorch SDPA here")
     args = ap.parse_args()
     if args.sweep:
         return sweep()
@@ -167,6 +210,11 @@ def main():
     print(f"{'case':32s} {'tile':>4s} {'time':>10s} {'rate':>15s}  {'vs':34s} {'max rel err':>11s}")
     for name, tile, us, rate, vs, err in rows:
         print(f"{name:32s} {tile:4d} {us:8.1f}us {rate:>15s}  {vs:34s} {err:11.2e}")
+    if args.peers:
+        peers = peer_rates(shapes)
+        print("\npeers in this process (TFLOP/s, causal, same shapes; vs columns above use ANCHORS.md's fa2)")
+        for (name, impl), tf in sorted(peers.items()):
+            print(f"{name:12s} {impl:14s} {tf:8.0f}")
 
 
 if __name__ == "__main__":
