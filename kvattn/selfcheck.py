@@ -39,9 +39,16 @@ def compile_all(arch: str, ops=None) -> int:
 
 
 def toolchain_report() -> str:
+    """Where NVRTC and the headers came from (a partial system toolkit can hide a missing pip pin)."""
     dirs = compiler.include_dirs()
-    return (f"NVRTC {'.'.join(map(str, compiler.nvrtc_version()))}; headers {cache.header_versions()} from "
-            f"{', '.join(dirs)}; cache {cache.cache_dir()}")
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+        lib = load_nvidia_dynamic_lib("nvrtc")
+        where = f"{lib.abs_path} ({lib.found_via})"
+    except Exception as exc:  # report, never fail the self-check on it
+        where = f"unknown ({exc.__class__.__name__})"
+    return (f"NVRTC {'.'.join(map(str, compiler.nvrtc_version()))} from {where}; headers "
+            f"{cache.header_versions()} from {', '.join(dirs)}; cache {cache.cache_dir()}")
 
 
 def run() -> int:
