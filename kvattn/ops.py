@@ -80,7 +80,7 @@ def gpu_checks(rng):
 
 
 def reference_checks(rng):
-    """Reference-only checks (no GPU): merging split attention equals unsplit attention."""
+    """Reference-only checks (no GPU): identities the float64 reference must satisfy on random data."""
     q = rng.standard_normal((3, 8, 64))
     k = rng.standard_normal((100, 2, 64))
     v = rng.standard_normal((100, 2, 64))
@@ -88,4 +88,22 @@ def reference_checks(rng):
     o1, l1 = reference.attention(q, k[:37], v[:37], return_lse=True)
     o2, l2 = reference.attention(q, k[37:], v[37:], return_lse=True)
     om, lm = reference.merge_state(o1, l1, o2, l2)
-    return [("split attention + merge_state == attention", float(max(np.abs(om - o).max(), np.abs(lm - lse).max())))]
+    checks = [("split attention + merge_state == attention", float(max(np.abs(om - o).max(), np.abs(lm - lse).max())))]
+    # causal == explicit bottom-right lower-triangular mask
+    oc = reference.attention(q, k, v, causal=True)
+    mask = np.arange(100)[None, :] <= (100 - 3 + np.arange(3))[:, None]
+    checks.append(("causal == lower-triangular custom mask",
+                   float(np.abs(oc - reference.attention(q, k, v, custom_mask=mask)).max())))
+    # the same KV as a ragged tensor and as scattered pages
+    lens = np.array([100, 0, 37])
+    pt = PageTable.from_kv_lens(lens, 16, rng=rng)
+    kc = rng.standard_normal((pt.num_pages_used, 16, 2, 64))
+    vc = rng.standard_normal((pt.num_pages_used, 16, 2, 64))
+    qd = rng.standard_normal((3, 8, 64))
+    paged = reference.batch_attention_paged(qd, kc, vc, np.arange(4), pt)
+    slots = [kc[pt.pages(i)].reshape(-1, 2, 64)[:n] for i, n in enumerate(lens)]
+    vslots = [vc[pt.pages(i)].reshape(-1, 2, 64)[:n] for i, n in enumerate(lens)]
+    ragged = reference.batch_attention_ragged(qd, np.concatenate(slots), np.concatenate(vslots), np.arange(4),
+                                              np.concatenate([[0], np.cumsum(lens)]))
+    checks.append(("paged == ragged (scattered pages)", float(np.abs(paged - ragged).max())))
+    return checks
