@@ -64,3 +64,16 @@ def test_workspace_sizing_is_aligned():
 def test_asarray_rejects_unknown_objects():
     with pytest.raises(TypeError, match="array: expected"):
         kvattn.asarray([1, 2, 3])
+
+
+@pytest.mark.skipif(kvattn.gpu_available(), reason="this machine has a GPU: the no-GPU main job cannot be seen")
+def test_main_job_without_gpu_compiles_checks_reference_and_says_so(tmp_path):
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "KVATTN_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "kvattn"], capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "no CUDA GPU found" in r.stdout
+    assert "0 failure(s)" in r.stdout and "0 failed)" in r.stdout
+    assert "NVRTC 13.0" in r.stdout
