@@ -62,13 +62,26 @@ struct PrefillKernel {
 #ifndef KVATTN_PF_QREGS
 #define KVATTN_PF_QREGS 0
 #endif
+  //   KVATTN_PF_FAST64 (MT = 2, no variant): tiles that need no mask take the whole 64-token slice in one softmax
+  //   step (Q fragments read once per tile instead of once per step); masked tiles keep KVATTN_PF_SUBN2, and
+  //   the masked path recomputes its rows' query tokens instead of holding them across the mainloop.
+#ifndef KVATTN_PF_FAST64
+#define KVATTN_PF_FAST64 0
+#endif
+  //   KVATTN_PF_FOLD (no soft cap): on tiles that need no mask the row max is taken over the raw scores and
+  //   the score scale is folded into the exponent, p = exp2(fma(s, score_scale, -m)): one FFMA per score
+  //   instead of FMUL + FADD. Needs score_scale > 0 (max commutes with the scaling); other scales send every
+  //   tile down the masked path, which keeps the separate multiply.
+#ifndef KVATTN_PF_FOLD
+#define KVATTN_PF_FOLD 0
+#endif
   // (variant kernels of MT = 2 keep 16: their extra registers would spill at 32)
   static constexpr int SUB_CAP = MT == 2 ? ((SOFT_CAP || WINDOW || CUSTOM) ? 16 : KVATTN_PF_SUBN2) : 32;
   static constexpr int SUBN = (D * MT <= 128) ? NW : (NW < SUB_CAP ? NW : SUB_CAP);
   static constexpr bool QREGS = KVATTN_PF_QREGS && MT == 1;
   static constexpr int KK_UNROLL = QREGS ? D / 16 : KVATTN_PF_KK_UNROLL;
   static constexpr int QF = QREGS ? D / 16 : 1;      // Q fragments held in registers
-  static constexpr int NB = SUBN / 8;                // 8-token MMA blocks per step
+  static constexpr int NB = SUBN / 8;                // 8-token MMA blocks per step (compute's STEP / 8)
   static constexpr int CHUNKS = D / 8;               // 16-byte chunks per row
   static constexpr int STAGES = (WARPS_M == 1 && D <= 128) ? 3 : 2;
   static constexpr int KV_ELEMS = TILE * D;          // one of K or V per stage
@@ -126,16 +139,18 @@ struct PrefillKernel {
   }
 
   // One 64-token tile (t0 = its first kv index) for this warp's rows and token slice.
-  template <bool MASK>
+  template <bool MASK, int STEP>
   __device__ __forceinline__ static void compute(const PrefillParams& p, const Item& it, const T* qs, const T* ks,
                                                  int t0, const int (&tokr)[MT][2], const unsigned (&qf)[QF][4], int lane,
                                                  int warp_m, int warp_n, float (&o)[MT][CHUNKS][4], float (&m)[MT][2],
                                                  float (&l)[MT][2]) {
+    constexpr int NB = STEP / 8;
+    constexpr bool FOLD = KVATTN_PF_FOLD && !MASK && !SOFT_CAP;
     const T* vs = ks + KV_ELEMS;
     const int j8 = lane / 8;
 #pragma unroll
-    for (int sub = 0; sub < NW / SUBN; ++sub) {
-      const int tw = warp_n * NW + sub * SUBN;   // first token of this step inside the tile
+    for (int sub = 0; sub < NW / STEP; ++sub) {
+      const int tw = warp_n * NW + sub * STEP;   // first token of this step inside the tile
       float s[MT][NB][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
@@ -173,7 +188,7 @@ struct PrefillKernel {
         for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            float x = s[mt][nb][e] * p.score_scale;
+            float x = FOLD ? s[mt][nb][e] : s[mt][nb][e] * p.score_scale;
             if (SOFT_CAP) x = p.cap_log2 * tanhf(x);
             if (MASK) {
               const int j = t0 + tw + nb * 8 + 2 * (lane % 4) + (e & 1);
@@ -197,7 +212,7 @@ struct PrefillKernel {
         for (int r = 0; r < 2; ++r) {
           mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
           mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-          const float m_new = fmaxf(m[mt][r], mx[r]);
+          const float m_new = fmaxf(m[mt][r], FOLD ? mx[r] * p.score_scale : mx[r]);
           scale[r] = m_new == KVATTN_NEG_INF ? 1.f : fast_exp2(m[mt][r] - m_new);
           const float base = m_new == KVATTN_NEG_INF ? 0.f : m_new;
           float sum = 0.f;
@@ -206,7 +221,7 @@ struct PrefillKernel {
 #pragma unroll
             for (int e2 = 0; e2 < 2; ++e2) {
               float& x = s[mt][nb][2 * r + e2];
-              x = fast_exp2(x - base);
+              x = FOLD ? fast_exp2(fmaf(x, p.score_scale, -base)) : fast_exp2(x - base);
               sum += x;
             }
           l[mt][r] = l[mt][r] * scale[r] + sum;
@@ -223,7 +238,7 @@ struct PrefillKernel {
       }
       // O += P V over the step's tokens, 16 at a time.
 #pragma unroll
-      for (int kst = 0; kst < SUBN / 16; ++kst) {
+      for (int kst = 0; kst < STEP / 16; ++kst) {
         unsigned pa[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
@@ -338,8 +353,29 @@ struct PrefillKernel {
       bool need = CUSTOM || t0 + TILE > it.ke;
       if (p.causal) need = need || t0 + TILE - 1 > it.delta + it.tok_lo;
       if (WINDOW) need = need || (p.window_left >= 0 && t0 < it.delta + it.tok_hi - p.window_left);
-      if (need) compute<true>(p, it, qs, ks, t0, tokr, qf, lane, warp_m, warp_n, o, m, l);
-      else compute<false>(p, it, qs, ks, t0, tokr, qf, lane, warp_m, warp_n, o, m, l);
+      if (KVATTN_PF_FOLD && !SOFT_CAP) need = need || !(p.score_scale > 0.f);
+      // KVATTN_PF_FAST64 (local constants: no new symbol in the default cubin): unmasked tiles in one 64-token
+      // step; the masked path re-reads row0 / nrows from the plan for its rows' query tokens (4 fewer live
+      // registers across the mainloop).
+      constexpr bool FAST = KVATTN_PF_FAST64 && MT == 2 && !SOFT_CAP && !WINDOW && !CUSTOM;
+      constexpr int SUBN_FAST = FAST ? NW : SUBN;
+      if (need) {
+        if constexpr (FAST) {
+          const volatile int* vp = p.plan + p.off_items + 8 * w;
+          const int row0 = vp[1], nrows = vp[2];
+          int tk[MT][2];
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+              tk[mt][r] = (row0 + min((warp_m * MT + mt) * 16 + lane / 4 + 8 * r, nrows - 1)) / p.group_size;
+          compute<true, SUBN>(p, it, qs, ks, t0, tk, qf, lane, warp_m, warp_n, o, m, l);
+        } else {
+          compute<true, SUBN>(p, it, qs, ks, t0, tokr, qf, lane, warp_m, warp_n, o, m, l);
+        }
+      } else {
+        compute<false, SUBN_FAST>(p, it, qs, ks, t0, tokr, qf, lane, warp_m, warp_n, o, m, l);
+      }
       if (pf_on) offs[((nt + 1) & 1) * TILE + tid] = pf;
     }
     cp_async_wait<0>();

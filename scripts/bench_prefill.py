@@ -112,7 +112,8 @@ def paged_case(rng, qo_lens, kv_lens, cta_rows, causal=True):
 
 
 SWEEP = {64: [(), (("KVATTN_PF_KK_UNROLL", 8),), (("KVATTN_PF_QREGS", 1),)],
-         128: [(), (("KVATTN_PF_SUBN2", 32),), (("KVATTN_PF_KK_UNROLL", 1),)]}
+         128: [(), (("KVATTN_PF_SUBN2", 32),), (("KVATTN_PF_KK_UNROLL", 1),),
+               (("KVATTN_PF_FAST64", 1),), (("KVATTN_PF_FOLD", 1),), (("KVATTN_PF_FAST64", 1), ("KVATTN_PF_FOLD", 1))]}
 
 
 def sweep():
