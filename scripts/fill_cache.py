@@ -26,6 +26,11 @@ def specs():
         for l2 in (False, True):
             for refill in (False, True):
                 out.append(decode.decode_spec(128, 1, Variant(), "bfloat16", stages, l2, refill))
+    from kvattn import prefill as pf
+    for defs in ((("KVATTN_PF_FAST64", 1),), (("KVATTN_PF_FOLD", 1),), (("KVATTN_PF_FAST64", 1), ("KVATTN_PF_FOLD", 1))):
+        pf.TUNING[128] = defs
+        out.append(pf.prefill_spec(128, 128, Variant(), "bfloat16"))
+        pf.TUNING.pop(128)
     return list(dict.fromkeys(out))
 
 
