@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from . import _driver, _dtypes, scheduler
+from ._attn_args import DTYPES, HEAD_DIMS, check_plan_args
 from .formats import PageTable
 from .kernels import KernelSpec, ParamBuffer, get_kernel, register
 from .memory import DeviceArray, StagingRing, asarray, empty, fit_workspace
@@ -33,8 +34,6 @@ DECODE_PARAMS = np.dtype([
     ("z_split", "i4"), ("score_scale", "f4"), ("cap_log2", "f4"),
 ], align=True)
 
-HEAD_DIMS = (64, 128, 256)
-DTYPES = ("float16", "bfloat16")
 THREADS = 128
 LOG2E = 1.4426950408889634
 DEFAULT_WORKSPACE = 128 << 20
@@ -114,20 +113,8 @@ class BatchDecodeWithPagedKVCache:
         """
         if not isinstance(page_table, PageTable):
             raise TypeError(f"page_table: expected a kvattn.PageTable, got {type(page_table).__name__}")
-        q_dtype = _dtypes.dtype_name(q_dtype)
-        kv_dtype = q_dtype if kv_dtype is None else _dtypes.dtype_name(kv_dtype)
-        if q_dtype not in DTYPES:
-            raise TypeError(f"q_dtype: expected float16 or bfloat16, got {q_dtype}")
-        if kv_dtype != q_dtype:
-            raise TypeError(f"kv_dtype: must equal q_dtype ({q_dtype}) for now, got {kv_dtype}")
-        if head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim: expected one of {HEAD_DIMS}, got {head_dim}")
-        if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
-            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        if not (window_left >= -1):
-            raise ValueError(f"window_left: expected -1 (no window) or >= 0, got {window_left}")
-        if logits_soft_cap < 0 or not math.isfinite(logits_soft_cap):
-            raise ValueError(f"logits_soft_cap: expected a finite value >= 0, got {logits_soft_cap}")
+        num_qo_heads, num_kv_heads, head_dim, q_dtype, window_left, logits_soft_cap = check_plan_args(
+            num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, window_left, logits_soft_cap)
         if self._num_sms is None:
             self._num_sms = _driver.sm_count()
         self.num_sms = self._num_sms

@@ -26,7 +26,8 @@ import math
 import numpy as np
 
 from . import _driver, _dtypes, _validate as _v, scheduler
-from .decode import DTYPES, HEAD_DIMS, LOG2E, THREADS
+from ._attn_args import check_plan_args
+from .decode import LOG2E, THREADS
 from .formats import PageTable, pack_mask
 from .kernels import KernelSpec, ParamBuffer, get_kernel, register
 from .memory import DeviceArray, StagingRing, asarray, empty, fit_workspace
@@ -145,21 +146,8 @@ class _BatchPrefill:
     def _plan_common(self, qo_indptr, kv_lens, page_indptr, page_indices, page_size, page_shift, num_qo_heads,
                      num_kv_heads, head_dim, causal, custom_mask, mask_indptr, sm_scale, window_left,
                      logits_soft_cap, q_dtype, kv_dtype, cta_rows, stream):
-        q_dtype = _dtypes.dtype_name(q_dtype)
-        kv_dtype = q_dtype if kv_dtype is None else _dtypes.dtype_name(kv_dtype)
-        if q_dtype not in DTYPES:
-            raise TypeError(f"q_dtype: expected float16 or bfloat16, got {q_dtype}")
-        if kv_dtype != q_dtype:
-            raise TypeError(f"kv_dtype: must equal q_dtype ({q_dtype}) for now, got {kv_dtype}")
-        hq = _v.as_int(num_qo_heads, "num_qo_heads", min_value=1)
-        hkv = _v.as_int(num_kv_heads, "num_kv_heads", min_value=1)
-        head_dim = _v.as_int(head_dim, "head_dim")
-        if head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim: expected one of {HEAD_DIMS}, got {head_dim}")
-        if hq % hkv:
-            raise ValueError(f"num_qo_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
-        window_left = _v.as_int(window_left, "window_left", min_value=-1)
-        cap = _v.as_float(logits_soft_cap, "logits_soft_cap", min_value=0.0)
+        hq, hkv, head_dim, q_dtype, window_left, cap = check_plan_args(
+            num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, window_left, logits_soft_cap)
         scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else _v.as_float(sm_scale, "sm_scale")
         causal = bool(causal)
         batch = qo_indptr.size - 1
