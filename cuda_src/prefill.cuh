@@ -138,6 +138,35 @@ struct PrefillKernel {
     }
   }
 
+  // Score of kv token j for a row of query token tok: log2 domain, soft cap, masks (-inf when masked).
+  template <bool MASK, bool FOLD>
+  __device__ __forceinline__ static float score(const PrefillParams& p, const Item& it, float s, int j, int tok) {
+    float x = FOLD ? s : s * p.score_scale;
+    if (SOFT_CAP) x = p.cap_log2 * tanhf(x);
+    if (MASK) {
+      const int lim = it.delta + tok;   // the diagonal of this row
+      bool ok = j < it.ke;
+      if (p.causal) ok = ok && j <= lim;
+      if (WINDOW) ok = ok && (p.window_left < 0 || j >= lim - p.window_left);
+      if (CUSTOM) {
+        if (ok) {
+          const long long bit = it.mask_bit0 + (long long)tok * it.kv_len + j;
+          ok = (__ldg(p.mask + (bit >> 3)) >> (bit & 7)) & 1;
+        }
+      }
+      x = ok ? x : KVATTN_NEG_INF;
+    }
+    return x;
+  }
+
+  // Whether the tile of `tile` tokens starting at kv index t0 needs the masked path for some row of the item.
+  __device__ __forceinline__ static bool needs_mask(const PrefillParams& p, const Item& it, int t0, int tile) {
+    bool need = CUSTOM || t0 + tile > it.ke;
+    if (p.causal) need = need || t0 + tile - 1 > it.delta + it.tok_lo;
+    if (WINDOW) need = need || (p.window_left >= 0 && t0 < it.delta + it.tok_hi - p.window_left);
+    return need;
+  }
+
   // One 64-token tile (t0 = its first kv index) for this warp's rows and token slice.
   template <bool MASK, int STEP>
   __device__ __forceinline__ static void compute(const PrefillParams& p, const Item& it, const T* qs, const T* ks,
@@ -188,22 +217,8 @@ struct PrefillKernel {
         for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            float x = FOLD ? s[mt][nb][e] : s[mt][nb][e] * p.score_scale;
-            if (SOFT_CAP) x = p.cap_log2 * tanhf(x);
-            if (MASK) {
-              const int j = t0 + tw + nb * 8 + 2 * (lane % 4) + (e & 1);
-              const int lim = it.delta + tokr[mt][e >> 1];   // the diagonal of this row
-              bool ok = j < it.ke;
-              if (p.causal) ok = ok && j <= lim;
-              if (WINDOW) ok = ok && (p.window_left < 0 || j >= lim - p.window_left);
-              if (CUSTOM) {
-                if (ok) {
-                  const long long bit = it.mask_bit0 + (long long)tokr[mt][e >> 1] * it.kv_len + j;
-                  ok = (__ldg(p.mask + (bit >> 3)) >> (bit & 7)) & 1;
-                }
-              }
-              x = ok ? x : KVATTN_NEG_INF;
-            }
+            const float x = score<MASK, FOLD>(p, it, s[mt][nb][e], t0 + tw + nb * 8 + 2 * (lane % 4) + (e & 1),
+                                              tokr[mt][e >> 1]);
             s[mt][nb][e] = x;
             mx[e >> 1] = fmaxf(mx[e >> 1], x);
           }
@@ -268,6 +283,45 @@ struct PrefillKernel {
     const int pr = it.row0 + row;
     tq = pr / p.group_size;
     head = kvh * p.group_size + (pr - tq * p.group_size);
+  }
+
+  // Epilogue of warps that own whole rows: MTX 16-row tiles from row 16 * MTX * warp_m, accumulators in the
+  // mma.sync C layout (o[mt][n8 block][4]; rows lane / 4 and lane / 4 + 8). l is this thread's partial sum.
+  template <int MTX>
+  __device__ __forceinline__ static void store_rows(const PrefillParams& p, const Item& it, int kvh, int warp_m,
+                                                    int lane, const float (&o)[MTX][CHUNKS][4],
+                                                    const float (&m)[MTX][2], const float (&l)[MTX][2]) {
+#pragma unroll
+    for (int mt = 0; mt < MTX; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float lr = l[mt][r];
+        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+        const int row = (warp_m * MTX + mt) * 16 + lane / 4 + 8 * r;
+        if (row < it.nrows) {
+          int tq, head;
+          row_dest(p, it, row, kvh, tq, head);
+          const bool empty = m[mt][r] == KVATTN_NEG_INF;
+          const float inv = empty ? 0.f : 1.f / lr;
+          const float lse = empty ? KVATTN_NEG_INF : (m[mt][r] + __log2f(lr)) * kLn2;
+          const int col = 2 * (lane % 4);
+          if (it.partial < 0) {
+            T* dst = static_cast<T*>(p.o) + (long long)(it.qo_start + tq) * p.o_stride_n + (long long)head * p.o_stride_h + col;
+#pragma unroll
+            for (int dn = 0; dn < CHUNKS; ++dn)
+              *reinterpret_cast<unsigned*>(dst + dn * 8) = Mma<T>::pack(o[mt][dn][2 * r] * inv, o[mt][dn][2 * r + 1] * inv);
+            if (p.lse && lane % 4 == 0) p.lse[(long long)(it.qo_start + tq) * p.lse_stride_n + head] = lse;
+          } else {
+            const long long prow = it.partial + (long long)(tq - it.tok_lo) * it.pstride;
+            float* dst = p.tmp_o + (prow * p.num_qo_heads + head) * D + col;
+#pragma unroll
+            for (int dn = 0; dn < CHUNKS; ++dn)
+              *reinterpret_cast<float2*>(dst + dn * 8) = make_float2(o[mt][dn][2 * r] * inv, o[mt][dn][2 * r + 1] * inv);
+            if (lane % 4 == 0) p.tmp_lse[prow * p.num_qo_heads + head] = lse;
+          }
+        }
+      }
   }
 
   // The item's fields. The epilogue reads them again through a volatile pointer, so that the ones it alone
@@ -350,9 +404,7 @@ struct PrefillKernel {
       }
       const T* ks = kvs + (ti % STAGES) * 2 * KV_ELEMS;
       const int t0 = it.kb + ti * TILE;
-      bool need = CUSTOM || t0 + TILE > it.ke;
-      if (p.causal) need = need || t0 + TILE - 1 > it.delta + it.tok_lo;
-      if (WINDOW) need = need || (p.window_left >= 0 && t0 < it.delta + it.tok_hi - p.window_left);
+      bool need = needs_mask(p, it, t0, TILE);
       if (KVATTN_PF_FOLD && !SOFT_CAP) need = need || !(p.score_scale > 0.f);
       // KVATTN_PF_FAST64 (local constants: no new symbol in the default cubin): unmasked tiles in one 64-token
       // step; the masked path re-reads row0 / nrows from the plan for its rows' query tokens (4 fewer live
@@ -382,37 +434,7 @@ struct PrefillKernel {
     it = load_item(p, static_cast<const volatile int*>(p.plan), w);
 
     if constexpr (WARPS_N == 1) {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float lr = l[mt][r];
-          lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-          lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-          const int row = (warp_m * MT + mt) * 16 + lane / 4 + 8 * r;
-          if (row < it.nrows) {
-            int tq, head;
-            row_dest(p, it, row, kvh, tq, head);
-            const bool empty = m[mt][r] == KVATTN_NEG_INF;
-            const float inv = empty ? 0.f : 1.f / lr;
-            const float lse = empty ? KVATTN_NEG_INF : (m[mt][r] + __log2f(lr)) * kLn2;
-            const int col = 2 * (lane % 4);
-            if (it.partial < 0) {
-              T* dst = static_cast<T*>(p.o) + (long long)(it.qo_start + tq) * p.o_stride_n + (long long)head * p.o_stride_h + col;
-#pragma unroll
-              for (int dn = 0; dn < CHUNKS; ++dn)
-                *reinterpret_cast<unsigned*>(dst + dn * 8) = Mma<T>::pack(o[mt][dn][2 * r] * inv, o[mt][dn][2 * r + 1] * inv);
-              if (p.lse && lane % 4 == 0) p.lse[(long long)(it.qo_start + tq) * p.lse_stride_n + head] = lse;
-            } else {
-              const long long prow = it.partial + (long long)(tq - it.tok_lo) * it.pstride;
-              float* dst = p.tmp_o + (prow * p.num_qo_heads + head) * D + col;
-#pragma unroll
-              for (int dn = 0; dn < CHUNKS; ++dn)
-                *reinterpret_cast<float2*>(dst + dn * 8) = make_float2(o[mt][dn][2 * r] * inv, o[mt][dn][2 * r + 1] * inv);
-              if (lane % 4 == 0) p.tmp_lse[prow * p.num_qo_heads + head] = lse;
-            }
-          }
-        }
+      store_rows(p, it, kvh, warp_m, lane, o, m, l);
     } else {
       // Merge the warps' states (each saw a quarter of every tile) through the K/V stages' shared memory.
       __syncthreads();

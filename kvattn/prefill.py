@@ -21,6 +21,7 @@ those bounds (same heads, head_dim, dtype, variant, causal flag, sm_scale, windo
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -69,9 +70,16 @@ TUNING: dict = {}
 
 
 def prefill_spec(head_dim: int, cta_rows: int, variant: Variant, dtype: str) -> KernelSpec:
+    """The mma.sync kernel (backend "sm80") of prefill.cuh."""
     wm, mt = CONFIGS[cta_rows]
     return KernelSpec("prefill.cuh", f"kvattn::prefill_kernel<{head_dim}, {wm}, {mt}, {variant.prefill_flags()}, "
                                      f"{_dtypes.to_ctype(dtype)}>", defines=tuple(TUNING.get(cta_rows, ())))
+
+
+def sm90_spec(head_dim: int, variant: Variant, dtype: str) -> KernelSpec:
+    """The wgmma kernel (backend "sm90") of prefill_sm90.cuh: 128-row query tiles, head_dim 64 or 128."""
+    return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{head_dim}, {variant.prefill_flags()}, "
+                                          f"{_dtypes.to_ctype(dtype)}>")
 
 
 def stages(head_dim: int, cta_rows: int) -> int:
@@ -83,6 +91,12 @@ def smem_bytes(head_dim: int, cta_rows: int) -> int:
     return (cta_rows * head_dim + stages(head_dim, cta_rows) * 2 * 64 * head_dim) * 2 + 2 * 64 * 8
 
 
+def sm90_smem_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of prefill_sm90_kernel (mirrors PrefillSm90::SMEM_BYTES: Q, 3 stages of 128-token
+    K and V tiles, two slots of page offsets)."""
+    return (128 * head_dim + SM90_STAGES * 2 * 128 * head_dim) * 2 + 2 * 128 * 8
+
+
 def ctas_per_sm(head_dim: int, cta_rows: int, registers: int | None) -> int:
     by_smem = (228 * 1024) // (smem_bytes(head_dim, cta_rows) + 1024)
     regs = registers or 255
@@ -90,10 +104,46 @@ def ctas_per_sm(head_dim: int, cta_rows: int, registers: int | None) -> int:
     return max(1, min(by_smem, by_regs, 16))
 
 
+BACKENDS = ("auto", "sm80", "sm90")
+SM90_HEAD_DIMS = (64, 128)
+SM90_STAGES = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """The kernel a plan launches, with its block size, dynamic shared memory and CTAs per SM."""
+    backend: str
+    spec: KernelSpec
+    threads: int
+    smem: int
+    ctas_per_sm: int
+
+
+def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, dtype: str) -> LaunchConfig:
+    """backend "sm90" (the wgmma kernel) takes 128-row tiles of head_dim 64/128 on sm_90 GPUs; "auto" takes it
+    there unless its ptxas report shows spills (the all-variants head_dim 128 instance), else "sm80"."""
+    sm90_ok = cta_rows == 128 and head_dim in SM90_HEAD_DIMS and _driver.arch() == "sm_90a"
+    if backend == "sm90" and not sm90_ok:
+        raise ValueError(f"backend: 'sm90' needs an sm_90 GPU, head_dim in {SM90_HEAD_DIMS} and cta_rows 128 "
+                         f"(got {_driver.arch()}, head_dim {head_dim}, cta_rows {cta_rows})")
+    if backend in ("auto", "sm90") and sm90_ok:
+        spec = sm90_spec(head_dim, variant, dtype)
+        kernel = get_kernel(spec)
+        spills = kernel.resources is not None and kernel.resources.spill_stores > 0
+        if backend == "sm90" or not spills:
+            return LaunchConfig("sm90", spec, 256, sm90_smem_bytes(head_dim), 1)
+    spec = prefill_spec(head_dim, cta_rows, variant, dtype)
+    kernel = get_kernel(spec)
+    occ = ctas_per_sm(head_dim, cta_rows, kernel.resources.registers if kernel.resources else None)
+    return LaunchConfig("sm80", spec, THREADS, smem_bytes(head_dim, cta_rows), occ)
+
+
 register("prefill", [prefill_spec(128, r, Variant(), "bfloat16") for r in (128, 64, 16)]
          + [prefill_spec(128, 128, Variant(), "float16"), prefill_spec(64, 128, Variant(), "bfloat16"),
             prefill_spec(256, 64, Variant(), "bfloat16"),
-            prefill_spec(128, 128, Variant(soft_cap=True, window=True, custom_mask=True), "bfloat16")])
+            prefill_spec(128, 128, Variant(soft_cap=True, window=True, custom_mask=True), "bfloat16")]
+         + [sm90_spec(128, Variant(), t) for t in ("bfloat16", "float16")] + [sm90_spec(64, Variant(), "bfloat16")]
+         + [sm90_spec(128, Variant(custom_mask=True), "bfloat16")])
 
 
 def _elem_strides(a: DeviceArray):
@@ -122,8 +172,11 @@ class _BatchPrefill:
     _paged = True
 
     def __init__(self, kv_layout="NHD", use_cuda_graph=False, max_batch_size=None, max_num_pages=None,
-                 max_total_qo=None, workspace_bytes=None, num_sms=None):
+                 max_total_qo=None, workspace_bytes=None, num_sms=None, backend="auto"):
         self.kv_layout = _v.check_layout(kv_layout)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        self.backend = backend
         self.use_cuda_graph = bool(use_cuda_graph)
         if self.use_cuda_graph:
             need = ["max_batch_size", "max_total_qo"] + (["max_num_pages"] if self._paged else [])
@@ -176,9 +229,10 @@ class _BatchPrefill:
         elif cta_rows not in CONFIGS or (head_dim == 256 and cta_rows == 128):
             raise ValueError(f"cta_rows: expected one of {sorted(CONFIGS)} (not 128 with head_dim 256), got {cta_rows}")
         variant = Variant(soft_cap=cap > 0, window=window_left >= 0, custom_mask=packed_mask is not None)
-        kernel = get_kernel(prefill_spec(head_dim, cta_rows, variant, q_dtype))
-        kernel._allow_smem(smem_bytes(head_dim, cta_rows))   # now, not during a graph capture
-        occ = ctas_per_sm(head_dim, cta_rows, kernel.resources.registers if kernel.resources else None)
+        cfg = launch_config(self.backend, head_dim, cta_rows, variant, q_dtype)
+        kernel = get_kernel(cfg.spec)
+        kernel._allow_smem(cfg.smem)   # now, not during a graph capture
+        occ = cfg.ctas_per_sm
         plan = scheduler.plan_prefill(qo_lens, kv_lens, group, hkv, cta_rows, causal=causal,
                                       window_left=window_left, num_sms=self.num_sms, ctas_per_sm=occ)
 
@@ -252,7 +306,7 @@ class _BatchPrefill:
             plan=plan, batch=batch, total_qo=total_qo, hq=hq, hkv=hkv, d=head_dim, dtype=q_dtype,
             page_size=page_size, num_pages_needed=int(page_indices.max(initial=-1)) + 1 if self._paged else 0,
             total_kv=int(kv_lens.sum()) if not self._paged else 0, cta_rows=cta_rows, variant=variant,
-            kernel=kernel, grid=(cap_w, hkv, 1), smem=smem_bytes(head_dim, cta_rows), params=p,
+            kernel=kernel, grid=(cap_w, hkv, 1), smem=cfg.smem, threads=cfg.threads, backend=cfg.backend, params=p,
             merge_kernel=get_kernel(merge_spec("float32", q_dtype)) if merge_rows else None,
             merge_grid=-(-merge_rows * hq * (head_dim // 8) // 256), merge_params=mp)
         return self
@@ -320,7 +374,7 @@ class _BatchPrefill:
               lse_stride_n=(lse.strides[0] // 4) if lse is not None else 0,
               kv_stride_page=kv_page, kv_stride_token=kv_tok, kv_stride_head=kv_head)
         if st["grid"][0] > 0:
-            st["kernel"].launch(st["grid"], THREADS, st["smem"], p, s)
+            st["kernel"].launch(st["grid"], st["threads"], st["smem"], p, s)
         if st["merge_kernel"] is not None:
             mp = st["merge_params"]
             mp.set(o_out=out.ptr, so_row=os_[0], so_h=os_[1], lse_out=lse.ptr if lse is not None else 0,

@@ -1,7 +1,7 @@
 """Batch prefill benchmark (H200): TFLOP/s of causal prefill (ragged and paged), the long-prefix append and
 speculative verification (TB/s vs the copy ceiling), with a sampled correctness check of every case.
 
-    PYTHONPATH=. python3 scripts/bench_prefill.py [--cta-rows 64,128] [--quick]
+    PYTHONPATH=. python3 scripts/bench_prefill.py [--cta-rows 64,128] [--backend auto,sm80] [--quick] [--peers]
 
 FLOPs of causal prefill: 2 * B * Hq * S^2 * D (ANCHORS.md's convention). Append: 4 * Hq * D * (attended pairs).
 Ceilings measured in the same process: bf16 GEMM 8192^3 (torch or cupy, skipped when neither imports) and a
@@ -73,13 +73,13 @@ def pairs(qo, kv, causal):
     return int((qo * (kv - qo) + qo * (qo + 1) // 2).sum())
 
 
-def ragged_case(rng, name, qo_lens, kv_lens, cta_rows, causal=True):
+def ragged_case(rng, name, qo_lens, kv_lens, cta_rows, causal=True, backend="auto"):
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
     kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
     q_h = rand(rng, (int(qo_indptr[-1]), HQ, D))
     k_h, v_h = rand(rng, (int(kv_indptr[-1]), HKV, D)), rand(rng, (int(kv_indptr[-1]), HKV, D))
     q, k, v = kvattn.from_numpy(q_h), kvattn.from_numpy(k_h), kvattn.from_numpy(v_h)
-    w = BatchPrefillWithRaggedKVCache()
+    w = BatchPrefillWithRaggedKVCache(backend=backend)
     w.plan(qo_indptr, kv_indptr, HQ, HKV, D, causal=causal, cta_rows=cta_rows)
     out = kvattn.empty(q.shape, "bfloat16")
     us = time_us(lambda: w.run(q, k, v, out=out))
@@ -88,7 +88,7 @@ def ragged_case(rng, name, qo_lens, kv_lens, cta_rows, causal=True):
     return w, us, err
 
 
-def paged_case(rng, qo_lens, kv_lens, cta_rows, causal=True):
+def paged_case(rng, qo_lens, kv_lens, cta_rows, causal=True, backend="auto"):
     npages = [-(-n // PS) for n in kv_lens]
     total = sum(npages)
     ids = rng.permutation(total).astype(np.int32)
@@ -98,7 +98,7 @@ def paged_case(rng, qo_lens, kv_lens, cta_rows, causal=True):
     q_h = rand(rng, (int(qo_indptr[-1]), HQ, D))
     kc, vc = rand(rng, (total, PS, HKV, D)), rand(rng, (total, PS, HKV, D))
     q, k, v = kvattn.from_numpy(q_h), kvattn.from_numpy(kc), kvattn.from_numpy(vc)
-    w = BatchPrefillWithPagedKVCache()
+    w = BatchPrefillWithPagedKVCache(backend=backend)
     w.plan(qo_indptr, pt, HQ, HKV, D, causal=causal, cta_rows=cta_rows)
     out = kvattn.empty(q.shape, "bfloat16")
     us = time_us(lambda: w.run(q, k, v, out=out))
@@ -175,6 +175,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cta-rows", default="auto", help="comma list of query tiles to try (auto = plan's choice)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--backend", default="auto", help="comma list of backends to time (auto, sm80, sm90)")
     ap.add_argument("--sweep", action="store_true", help="time the tuning knobs of prefill.cuh on two shapes")
     ap.add_argument("--peers", action="store_true", help="also time FlashInfer fa2/fa3 and PyTorch SDPA here")
     args = ap.parse_args()
@@ -187,30 +188,32 @@ def main():
     print(f"ceilings: bf16 GEMM {gemm and f'{gemm:.0f}'} TFLOP/s, copy {copy:.2f} TB/s")
     rows = []
     shapes = [("b1_S8192", 1, 8192), ("b8_S2048", 8, 2048)] + ([] if args.quick else [("b1_S32768", 1, 32768)])
-    for t in tiles:
-        for name, b, s in shapes:
-            w, us, err = ragged_case(rng, name, [s] * b, [s] * b, t)
-            tf = 2 * b * HQ * s * s * D / us / 1e6
-            rows.append((f"ragged {name}", w._plan["cta_rows"], us, f"{tf:.0f} TFLOP/s",
-                         f"{tf / FI_FA2[name]:.2f}x fa2" + (f", {tf / gemm:.2f} GEMM" if gemm else ""), err))
-        w, us, err = paged_case(rng, [8192], [8192], t)
-        tf = 2 * HQ * 8192 ** 2 * D / us / 1e6
-        rows.append(("paged b1_S8192", w._plan["cta_rows"], us, f"{tf:.0f} TFLOP/s",
-                     f"{tf / FI_FA2['paged_b1_S8192']:.2f}x fa2 paged", err))
-        qo, kv = [256], [65536 + 256]
-        w, us, err = ragged_case(rng, "append", qo, kv, t)
-        tf = 4 * HQ * D * pairs(qo, kv, True) / us / 1e6
-        rows.append(("append 256 x 65536 prefix", w._plan["cta_rows"], us, f"{tf:.0f} TFLOP/s",
-                     f"target 300, split={w._plan['plan'].split}", err))
+    for be in args.backend.split(","):
+        for t in tiles:
+            for name, b, s in shapes:
+                w, us, err = ragged_case(rng, name, [s] * b, [s] * b, t, backend=be)
+                tf = 2 * b * HQ * s * s * D / us / 1e6
+                rows.append((f"ragged {name}", w, us, f"{tf:.0f} TFLOP/s",
+                             f"{tf / FI_FA2[name]:.2f}x fa2" + (f", {tf / gemm:.2f} GEMM" if gemm else ""), err))
+            w, us, err = paged_case(rng, [8192], [8192], t, backend=be)
+            tf = 2 * HQ * 8192 ** 2 * D / us / 1e6
+            rows.append(("paged b1_S8192", w, us, f"{tf:.0f} TFLOP/s",
+                         f"{tf / FI_FA2['paged_b1_S8192']:.2f}x fa2 paged", err))
+            qo, kv = [256], [65536 + 256]
+            w, us, err = ragged_case(rng, "append", qo, kv, t, backend=be)
+            tf = 4 * HQ * D * pairs(qo, kv, True) / us / 1e6
+            rows.append(("append 256 x 65536 prefix", w, us, f"{tf:.0f} TFLOP/s",
+                         f"target 300, split={w._plan['plan'].split}", err))
     for t in [None, 16]:
         w, us, err = paged_case(rng, [4] * 64, [4096] * 64, t)
         nbytes = 2 * 64 * 4096 * HKV * D * 2
         tbs = nbytes / us / 1e6
-        rows.append(("spec verify b64 x 4, kv 4096", w._plan["cta_rows"], us, f"{tbs:.2f} TB/s",
+        rows.append(("spec verify b64 x 4, kv 4096", w, us, f"{tbs:.2f} TB/s",
                      f"{tbs / copy:.2f} of copy (target 0.88)", err))
-    print(f"{'case':32s} {'tile':>4s} {'time':>10s} {'rate':>15s}  {'vs':34s} {'max rel err':>11s}")
-    for name, tile, us, rate, vs, err in rows:
-        print(f"{name:32s} {tile:4d} {us:8.1f}us {rate:>15s}  {vs:34s} {err:11.2e}")
+    print(f"{'case':28s} {'kernel':>9s} {'time':>10s} {'rate':>15s}  {'vs':34s} {'max rel err':>11s}")
+    for name, w, us, rate, vs, err in rows:
+        kern = f"{w._plan['backend']}/{w._plan['cta_rows']}"
+        print(f"{name:28s} {kern:>9s} {us:8.1f}us {rate:>15s}  {vs:34s} {err:11.2e}")
     if args.peers:
         peers = peer_rates(shapes)
         print("\npeers in this process (TFLOP/s, causal, same shapes; vs columns above use ANCHORS.md's fa2)")

@@ -2,6 +2,7 @@
 
     KVATTN_CACHE_DIR=.kvcache python scripts/fill_cache.py
 """
+import concurrent.futures
 import os
 import sys
 import time
@@ -31,12 +32,25 @@ def specs():
         pf.TUNING[128] = defs
         out.append(pf.prefill_spec(128, 128, Variant(), "bfloat16"))
         pf.TUNING.pop(128)
+    flags = [Variant(a, b, c) for a in (False, True) for b in (False, True) for c in (False, True)]
+    for t in ("bfloat16", "float16"):
+        for v in flags:
+            for d in (64, 128, 256):
+                for rows in pf.CONFIGS:
+                    if not (d == 256 and rows == 128):
+                        out.append(pf.prefill_spec(d, rows, v, t))
+            for d in pf.SM90_HEAD_DIMS:
+                out.append(pf.sm90_spec(d, v, t))
     return list(dict.fromkeys(out))
+
+
+def _compile(spec):
+    spec.compile("sm_90a")
 
 
 if __name__ == "__main__":
     t0 = time.time()
     ss = specs()
-    for s in ss:
-        s.compile("sm_90a")
+    with concurrent.futures.ProcessPoolExecutor(os.cpu_count()) as ex:
+        list(ex.map(_compile, ss))
     print(f"{len(ss)} kernels in {os.environ.get('KVATTN_CACHE_DIR')} ({time.time() - t0:.0f} s)")

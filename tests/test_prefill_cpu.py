@@ -5,7 +5,8 @@ from hypothesis import given, settings, strategies as st
 
 from kvattn import compiler, kernels, scheduler
 from kvattn.prefill import (CONFIGS, PREFILL_PARAMS, BatchPrefillWithPagedKVCache, BatchPrefillWithRaggedKVCache,
-                            choose_cta_rows, prefill_spec, smem_bytes)
+                            choose_cta_rows, prefill_spec, smem_bytes,
+                            SM90_HEAD_DIMS, sm90_smem_bytes, sm90_spec)
 from kvattn.formats import PageTable
 from kvattn.variants import Variant
 
@@ -168,4 +169,27 @@ def test_paged_plan_rejects_bad_page_table():
 def test_prefill_specs_are_registered():
     from kvattn import prefill  # noqa: F401
     specs = kernels.REGISTRY["prefill"]
-    assert prefill_spec(128, 128, Variant(), "bfloat16") in specs and len(specs) <= 8
+    assert prefill_spec(128, 128, Variant(), "bfloat16") in specs and len(specs) <= 12
+    assert sm90_spec(128, Variant(), "bfloat16") in specs
+
+
+def test_sm90_smem_fits_and_mirrors_the_kernel():
+    for d in SM90_HEAD_DIMS:
+        assert sm90_smem_bytes(d) <= 227 * 1024
+    src = ('#include "prefill_sm90.cuh"\n'
+           + "".join(f"static_assert(kvattn::PrefillSm90<{d}, false, false, false, __nv_bfloat16>::SMEM_BYTES == "
+                     f"{sm90_smem_bytes(d)}, \"smem\");\n" for d in SM90_HEAD_DIMS))
+    compiler.compile_cubin(src, "sm90_asserts.cu", [], [], "sm_90a")
+
+
+def test_backend_is_checked():
+    with pytest.raises(ValueError, match="backend"):
+        BatchPrefillWithRaggedKVCache(backend="fa3")
+
+
+@pytest.mark.parametrize("d", SM90_HEAD_DIMS)
+def test_sm90_kernels_compile_without_spills_or_serialized_wgmma(d):
+    for variant in (Variant(), Variant(soft_cap=True), Variant(window=True), Variant(custom_mask=True)):
+        compiled, _ = sm90_spec(d, variant, "bfloat16").compile("sm_90a")
+        assert all(r.spill_stores == 0 for r in compiled.resources.values()), compiled.log
+        assert "serialized" not in compiled.log, compiled.log

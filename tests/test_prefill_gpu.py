@@ -39,7 +39,8 @@ def _request_kv(kc, vc, pt, i, layout):
 
 
 def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD", page_size=16, causal=False,
-             window_left=-1, cap=0.0, custom=False, sm_scale=None, check_requests=None, cta_rows=None):
+             window_left=-1, cap=0.0, custom=False, sm_scale=None, check_requests=None, cta_rows=None,
+             backend="auto"):
     hq = hkv * group
     npd = _dtypes.to_numpy(dtype)
     qo_lens, kv_lens = np.asarray(qo_lens), np.asarray(kv_lens)
@@ -49,7 +50,7 @@ def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD"
     flat = np.concatenate([m.ravel() for m in masks]) if custom else None
     if paged:
         kc, vc, pt = _kv_pages(rng, kv_lens, page_size, hkv, d, dtype, layout)
-        w = BatchPrefillWithPagedKVCache(kv_layout=layout)
+        w = BatchPrefillWithPagedKVCache(kv_layout=layout, backend=backend)
         w.plan(qo_indptr, pt, hq, hkv, d, causal=causal, custom_mask=flat, sm_scale=sm_scale,
                window_left=window_left, logits_soft_cap=cap, q_dtype=dtype, cta_rows=cta_rows)
         args = (kvattn.from_numpy(kc), kvattn.from_numpy(vc))
@@ -59,7 +60,7 @@ def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD"
         n = int(kv_indptr[-1])
         shape = (n, hkv, d) if layout == "NHD" else (hkv, n, d)
         k, v = rng.standard_normal(shape).astype(npd), rng.standard_normal(shape).astype(npd)
-        w = BatchPrefillWithRaggedKVCache(kv_layout=layout)
+        w = BatchPrefillWithRaggedKVCache(kv_layout=layout, backend=backend)
         w.plan(qo_indptr, kv_indptr, hq, hkv, d, causal=causal, custom_mask=flat, sm_scale=sm_scale,
                window_left=window_left, logits_soft_cap=cap, q_dtype=dtype, cta_rows=cta_rows)
         args = (kvattn.from_numpy(k), kvattn.from_numpy(v))
@@ -67,6 +68,8 @@ def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD"
         def fetch(i):
             s = slice(kv_indptr[i], kv_indptr[i + 1])
             return (k[s], v[s]) if layout == "NHD" else (k[:, s].transpose(1, 0, 2), v[:, s].transpose(1, 0, 2))
+    if backend != "auto":
+        assert w._plan["backend"] == backend
     total = int(qo_indptr[-1])
     out = poisoned((total, hq, d), dtype)
     lse = poisoned((total, hq), "float32")
@@ -104,7 +107,8 @@ def cases(draw):
         hkv=draw(st.sampled_from([1, 2])), group=draw(st.sampled_from([1, 4, 5, 8])), qo_lens=qo, kv_lens=kv,
         layout=draw(st.sampled_from(["NHD", "HND"])), page_size=draw(st.sampled_from([1, 5, 16, 64])),
         causal=causal, window_left=draw(st.sampled_from([-1, -1, -1, 0, 37, 300])),
-        cap=draw(st.sampled_from([0.0, 0.0, 0.0, 30.0])), custom=draw(st.sampled_from([False, False, False, True])))
+        cap=draw(st.sampled_from([0.0, 0.0, 0.0, 30.0])), custom=draw(st.sampled_from([False, False, False, True])),
+        backend=draw(st.sampled_from(["auto", "auto", "sm80"])))
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
@@ -120,11 +124,29 @@ def test_ragged_matches_reference(c, seed):
     run_case(np.random.default_rng(seed), paged=False, **c)
 
 
-@pytest.mark.parametrize("cta_rows", [16, 64, 128])
+@pytest.mark.parametrize("cta_rows,backend", [(16, "sm80"), (64, "sm80"), (128, "sm80"), (128, "sm90")])
 @pytest.mark.parametrize("group", [1, 5, 8])
-def test_every_query_tile(cta_rows, group):
+def test_every_query_tile(cta_rows, backend, group):
     run_case(np.random.default_rng(cta_rows * 10 + group), dtype="bfloat16", d=128, hkv=2, group=group,
-             qo_lens=[1, 70, 4, 300], kv_lens=[1000, 70, 900, 2000], paged=True, causal=True, cta_rows=cta_rows)
+             qo_lens=[1, 70, 4, 300], kv_lens=[1000, 70, 900, 2000], paged=True, causal=True, cta_rows=cta_rows,
+             backend=backend)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("variant", ["causal", "plain", "window", "cap", "custom", "all"])
+def test_sm90_mainloop(d, dtype, variant):
+    """The wgmma kernel (forced, including the instance that auto-selection skips for its spills) on tiles
+    that straddle the mask boundaries, several KV tiles, padding rows, an empty KV and a split KV."""
+    kw = dict(causal=variant in ("causal", "all"), window_left=77 if variant in ("window", "all") else -1,
+              cap=20.0 if variant in ("cap", "all") else 0.0, custom=variant in ("custom", "all"))
+    if kw["causal"]:
+        qo, kv = [130, 33, 1, 200], [130, 700, 1, 4500]
+    else:
+        qo, kv = [130, 33, 1, 200], [300, 0, 129, 4500]
+    for paged in (True, False):
+        run_case(np.random.default_rng(hash((d, dtype, variant, paged)) % 2**32), dtype=dtype, d=d, hkv=2, group=4,
+                 qo_lens=qo, kv_lens=kv, paged=paged, cta_rows=128, backend="sm90", **kw)
 
 
 def test_speculative_verify_shape():
