@@ -22,7 +22,7 @@ from kvattn import _dtypes  # noqa: E402
 from kvattn.formats import PageTable  # noqa: E402
 from kvattn.prefill import BatchPrefillWithPagedKVCache, BatchPrefillWithRaggedKVCache  # noqa: E402
 from kvattn.timing import copy_bandwidth_tbs, time_us  # noqa: E402
-from _prefill_ref import request_ref, sample_rows  # noqa: E402
+from _prefill_ref import allowed as _allowed, request_ref, sample_rows  # noqa: E402
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 BF = _dtypes.to_numpy("bfloat16")
@@ -116,6 +116,50 @@ SWEEP = {64: [(), (("KVATTN_PF_KK_UNROLL", 8),), (("KVATTN_PF_QREGS", 1),)],
                (("KVATTN_PF_FAST64", 1),), (("KVATTN_PF_FOLD", 1),), (("KVATTN_PF_FAST64", 1), ("KVATTN_PF_FOLD", 1))]}
 
 
+def variant_case(rng, label, *, s=8192, d=128, dtype="bfloat16", causal=True, window=-1, cap=0.0, custom=False,
+                 backend="auto"):
+    """One ragged request of s tokens (Hq 32, Hkv 8) with the given options: (label, w, us, TFLOP/s, err).
+    FLOPs count the attended pairs (causal / window); a custom mask counts every pair (the kernel visits all)."""
+    npd = _dtypes.to_numpy(dtype)
+    q_h = rng.standard_normal((s, HQ, d), dtype=np.float32).astype(npd)
+    k_h = rng.standard_normal((s, HKV, d), dtype=np.float32).astype(npd)
+    v_h = rng.standard_normal((s, HKV, d), dtype=np.float32).astype(npd)
+    mask = rng.random((s, s)) < 0.5 if custom else None
+    w = BatchPrefillWithRaggedKVCache(backend=backend)
+    w.plan([0, s], [0, s], HQ, HKV, d, causal=causal, window_left=window, logits_soft_cap=cap,
+           custom_mask=None if mask is None else mask.ravel(), q_dtype=dtype)
+    q, k, v = kvattn.from_numpy(q_h), kvattn.from_numpy(k_h), kvattn.from_numpy(v_h)
+    out = kvattn.empty(q.shape, dtype)
+    us = time_us(lambda: w.run(q, k, v, out=out))
+    rows = sample_rows(s, 16, rng)
+    allowed = _allowed(s, s, np.arange(s), causal, window).sum() if not custom else s * s
+    ro, _ = request_ref(q_h, k_h, v_h, rows, causal, window, cap, 1 / np.sqrt(d), mask)
+    got = out.numpy()[rows].astype(np.float64)
+    err = float(np.linalg.norm(got - ro) / np.linalg.norm(ro))
+    return label, w, us, 4 * HQ * d * int(allowed) / us / 1e6, err
+
+
+EXTRA = [("causal (reference case)", {}), ("non-causal", dict(causal=False)), ("head_dim 64", dict(d=64)),
+         ("head_dim 256", dict(d=256)), ("float16", dict(dtype="float16")),
+         ("custom mask (50%), non-causal", dict(causal=False, custom=True, s=4096)),
+         ("sliding window 1024", dict(window=1024)), ("logits soft cap 30", dict(cap=30.0))]
+
+
+def extra():
+    """The variants ANCHORS/the issue ask to report: b1 x 8192 (mask: 4096), Hq 32 / Hkv 8, with the kernel's
+    registers, dynamic shared memory and CTAs per SM."""
+    rng = np.random.default_rng(1)
+    print(f"{'case':32s} {'kernel':>9s} {'time':>10s} {'TFLOP/s':>8s} {'regs':>5s} {'smem KB':>7s} {'CTA/SM':>6s} "
+          f"{'err':>9s}")
+    for label, kw in EXTRA:
+        label, w, us, tf, err = variant_case(rng, label, **kw)
+        st = w._plan
+        regs = st["kernel"].resources.registers if st["kernel"].resources else -1
+        occ = min(65536 // (st["threads"] * regs), (228 * 1024) // (st["smem"] + 1024))
+        print(f"{label:32s} {st['backend'] + '/' + str(st['cta_rows']):>9s} {us:8.1f}us {tf:8.0f} {regs:5d} "
+              f"{st['smem'] / 1024:7.1f} {occ:6d} {err:9.2e}")
+
+
 def sweep():
     from kvattn import prefill
     rng = np.random.default_rng(0)
@@ -129,9 +173,10 @@ def sweep():
         prefill.TUNING.pop(rows, None)
 
 
-def peer_rates(shapes):
-    """TFLOP/s of FlashInfer (fa2 and fa3 ragged prefill) and PyTorch SDPA (flash, cuDNN) on the causal shapes,
-    in this process. Each peer is optional: a missing package or an error prints a line instead of a figure."""
+def peer_rates(shapes, fi_backends):
+    """TFLOP/s of FlashInfer (ragged prefill, each of fi_backends) and PyTorch SDPA (flash, cuDNN) on the causal
+    shapes, and FlashInfer's paged speculative verify in TB/s, in this process. Each peer is optional: a missing
+    package or an error prints a line instead of a figure."""
     out = {}
     try:
         import torch
@@ -149,7 +194,7 @@ def peer_rates(shapes):
             import flashinfer
             ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
             indptr = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device="cuda")
-            for backend in ("fa2", "fa3"):
+            for backend in fi_backends:
                 fw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
                 fw.plan(indptr, indptr, HQ, HKV, D, causal=True, q_data_type=dt)
                 out[(name, "fi_" + backend)] = flops / torch_time_us(lambda: fw.run(q, k, v), reps=10) / 1e6
@@ -168,6 +213,23 @@ def peer_rates(shapes):
         except Exception as exc:
             print(f"# PyTorch SDPA {name}: {exc.__class__.__name__}: {str(exc)[:120]}")
         del q, k, v
+    try:   # speculative verify: batch 64 x 4 queries, causal, paged KV of 4096 (page 16)
+        import flashinfer
+        b, ql, kl = 64, 4, 4096
+        npg = kl // PS
+        cache = torch.randn(b * npg, 2, PS, HKV, D, dtype=dt, device="cuda")
+        q = torch.randn(b * ql, HQ, D, dtype=dt, device="cuda")
+        i32 = dict(dtype=torch.int32, device="cuda")
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        for backend in fi_backends:
+            fw = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+            fw.plan(torch.arange(0, (b + 1) * ql, ql, **i32), torch.arange(0, (b + 1) * npg, npg, **i32),
+                    torch.randperm(b * npg, **i32), torch.full((b,), PS, **i32), HQ, HKV, D, PS, causal=True,
+                    q_data_type=dt, kv_data_type=dt)
+            us = torch_time_us(lambda: fw.run(q, cache), reps=20)
+            out[("spec_verify", "fi_paged_" + backend + " TB/s")] = 2 * b * kl * HKV * D * 2 / us / 1e6
+    except Exception as exc:
+        print(f"# FlashInfer paged verify: {exc.__class__.__name__}: {str(exc)[:120]}")
     return out
 
 
@@ -175,12 +237,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cta-rows", default="auto", help="comma list of query tiles to try (auto = plan's choice)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--extra", action="store_true", help="only the variant table (non-causal, D 64/256, fp16, ...)")
     ap.add_argument("--backend", default="auto", help="comma list of backends to time (auto, sm80, sm90)")
     ap.add_argument("--sweep", action="store_true", help="time the tuning knobs of prefill.cuh on two shapes")
-    ap.add_argument("--peers", action="store_true", help="also time FlashInfer fa2/fa3 and PyTorch SDPA here")
+    ap.add_argument("--peers", nargs="?", const="fa2", default=None,
+                    help="also time PyTorch SDPA and FlashInfer here (comma list of its backends: fa2, fa3)")
     args = ap.parse_args()
     if args.sweep:
         return sweep()
+    if args.extra:
+        return extra()
     tiles = [None if t == "auto" else int(t) for t in args.cta_rows.split(",")]
     rng = np.random.default_rng(0)
     gemm = gemm_tflops()
@@ -215,10 +281,21 @@ def main():
         kern = f"{w._plan['backend']}/{w._plan['cta_rows']}"
         print(f"{name:28s} {kern:>9s} {us:8.1f}us {rate:>15s}  {vs:34s} {err:11.2e}")
     if args.peers:
-        peers = peer_rates(shapes)
+        peers = peer_rates(shapes, args.peers.split(","))
         print("\npeers in this process (TFLOP/s, causal, same shapes; vs columns above use ANCHORS.md's fa2)")
         for (name, impl), tf in sorted(peers.items()):
-            print(f"{name:12s} {impl:14s} {tf:8.0f}")
+            print(f"{name:12s} {impl:20s} {tf:8.2f}")
+        first = args.backend.split(",")[0]
+        print(f"\nkvattn ({first}) vs the peers of this process")
+        for name, w, us, rate, vs, err in rows:
+            key = name.split()[-1]
+            if w._plan["backend"] == first or "verify" in name:
+                fa2, fl = peers.get((key, "fi_fa2")), peers.get((key, "torch_flash"))
+                if "verify" in name:
+                    fa2 = peers.get(("spec_verify", "fi_paged_fa2 TB/s"))
+                val = float(rate.split()[0])
+                print(f"{name:28s} {rate:>15s}  " + (f"{val / fa2:.2f}x FlashInfer fa2" if fa2 else "no fa2") +
+                      (f", {val / fl:.2f}x PyTorch flash" if fl else ""))
 
 
 if __name__ == "__main__":
