@@ -27,7 +27,7 @@ struct PrefillSm90 {
   static constexpr int CHUNKS = D / 8;                // 16-byte chunks per row
   static constexpr int Q_ELEMS = ROWS * D;
   static constexpr int KV_ELEMS = N * D;              // one of K or V per stage
-  static constexpr int SMEM_BYTES = (Q_ELEMS + STAGES * 2 * KV_ELEMS) * (int)sizeof(T) + 2 * N * 8 + 16;
+  static constexpr int SMEM_BYTES = (Q_ELEMS + STAGES * 2 * KV_ELEMS) * (int)sizeof(T) + 2 * N * 8;
   static constexpr int RSTEP = THREADS / CHUNKS;      // rows per copy pass
   static constexpr int RPT = N / RSTEP;               // rows each thread copies per tile (of K and of V)
   static constexpr int SN = N / 2;                    // S accumulators per thread
@@ -141,140 +141,99 @@ struct PrefillSm90 {
     }
   }
 
-  // Item it's Q and first two tiles (ring slots g, g + 1), after a barrier that freed Q, those stages and both
-  // offset slots. Commits two copy groups (Q + tile 0, tile 1). Tile 2's offsets are written after the item's
-  // first wait (its slot is tile 0's).
-  __device__ __forceinline__ static void start_item(const PrefillParams& p, const Item& it, T* qs, T* kvs,
-                                                    long long* offs, int g, int kvh) {
-    const int ntiles = (it.ke - it.kb + N - 1) / N;
-    const int tid = threadIdx.x, t = tid / N, r = tid % N;   // THREADS == 2 N: one lookup per thread
-    if (t < ntiles) offs[((g + t) & 1) * N + r] = Base::tok_offset(p, it.pages, min(it.kb + t * N + r, it.ke - 1));
-    __syncthreads();
-    load_q(p, it, qs, kvh);
-    if (0 < ntiles) issue_kv(p, kvs + (g % STAGES) * 2 * KV_ELEMS, offs + (g & 1) * N, it.kb, it.ke, kvh);
-    cp_async_commit();
-    if (1 < ntiles) issue_kv(p, kvs + ((g + 1) % STAGES) * 2 * KV_ELEMS, offs + ((g + 1) & 1) * N, it.kb + N, it.ke, kvh);
-    cp_async_commit();
-  }
-
-  // Persistent CTA: work units u = item * Hkv + kv head, claimed in plan order (longest first) from a counter
-  // in the plan header; the last CTA to finish resets it for the next run (graph replays included). While a
-  // unit's last P V runs and its output is stored, the next unit's Q and first tiles are already loading.
-  // ring slot g counts the CTA's tiles over all its units (stage g % STAGES, offset slot g & 1).
-  __device__ static void run(const PrefillParams& p, T* smem) {
+  __device__ static void run(const PrefillParams& p, int w, T* smem) {
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, wg = warp / 4;
-    int* counters = const_cast<int*>(p.plan) + 4;   // [0] next unit, [1] CTAs done (zeroed by plan())
-    const int hkv = p.num_qo_heads / p.group_size;
-    const int units = p.plan[0] * hkv;
+    const int kvh = blockIdx.y;
+    Item it = Base::load_item(p, p.plan, w);
     T* qs = smem;
     T* kvs = smem + Q_ELEMS;
-    long long* offs = reinterpret_cast<long long*>(kvs + STAGES * 2 * KV_ELEMS);   // [2][N]
-    int* claim = reinterpret_cast<int*>(offs + 2 * N);                             // next unit of this CTA
-    const unsigned q_addr = smem_addr(qs) + wg * 64 * 128;
-    const unsigned kv_addr = smem_addr(kvs);
+    long long* offs = reinterpret_cast<long long*>(kvs + STAGES * 2 * KV_ELEMS);   // [2][N]: tile t in slot t & 1
+    const int ntiles = (it.ke - it.kb + N - 1) / N;
 
-    if (tid == 0) *claim = atomicAdd(counters, 1);
-    __syncthreads();
-    int u = *claim;
-    if (u < units) start_item(p, Base::load_item(p, p.plan, u / hkv), qs, kvs, offs, 0, u % hkv);
-    int g = 0;
-    while (u < units) {
-      const int kvh = u % hkv;
-      const Item it = Base::load_item(p, p.plan, u / hkv);
-      if (tid == 0) *claim = atomicAdd(counters, 1);   // read after the barrier below (all read the last one)
-      const int ntiles = (it.ke - it.kb + N - 1) / N;
-      // This thread's rows (warp * 16 + lane / 4 + 8 r): their query tokens, clamped for padding rows.
-      int tok[2];
+    // Prologue: Q joins tile 0's copy group; tile 1 is the second group; tile 2's page lookups.
+    load_q(p, it, qs, kvh);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) tok[r] = (it.row0 + min(warp * 16 + lane / 4 + 8 * r, it.nrows - 1)) / p.group_size;
-      float o[1][CHUNKS][4];
-      float m[1][2], l[1][2];
-      reset_state(o, m, l);
-      float (&acc)[ON] = reinterpret_cast<float (&)[ON]>(o);
+    for (int s = 0; s < 2; ++s) {
+      if (s < ntiles) {
+        if (tid < N) offs[s * N + tid] = Base::tok_offset(p, it.pages, min(it.kb + s * N + tid, it.ke - 1));
+        __syncthreads();
+        issue_kv(p, kvs + s * 2 * KV_ELEMS, offs + s * N, it.kb + s * N, it.ke, kvh);
+      }
+      cp_async_commit();
+    }
+    if (tid < N && 2 < ntiles) offs[tid] = Base::tok_offset(p, it.pages, min(it.kb + 2 * N + tid, it.ke - 1));
 
-      int next;
-      if (ntiles > 0) {
-        float s[SN];
-        float sc[2];
-        cp_async_wait<1>();
+    // This thread's rows (warp * 16 + lane / 4 + 8 r): their query tokens, clamped for padding rows.
+    int tok[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) tok[r] = (it.row0 + min(warp * 16 + lane / 4 + 8 * r, it.nrows - 1)) / p.group_size;
+    float o[1][CHUNKS][4];
+    float m[1][2], l[1][2];
+    reset_state(o, m, l);
+    float (&acc)[ON] = reinterpret_cast<float (&)[ON]>(o);
+
+    if (ntiles > 0) {
+      const unsigned q_addr = smem_addr(qs) + wg * 64 * 128;
+      const unsigned kv_addr = smem_addr(kvs);
+      float s[SN];
+      float sc[2];
+      cp_async_wait<1>();
+      fence_proxy_async();
+      __syncthreads();
+      wgmma_fence();
+      issue_qk(s, q_addr, kv_addr);
+      wgmma_wait<0>();
+      fence_regs(s);
+      softmax_tile(p, it, s, it.kb, tok, lane, m, l, sc);
+
+      for (int ti = 0; ti + 1 < ntiles; ++ti) {
+        // Tile ti + 1 has landed, and every warpgroup is done with P(ti-1) V(ti-1): its stage takes tile ti + 2.
+        cp_async_wait<0>();
         fence_proxy_async();
         __syncthreads();
-        if (tid < N && 2 < ntiles)
-          offs[(g & 1) * N + tid] = Base::tok_offset(p, it.pages, min(it.kb + 2 * N + tid, it.ke - 1));
-        wgmma_fence();
-        issue_qk(s, q_addr, kv_addr + (g % STAGES) * 2 * KV_ELEMS * (int)sizeof(T));
-        wgmma_wait<0>();
-        fence_regs(s);
-        softmax_tile(p, it, s, it.kb, tok, lane, m, l, sc);
+        if (ti + 2 < ntiles)
+          issue_kv(p, kvs + ((ti + 2) % STAGES) * 2 * KV_ELEMS, offs + (ti & 1) * N, it.kb + (ti + 2) * N, it.ke, kvh);
+        cp_async_commit();
+        if (tid < N && ti + 3 < ntiles)
+          offs[((ti + 3) & 1) * N + tid] = Base::tok_offset(p, it.pages, min(it.kb + (ti + 3) * N + tid, it.ke - 1));
 
-        for (int ti = 0; ti + 1 < ntiles; ++ti) {
-          const int gt = g + ti;
-          // Tile ti + 1 has landed, and every warpgroup is done with P(ti-1) V(ti-1): its stage takes tile ti + 2.
-          cp_async_wait<0>();
-          fence_proxy_async();
-          __syncthreads();
-          if (ti + 2 < ntiles)
-            issue_kv(p, kvs + ((gt + 2) % STAGES) * 2 * KV_ELEMS, offs + (gt & 1) * N, it.kb + (ti + 2) * N, it.ke, kvh);
-          cp_async_commit();
-          if (tid < N && ti + 3 < ntiles)
-            offs[((gt + 1) & 1) * N + tid] = Base::tok_offset(p, it.pages, min(it.kb + (ti + 3) * N + tid, it.ke - 1));
-
-          unsigned pa[N / 16][4];
-          pack_p(s, pa);
-          wgmma_fence();
-          issue_qk(s, q_addr, kv_addr + ((gt + 1) % STAGES) * 2 * KV_ELEMS * (int)sizeof(T));
-          issue_pv(acc, pa, kv_addr + ((gt % STAGES) * 2 * KV_ELEMS + KV_ELEMS) * (int)sizeof(T));
-          wgmma_wait<1>();
-          fence_regs(s);
-          softmax_tile(p, it, s, it.kb + (ti + 1) * N, tok, lane, m, l, sc);
-          wgmma_wait<0>();
-          fence_regs(acc);
-          if (sc[0] != 1.f || sc[1] != 1.f) {
-#pragma unroll
-            for (int i = 0; i < ON / 4; ++i) {
-              acc[4 * i + 0] *= sc[0]; acc[4 * i + 1] *= sc[0];
-              acc[4 * i + 2] *= sc[1]; acc[4 * i + 3] *= sc[1];
-            }
-          }
-        }
-        // Last tile: its V landed before the previous iteration's barrier (or this unit's first wait).
         unsigned pa[N / 16][4];
         pack_p(s, pa);
         wgmma_fence();
-        issue_pv(acc, pa, kv_addr + (((g + ntiles - 1) % STAGES) * 2 * KV_ELEMS + KV_ELEMS) * (int)sizeof(T));
-        // Every warpgroup is past its last Q K^T and P(L-1) V(L-1): Q, the other stages and the offset slots
-        // are free for the next unit while the last P V runs.
-        __syncthreads();
-        next = *claim;
-        if (next < units) start_item(p, Base::load_item(p, p.plan, next / hkv), qs, kvs, offs, g + ntiles, next % hkv);
+        issue_qk(s, q_addr, kv_addr + ((ti + 1) % STAGES) * 2 * KV_ELEMS * (int)sizeof(T));
+        issue_pv(acc, pa, kv_addr + ((ti % STAGES) * 2 * KV_ELEMS + KV_ELEMS) * (int)sizeof(T));
+        wgmma_wait<1>();
+        fence_regs(s);
+        softmax_tile(p, it, s, it.kb + (ti + 1) * N, tok, lane, m, l, sc);
         wgmma_wait<0>();
         fence_regs(acc);
-      } else {
-        __syncthreads();
-        next = *claim;
-        if (next < units) start_item(p, Base::load_item(p, p.plan, next / hkv), qs, kvs, offs, g, next % hkv);
+        if (sc[0] != 1.f || sc[1] != 1.f) {
+#pragma unroll
+          for (int i = 0; i < ON / 4; ++i) {
+            acc[4 * i + 0] *= sc[0]; acc[4 * i + 1] *= sc[0];
+            acc[4 * i + 2] *= sc[1]; acc[4 * i + 3] *= sc[1];
+          }
+        }
       }
-      Base::store_rows(p, Base::load_item(p, static_cast<const volatile int*>(p.plan), u / hkv), kvh, warp, lane, o,
-                       m, l);
-      g += ntiles;
-      u = next;
+      // Last tile: its V landed before the previous iteration's barrier (or the prologue's).
+      unsigned pa[N / 16][4];
+      pack_p(s, pa);
+      wgmma_fence();
+      issue_pv(acc, pa, kv_addr + (((ntiles - 1) % STAGES) * 2 * KV_ELEMS + KV_ELEMS) * (int)sizeof(T));
+      wgmma_wait<0>();
+      fence_regs(acc);
     }
     cp_async_wait<0>();
-    if (tid == 0) {
-      __threadfence();
-      if (atomicAdd(counters + 1, 1) == (int)gridDim.x - 1) {   // every CTA has drawn its last (past-the-end) unit
-        atomicExch(counters, 0);
-        atomicExch(counters + 1, 0);
-      }
-    }
+    it = Base::load_item(p, static_cast<const volatile int*>(p.plan), w);
+    Base::store_rows(p, it, kvh, warp, lane, o, m, l);
   }
 };
 
-// Grid: (persistent CTAs, 1, 1); each CTA claims (item, kv head) units until the plan's items run out.
 template <int D, bool SOFT_CAP, bool WINDOW, bool CUSTOM, typename T>
 __global__ void __launch_bounds__(256, 1) prefill_sm90_kernel(const __grid_constant__ PrefillParams p) {
+  if ((int)blockIdx.x >= p.plan[0]) return;   // padded grid (graph mode) or fewer items than launched
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  PrefillSm90<D, SOFT_CAP, WINDOW, CUSTOM, T>::run(p, reinterpret_cast<T*>(smem_raw));
+  PrefillSm90<D, SOFT_CAP, WINDOW, CUSTOM, T>::run(p, blockIdx.x, reinterpret_cast<T*>(smem_raw));
 }
 
 }  // namespace kvattn

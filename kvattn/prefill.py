@@ -93,8 +93,8 @@ def smem_bytes(head_dim: int, cta_rows: int) -> int:
 
 def sm90_smem_bytes(head_dim: int) -> int:
     """Dynamic shared memory of prefill_sm90_kernel (mirrors PrefillSm90::SMEM_BYTES: Q, 3 stages of 128-token
-    K and V tiles, two slots of page offsets, the claimed work unit)."""
-    return (128 * head_dim + SM90_STAGES * 2 * 128 * head_dim) * 2 + 2 * 128 * 8 + 16
+    K and V tiles, two slots of page offsets)."""
+    return (128 * head_dim + SM90_STAGES * 2 * 128 * head_dim) * 2 + 2 * 128 * 8
 
 
 def ctas_per_sm(head_dim: int, cta_rows: int, registers: int | None) -> int:
@@ -111,19 +111,12 @@ SM90_STAGES = 3
 
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
-    """The kernel a plan launches, with its block size, dynamic shared memory and CTAs per SM. A persistent
-    kernel runs min(items * Hkv, SMs) CTAs that claim (item, kv head) units; the others one CTA per unit."""
+    """The kernel a plan launches, with its block size, dynamic shared memory and CTAs per SM."""
     backend: str
     spec: KernelSpec
     threads: int
     smem: int
     ctas_per_sm: int
-    persistent: bool = False
-
-    def grid(self, items: int, num_kv_heads: int, num_sms: int) -> tuple:
-        if self.persistent:
-            return (min(items * num_kv_heads, num_sms * self.ctas_per_sm), 1, 1)
-        return (items, num_kv_heads, 1)
 
 
 def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, dtype: str) -> LaunchConfig:
@@ -138,7 +131,7 @@ def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, 
         kernel = get_kernel(spec)
         spills = kernel.resources is not None and kernel.resources.spill_stores > 0
         if backend == "sm90" or not spills:
-            return LaunchConfig("sm90", spec, 256, sm90_smem_bytes(head_dim), 1, persistent=True)
+            return LaunchConfig("sm90", spec, 256, sm90_smem_bytes(head_dim), 1)
     spec = prefill_spec(head_dim, cta_rows, variant, dtype)
     kernel = get_kernel(spec)
     occ = ctas_per_sm(head_dim, cta_rows, kernel.resources.registers if kernel.resources else None)
@@ -267,7 +260,6 @@ class _BatchPrefill:
         h = host.view(np.int32)
         h[:total_i32] = 0
         h[0], h[1], h[2], h[3] = plan.num_items, plan.num_merge, batch, plan.num_partial_rows
-        # h[4], h[5]: the persistent kernel's unit counter and finished-CTA count, zero here and after each run
         h[off["qo_indptr"]:off["qo_indptr"] + batch + 1] = qo_indptr
         h[off["kv_len"]:off["kv_len"] + batch] = kv_lens
         h[off["page_indptr"]:off["page_indptr"] + batch + 1] = page_indptr
@@ -314,7 +306,7 @@ class _BatchPrefill:
             plan=plan, batch=batch, total_qo=total_qo, hq=hq, hkv=hkv, d=head_dim, dtype=q_dtype,
             page_size=page_size, num_pages_needed=int(page_indices.max(initial=-1)) + 1 if self._paged else 0,
             total_kv=int(kv_lens.sum()) if not self._paged else 0, cta_rows=cta_rows, variant=variant,
-            kernel=kernel, grid=cfg.grid(cap_w, hkv, self.num_sms), smem=cfg.smem, threads=cfg.threads, backend=cfg.backend, params=p,
+            kernel=kernel, grid=(cap_w, hkv, 1), smem=cfg.smem, threads=cfg.threads, backend=cfg.backend, params=p,
             merge_kernel=get_kernel(merge_spec("float32", q_dtype)) if merge_rows else None,
             merge_grid=-(-merge_rows * hq * (head_dim // 8) // 256), merge_params=mp)
         return self
