@@ -1,17 +1,23 @@
-// Batch prefill / append, Hopper mainloop (sm_90a): warpgroup MMA (wgmma) with K/V streamed by cp.async.
+// Batch prefill / append, Hopper mainloop (sm_90a): warpgroup MMA (wgmma), warp-specialised.
 //
 // Same plan items, parameters, variants and epilogue as prefill.cuh (PrefillKernel's helpers); only the
-// mainloop differs. One CTA = two warpgroups (8 warps, 256 threads) = 128 packed query rows, 64 per warpgroup
-// (wgmma's M). KV tiles of N = 128 tokens stream through a 3-stage cp.async ring (page lookups computed two
-// tiles ahead) into shared memory laid out the way wgmma reads it: 128-byte swizzle, i.e. per 64-column block
-// of the head dim, 128-byte rows whose 16-byte chunk c sits at chunk c ^ (row % 8).
-// S = Q K^T reads Q and K from shared memory (both K-major). O += P V reads P from registers (the S
-// accumulators rounded to T: the accumulator layout of two adjacent 8-column blocks is the A layout of one
-// k16 step) and V from shared memory, MN-major (the transpose bit).
-// Per warpgroup, S(i+1) = Q K(i+1)^T is issued together with O += P(i) V(i), and the softmax of S(i+1) runs
-// while P(i) V(i) is on the tensor cores; O is rescaled once both are done.
+// mainloop differs. One CTA = three warpgroups (384 threads) for 128 packed query rows:
+//   - the producer warpgroup (24 registers after setmaxnreg) copies Q and the K/V tiles (N = 128 tokens) with
+//     cp.async into a 3-stage ring; each warp looks up the page offsets of 32 rows of a tile (one per lane) and
+//     copies them coalesced (16-byte chunks, offsets passed by shuffles). Each thread's copies arrive on the
+//     stage's `full` mbarrier when they land (cp.async.mbarrier.arrive): the producer never waits for them;
+//   - two consumer warpgroups (240 registers) own 64 query rows each (wgmma's M). They wait on `full`, fence
+//     the landed copies (generic proxy) against the tensor cores' reads (async proxy), run
+//     S = Q K^T (Q and K from shared memory, K-major), the online softmax, and O += P V (P from registers:
+//     the S accumulators rounded to T; V from shared memory, MN-major through the transpose bit), then release
+//     the stage on its `empty` mbarrier. S(i+1) is issued together with P(i) V(i), and the softmax of S(i+1)
+//     runs while P(i) V(i) is on the tensor cores. The two consumers are not tied to each other by CTA
+//     barriers, so one's softmax overlaps the other's matrix products.
+// Shared memory layout of every tile: 128-byte swizzle, i.e. per 64-column block of the head dim, 128-byte rows
+// whose 16-byte chunk c sits at chunk c ^ (row % 8).
 #pragma once
 #include "prefill.cuh"
+#include "sm90.cuh"
 #include "wgmma.cuh"
 
 namespace kvattn {
@@ -20,16 +26,19 @@ template <int D, bool SOFT_CAP, bool WINDOW, bool CUSTOM, typename T>
 struct PrefillSm90 {
   using Base = PrefillKernel<D, 4, 2, SOFT_CAP, WINDOW, CUSTOM, T>;   // helpers only (items, masks, epilogue)
   using Item = typename Base::Item;
-  static constexpr int THREADS = 256;
+  static constexpr int THREADS = 384;                 // producer warpgroup + two consumer warpgroups
+  static constexpr int PRODUCERS = 128;
+  static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+  // setmaxnreg.inc waits for registers the CTA's other warps released: the two must balance exactly.
+  static_assert(PRODUCERS * (168 - PRODUCER_REGS) == 2 * 128 * (CONSUMER_REGS - 168), "register budget");
   static constexpr int ROWS = 128;                    // packed query rows per CTA
   static constexpr int N = 128;                       // KV tokens per tile
   static constexpr int STAGES = 3;
   static constexpr int CHUNKS = D / 8;                // 16-byte chunks per row
   static constexpr int Q_ELEMS = ROWS * D;
   static constexpr int KV_ELEMS = N * D;              // one of K or V per stage
-  static constexpr int SMEM_BYTES = (Q_ELEMS + STAGES * 2 * KV_ELEMS) * (int)sizeof(T) + 2 * N * 8;
-  static constexpr int RSTEP = THREADS / CHUNKS;      // rows per copy pass
-  static constexpr int RPT = N / RSTEP;               // rows each thread copies per tile (of K and of V)
+  static constexpr int SMEM_BYTES = (Q_ELEMS + STAGES * 2 * KV_ELEMS) * (int)sizeof(T) + 2 * STAGES * 8;
+  static constexpr int RPI = 32 / CHUNKS;             // rows one warp-wide copy instruction covers
   static constexpr int SN = N / 2;                    // S accumulators per thread
   static constexpr int ON = D / 2;                    // O accumulators per thread
   static_assert(D == 64 || D == 128, "the sm90 mainloop covers head_dim 64 and 128");
@@ -42,7 +51,7 @@ struct PrefillSm90 {
   __device__ __forceinline__ static void load_q(const PrefillParams& p, const Item& it, T* qs, int kvh) {
     const T* qg = static_cast<const T*>(p.q);
     const int group = p.group_size;
-    for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
+    for (int i = threadIdx.x; i < ROWS * CHUNKS; i += PRODUCERS) {
       const int r = i / CHUNKS, ch = i % CHUNKS;
       const bool ok = r < it.nrows;
       const int pr = it.row0 + (ok ? r : 0);
@@ -52,16 +61,18 @@ struct PrefillSm90 {
     }
   }
 
-  // K and V rows of the tile starting at kv index t0 (element offsets `off`); rows past ke are zero-filled.
-  __device__ __forceinline__ static void issue_kv(const PrefillParams& p, T* stage, const long long* off, int t0,
-                                                  int ke, int kvh) {
-    const int chunk = threadIdx.x % CHUNKS;
+  // Producer warp pw's 32 rows of K and V of the tile starting at kv index t0; `off` is the element offset of
+  // row 32 pw + lane. Rows past ke are zero-filled.
+  __device__ __forceinline__ static void issue_kv(const PrefillParams& p, T* stage, long long off, int t0, int ke,
+                                                  int kvh, int pw, int lane) {
+    const int chunk = lane % CHUNKS, sub = lane / CHUNKS;
     const T* kg = static_cast<const T*>(p.k) + kvh * p.kv_stride_head + chunk * 8;
     const T* vg = static_cast<const T*>(p.v) + kvh * p.kv_stride_head + chunk * 8;
-#pragma unroll
-    for (int j = 0; j < RPT; ++j) {
-      const int row = threadIdx.x / CHUNKS + j * RSTEP;
-      const long long o = off[row];
+#pragma unroll 2
+    for (int j = 0; j < CHUNKS; ++j) {
+      const int rr = j * RPI + sub;
+      const long long o = __shfl_sync(0xffffffffu, off, rr);
+      const int row = 32 * pw + rr;
       const int bytes = t0 + row < ke ? 16 : 0;
       cp_async16(stage + sw<N>(row, chunk), kg + o, bytes);
       cp_async16(stage + KV_ELEMS + sw<N>(row, chunk), vg + o, bytes);
@@ -141,45 +152,44 @@ struct PrefillSm90 {
     }
   }
 
-  __device__ static void run(const PrefillParams& p, int w, T* smem) {
-    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, wg = warp / 4;
-    const int kvh = blockIdx.y;
-    Item it = Base::load_item(p, p.plan, w);
-    T* qs = smem;
-    T* kvs = smem + Q_ELEMS;
-    long long* offs = reinterpret_cast<long long*>(kvs + STAGES * 2 * KV_ELEMS);   // [2][N]: tile t in slot t & 1
+  __device__ static void produce(const PrefillParams& p, const Item& it, T* qs, T* kvs, unsigned long long* full,
+                                 unsigned long long* empty, int kvh) {
+    const int lane = threadIdx.x % 32, pw = threadIdx.x / 32;
     const int ntiles = (it.ke - it.kb + N - 1) / N;
-
-    // Prologue: Q joins tile 0's copy group; tile 1 is the second group; tile 2's page lookups.
-    load_q(p, it, qs, kvh);
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      if (s < ntiles) {
-        if (tid < N) offs[s * N + tid] = Base::tok_offset(p, it.pages, min(it.kb + s * N + tid, it.ke - 1));
-        __syncthreads();
-        issue_kv(p, kvs + s * 2 * KV_ELEMS, offs + s * N, it.kb + s * N, it.ke, kvh);
-      }
-      cp_async_commit();
+    if (ntiles == 0) return;
+    load_q(p, it, qs, kvh);   // lands before tile 0 is announced (the arrival waits for every earlier copy)
+    long long off = Base::tok_offset(p, it.pages, min(it.kb + 32 * pw + lane, it.ke - 1));
+    for (int t = 0; t < ntiles; ++t) {
+      const int st = t % STAGES;
+      if (t >= STAGES) mbar_wait(&empty[st], (t / STAGES - 1) & 1);
+      issue_kv(p, kvs + st * 2 * KV_ELEMS, off, it.kb + t * N, it.ke, kvh, pw, lane);
+      cp_async_mbar_arrive(&full[st]);
+      if (t + 1 < ntiles) off = Base::tok_offset(p, it.pages, min(it.kb + (t + 1) * N + 32 * pw + lane, it.ke - 1));
     }
-    if (tid < N && 2 < ntiles) offs[tid] = Base::tok_offset(p, it.pages, min(it.kb + 2 * N + tid, it.ke - 1));
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+  }
 
-    // This thread's rows (warp * 16 + lane / 4 + 8 r): their query tokens, clamped for padding rows.
+  __device__ static void consume(const PrefillParams& p, const Item& it, const T* qs, const T* kvs,
+                                 unsigned long long* full, unsigned long long* empty, int kvh, int w) {
+    const int lane = threadIdx.x % 32, cw = threadIdx.x / 32 - 4, cwg = cw / 4;   // consumer warp / warpgroup
+    const int ntiles = (it.ke - it.kb + N - 1) / N;
+    // This thread's rows (cw * 16 + lane / 4 + 8 r): their query tokens, clamped for padding rows.
     int tok[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) tok[r] = (it.row0 + min(warp * 16 + lane / 4 + 8 * r, it.nrows - 1)) / p.group_size;
+    for (int r = 0; r < 2; ++r) tok[r] = (it.row0 + min(cw * 16 + lane / 4 + 8 * r, it.nrows - 1)) / p.group_size;
     float o[1][CHUNKS][4];
     float m[1][2], l[1][2];
     reset_state(o, m, l);
     float (&acc)[ON] = reinterpret_cast<float (&)[ON]>(o);
 
     if (ntiles > 0) {
-      const unsigned q_addr = smem_addr(qs) + wg * 64 * 128;
+      const unsigned q_addr = smem_addr(qs) + cwg * 64 * 128;
       const unsigned kv_addr = smem_addr(kvs);
+      constexpr unsigned STAGE_BYTES = 2 * KV_ELEMS * sizeof(T);
       float s[SN];
       float sc[2];
-      cp_async_wait<1>();
-      fence_proxy_async();
-      __syncthreads();
+      mbar_wait(&full[0], 0);
+      fence_proxy_async();   // the copies were generic-proxy writes; wgmma reads through the async proxy
       wgmma_fence();
       issue_qk(s, q_addr, kv_addr);
       wgmma_wait<0>();
@@ -187,26 +197,20 @@ struct PrefillSm90 {
       softmax_tile(p, it, s, it.kb, tok, lane, m, l, sc);
 
       for (int ti = 0; ti + 1 < ntiles; ++ti) {
-        // Tile ti + 1 has landed, and every warpgroup is done with P(ti-1) V(ti-1): its stage takes tile ti + 2.
-        cp_async_wait<0>();
+        const int nxt = ti + 1;
+        mbar_wait(&full[nxt % STAGES], (nxt / STAGES) & 1);
         fence_proxy_async();
-        __syncthreads();
-        if (ti + 2 < ntiles)
-          issue_kv(p, kvs + ((ti + 2) % STAGES) * 2 * KV_ELEMS, offs + (ti & 1) * N, it.kb + (ti + 2) * N, it.ke, kvh);
-        cp_async_commit();
-        if (tid < N && ti + 3 < ntiles)
-          offs[((ti + 3) & 1) * N + tid] = Base::tok_offset(p, it.pages, min(it.kb + (ti + 3) * N + tid, it.ke - 1));
-
         unsigned pa[N / 16][4];
         pack_p(s, pa);
         wgmma_fence();
-        issue_qk(s, q_addr, kv_addr + ((ti + 1) % STAGES) * 2 * KV_ELEMS * (int)sizeof(T));
-        issue_pv(acc, pa, kv_addr + ((ti % STAGES) * 2 * KV_ELEMS + KV_ELEMS) * (int)sizeof(T));
+        issue_qk(s, q_addr, kv_addr + (nxt % STAGES) * STAGE_BYTES);
+        issue_pv(acc, pa, kv_addr + (ti % STAGES) * STAGE_BYTES + KV_ELEMS * sizeof(T));
         wgmma_wait<1>();
         fence_regs(s);
-        softmax_tile(p, it, s, it.kb + (ti + 1) * N, tok, lane, m, l, sc);
+        softmax_tile(p, it, s, it.kb + nxt * N, tok, lane, m, l, sc);
         wgmma_wait<0>();
         fence_regs(acc);
+        if (lane == 0) mbar_arrive(&empty[ti % STAGES]);   // this warp is done with tile ti's stage
         if (sc[0] != 1.f || sc[1] != 1.f) {
 #pragma unroll
           for (int i = 0; i < ON / 4; ++i) {
@@ -215,22 +219,42 @@ struct PrefillSm90 {
           }
         }
       }
-      // Last tile: its V landed before the previous iteration's barrier (or the prologue's).
       unsigned pa[N / 16][4];
       pack_p(s, pa);
       wgmma_fence();
-      issue_pv(acc, pa, kv_addr + (((ntiles - 1) % STAGES) * 2 * KV_ELEMS + KV_ELEMS) * (int)sizeof(T));
+      issue_pv(acc, pa, kv_addr + ((ntiles - 1) % STAGES) * STAGE_BYTES + KV_ELEMS * sizeof(T));
       wgmma_wait<0>();
       fence_regs(acc);
     }
-    cp_async_wait<0>();
-    it = Base::load_item(p, static_cast<const volatile int*>(p.plan), w);
-    Base::store_rows(p, it, kvh, warp, lane, o, m, l);
+    Base::store_rows(p, Base::load_item(p, static_cast<const volatile int*>(p.plan), w), kvh, cw, lane, o, m, l);
+  }
+
+  __device__ static void run(const PrefillParams& p, int w, T* smem) {
+    T* qs = smem;
+    T* kvs = smem + Q_ELEMS;
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(kvs + STAGES * 2 * KV_ELEMS);   // [STAGES]
+    unsigned long long* empty = full + STAGES;                                                      // [STAGES]
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < STAGES; ++i) {
+        mbar_init(&full[i], PRODUCERS);
+        mbar_init(&empty[i], 8);   // one arrival per consumer warp
+      }
+    }
+    __syncthreads();
+    const int kvh = blockIdx.y;
+    const Item it = Base::load_item(p, p.plan, w);
+    if (threadIdx.x < PRODUCERS) {
+      regs_dec<PRODUCER_REGS>();
+      produce(p, it, qs, kvs, full, empty, kvh);
+    } else {
+      regs_inc<CONSUMER_REGS>();
+      consume(p, it, qs, kvs, full, empty, kvh, w);
+    }
   }
 };
 
 template <int D, bool SOFT_CAP, bool WINDOW, bool CUSTOM, typename T>
-__global__ void __launch_bounds__(256, 1) prefill_sm90_kernel(const __grid_constant__ PrefillParams p) {
+__global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_constant__ PrefillParams p) {
   if ((int)blockIdx.x >= p.plan[0]) return;   // padded grid (graph mode) or fewer items than launched
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   PrefillSm90<D, SOFT_CAP, WINDOW, CUSTOM, T>::run(p, blockIdx.x, reinterpret_cast<T*>(smem_raw));

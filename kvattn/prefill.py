@@ -93,8 +93,8 @@ def smem_bytes(head_dim: int, cta_rows: int) -> int:
 
 def sm90_smem_bytes(head_dim: int) -> int:
     """Dynamic shared memory of prefill_sm90_kernel (mirrors PrefillSm90::SMEM_BYTES: Q, 3 stages of 128-token
-    K and V tiles, two slots of page offsets)."""
-    return (128 * head_dim + SM90_STAGES * 2 * 128 * head_dim) * 2 + 2 * 128 * 8
+    K and V tiles, a full and an empty mbarrier per stage)."""
+    return (128 * head_dim + SM90_STAGES * 2 * 128 * head_dim) * 2 + 2 * SM90_STAGES * 8
 
 
 def ctas_per_sm(head_dim: int, cta_rows: int, registers: int | None) -> int:
@@ -107,6 +107,7 @@ def ctas_per_sm(head_dim: int, cta_rows: int, registers: int | None) -> int:
 BACKENDS = ("auto", "sm80", "sm90")
 SM90_HEAD_DIMS = (64, 128)
 SM90_STAGES = 3
+SM90_THREADS = 384   # a producer warpgroup and two consumer warpgroups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +132,7 @@ def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, 
         kernel = get_kernel(spec)
         spills = kernel.resources is not None and kernel.resources.spill_stores > 0
         if backend == "sm90" or not spills:
-            return LaunchConfig("sm90", spec, 256, sm90_smem_bytes(head_dim), 1)
+            return LaunchConfig("sm90", spec, SM90_THREADS, sm90_smem_bytes(head_dim), 1)
     spec = prefill_spec(head_dim, cta_rows, variant, dtype)
     kernel = get_kernel(spec)
     occ = ctas_per_sm(head_dim, cta_rows, kernel.resources.registers if kernel.resources else None)
