@@ -169,6 +169,13 @@ struct PrefillSm90 {
     asm volatile("cp.async.wait_all;\n" ::: "memory");
   }
 
+  // Ping-pong: the consumers take turns issuing their matrix products (named barriers 1 and 2, each over both
+  // consumer warpgroups), so the tensor cores run one's products while the other does its softmax. Every unit
+  // has ntiles + 1 issue points for both; consumer 1 opens with a turn for consumer 0 and consumer 0 closes
+  // by taking consumer 1's last one, so all arrivals are matched.
+  __device__ __forceinline__ static void my_turn(int cwg) { named_sync(1 + cwg, 256); }
+  __device__ __forceinline__ static void their_turn(int cwg) { named_arrive(2 - cwg, 256); }
+
   __device__ static void consume(const PrefillParams& p, const Item& it, const T* qs, const T* kvs,
                                  unsigned long long* full, unsigned long long* empty, int kvh, int w) {
     const int lane = threadIdx.x % 32, cw = threadIdx.x / 32 - 4, cwg = cw / 4;   // consumer warp / warpgroup
@@ -188,10 +195,13 @@ struct PrefillSm90 {
       constexpr unsigned STAGE_BYTES = 2 * KV_ELEMS * sizeof(T);
       float s[SN];
       float sc[2];
+      if (cwg == 1) their_turn(cwg);
       mbar_wait(&full[0], 0);
       fence_proxy_async();   // the copies were generic-proxy writes; wgmma reads through the async proxy
+      my_turn(cwg);
       wgmma_fence();
       issue_qk(s, q_addr, kv_addr);
+      their_turn(cwg);
       wgmma_wait<0>();
       fence_regs(s);
       softmax_tile(p, it, s, it.kb, tok, lane, m, l, sc);
@@ -202,9 +212,11 @@ struct PrefillSm90 {
         fence_proxy_async();
         unsigned pa[N / 16][4];
         pack_p(s, pa);
+        my_turn(cwg);
         wgmma_fence();
         issue_qk(s, q_addr, kv_addr + (nxt % STAGES) * STAGE_BYTES);
         issue_pv(acc, pa, kv_addr + (ti % STAGES) * STAGE_BYTES + KV_ELEMS * sizeof(T));
+        their_turn(cwg);
         wgmma_wait<1>();
         fence_regs(s);
         softmax_tile(p, it, s, it.kb + nxt * N, tok, lane, m, l, sc);
@@ -221,8 +233,11 @@ struct PrefillSm90 {
       }
       unsigned pa[N / 16][4];
       pack_p(s, pa);
+      my_turn(cwg);
       wgmma_fence();
       issue_pv(acc, pa, kv_addr + ((ntiles - 1) % STAGES) * STAGE_BYTES + KV_ELEMS * sizeof(T));
+      their_turn(cwg);
+      if (cwg == 0) my_turn(cwg);   // consumer 1's last arrival
       wgmma_wait<0>();
       fence_regs(acc);
     }

@@ -14,6 +14,10 @@ lengths, the page table and the custom mask into one pinned host buffer and issu
 into a fixed workspace region. run() launches the prefill kernel and, when the plan split some KV range, the
 indexed merge kernel over the float32 partial states (deterministic: fixed order, no atomics).
 
+Two kernels share the plan, the variants and the epilogue: backend "sm80" (prefill.cuh: mma.sync, 16/64/128-row
+query tiles, any head_dim) and backend "sm90" (prefill_sm90.cuh: Hopper wgmma, warp-specialised, 128-row tiles,
+head_dim 64/128). backend="auto" (the default) takes sm90 where it applies on an sm_90 GPU.
+
 A ragged KV is the paged kernel with one "page" per request: page id = the request's first token, page size
 2^30, page stride = token stride. Graph mode (use_cuda_graph=True) fixes every buffer, the query tile and the
 grid from max_batch_size / max_total_qo / max_num_pages, so one captured run() serves any later plan() within

@@ -285,16 +285,15 @@ def main():
         print("\npeers in this process (TFLOP/s, causal, same shapes; vs columns above use ANCHORS.md's fa2)")
         for (name, impl), tf in sorted(peers.items()):
             print(f"{name:12s} {impl:20s} {tf:8.2f}")
-        first = args.backend.split(",")[0]
-        print(f"\nkvattn ({first}) vs the peers of this process")
+        print("\nkvattn vs the peers of this process")
         for name, w, us, rate, vs, err in rows:
             key = name.split()[-1]
-            if w._plan["backend"] == first or "verify" in name:
+            if key in {n for n, _, _ in shapes} or "verify" in name:
                 fa2, fl = peers.get((key, "fi_fa2")), peers.get((key, "torch_flash"))
                 if "verify" in name:
                     fa2 = peers.get(("spec_verify", "fi_paged_fa2 TB/s"))
                 val = float(rate.split()[0])
-                print(f"{name:28s} {rate:>15s}  " + (f"{val / fa2:.2f}x FlashInfer fa2" if fa2 else "no fa2") +
+                print(f"{name:28s} {w._plan['backend']:5s} {rate:>15s}  " + (f"{val / fa2:.2f}x FlashInfer fa2" if fa2 else "no fa2") +
                       (f", {val / fl:.2f}x PyTorch flash" if fl else ""))
 
 
