@@ -72,11 +72,37 @@ def decode_check(rng, lens=(4096,) * 16 + (300, 0, 9000), hq=32, hkv=8, dim=128,
     return [(f"decode b{len(lens)} Hq{hq} Hkv{hkv} D{dim} page{page} {dtype} ({gbs:.0f} GB/s)", err, 1e-2, us)]
 
 
+def prefill_check(rng, qo=(512, 77, 300), kv=(512, 1200, 300), hq=32, hkv=8, dim=128, dtype=BF16):
+    """Causal ragged prefill / append against the reference, every request in full."""
+    from ._dtypes import to_numpy
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)
+    q = rng.standard_normal((int(qo_indptr[-1]), hq, dim)).astype(to_numpy(dtype))
+    k = rng.standard_normal((int(kv_indptr[-1]), hkv, dim)).astype(to_numpy(dtype))
+    v = rng.standard_normal((int(kv_indptr[-1]), hkv, dim)).astype(to_numpy(dtype))
+    qd, kd, vd = from_numpy(q), from_numpy(k), from_numpy(v)
+    w = prefill.BatchPrefillWithRaggedKVCache()
+    w.plan(qo_indptr, kv_indptr, hq, hkv, dim, causal=True, q_dtype=dtype)
+    out = w.run(qd, kd, vd)
+    us = time_us(lambda: w.run(qd, kd, vd, out=out))
+    got = out.numpy()
+    err = 0.0
+    for i in range(len(qo)):
+        qs, ks = slice(qo_indptr[i], qo_indptr[i + 1]), slice(kv_indptr[i], kv_indptr[i + 1])
+        err = max(err, rel_err(got[qs], reference.attention(q[qs], k[ks], v[ks], causal=True)))
+    pairs = sum(a * (b - a) + a * (a + 1) // 2 for a, b in zip(qo, kv))
+    tf = 4 * hq * dim * pairs / us / 1e6
+    kernel = f"{w._plan['backend']}/{w._plan['cta_rows']}"
+    return [(f"prefill causal b{len(qo)} Hq{hq} Hkv{hkv} D{dim} {dtype} [{kernel}] ({tf:.1f} TFLOP/s)", err, 1e-2, us)]
+
+
 def gpu_checks(rng):
     yield from merge_pair_check(rng)
     yield from merge_check(rng)
     yield from decode_check(rng)
     yield from decode_check(rng, lens=(700, 1, 33, 5000), hq=28, hkv=4, dim=64, page=1, dtype="float16")
+    yield from prefill_check(rng)
+    yield from prefill_check(rng, qo=(4, 4, 4, 1), kv=(500, 33, 4, 900), hq=16, hkv=4, dim=64, dtype="float16")
 
 
 def reference_checks(rng):
