@@ -125,17 +125,24 @@ struct PrefillKernel {
     }
   }
 
-  __device__ __forceinline__ static void load_q(const PrefillParams& p, const Item& it, T* qs, int kvh) {
+  // The item's R packed query rows (token pr / group, head kvh * group + pr % group), zero-filled past nrows,
+  // copied by threads [0, NT): chunk ch of row r goes to qs + place(r, ch) (the mainloop's smem layout).
+  template <int R, int NT, typename Place>
+  __device__ __forceinline__ static void copy_q(const PrefillParams& p, const Item& it, T* qs, int kvh, Place place) {
     const T* qg = static_cast<const T*>(p.q);
     const int group = p.group_size;
-    for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
+    for (int i = threadIdx.x; i < R * CHUNKS; i += NT) {
       const int r = i / CHUNKS, ch = i % CHUNKS;
       const bool ok = r < it.nrows;
       const int pr = it.row0 + (ok ? r : 0);
       const int tq = pr / group, h = pr - tq * group;
       const T* src = qg + (long long)(it.qo_start + tq) * p.q_stride_n + (long long)(kvh * group + h) * p.q_stride_h + ch * 8;
-      cp_async16(qs + swz<D>(r, ch), src, ok ? 16 : 0);
+      cp_async16(qs + place(r, ch), src, ok ? 16 : 0);
     }
+  }
+
+  __device__ __forceinline__ static void load_q(const PrefillParams& p, const Item& it, T* qs, int kvh) {
+    copy_q<ROWS, THREADS>(p, it, qs, kvh, [](int r, int ch) { return swz<D>(r, ch); });
   }
 
   // Score of kv token j for a row of query token tok: log2 domain, soft cap, masks (-inf when masked).

@@ -49,16 +49,7 @@ struct PrefillSm90 {
   }
 
   __device__ __forceinline__ static void load_q(const PrefillParams& p, const Item& it, T* qs, int kvh) {
-    const T* qg = static_cast<const T*>(p.q);
-    const int group = p.group_size;
-    for (int i = threadIdx.x; i < ROWS * CHUNKS; i += PRODUCERS) {
-      const int r = i / CHUNKS, ch = i % CHUNKS;
-      const bool ok = r < it.nrows;
-      const int pr = it.row0 + (ok ? r : 0);
-      const int tq = pr / group, h = pr - tq * group;
-      const T* src = qg + (long long)(it.qo_start + tq) * p.q_stride_n + (long long)(kvh * group + h) * p.q_stride_h + ch * 8;
-      cp_async16(qs + sw<ROWS>(r, ch), src, ok ? 16 : 0);
-    }
+    Base::template copy_q<ROWS, PRODUCERS>(p, it, qs, kvh, [](int r, int ch) { return sw<ROWS>(r, ch); });
   }
 
   // Producer warp pw's 32 rows of K and V of the tile starting at kv index t0; `off` is the element offset of
