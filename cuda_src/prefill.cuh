@@ -13,8 +13,9 @@
 // masked tile, and only tiles that straddle a mask boundary take the masked path. Scores live in the log2
 // domain; the LSE written is natural. Items with partial >= 0 write float32 (o, lse) rows that the merge kernel
 // (merge.cuh, indexed form) combines: row partial + (token - first token of the item) * pstride.
-// The mainloop (load_q / issue_kv / compute) is the part a Hopper wgmma + TMA version replaces; the plan,
-// the item decoding, the variants and the epilogue stay.
+// The mainloop (load_q / issue_kv / compute) is the part the Hopper kernel (prefill_sm90.cuh: wgmma,
+// warp-specialised) replaces; it shares the plan, the item decoding (load_item), the variants (score,
+// needs_mask), the Q copy (copy_q) and the epilogue (store_rows) defined here.
 #pragma once
 #include "mma.cuh"
 #include "warp_merge.cuh"

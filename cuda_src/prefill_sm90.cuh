@@ -12,7 +12,9 @@
 //     the S accumulators rounded to T; V from shared memory, MN-major through the transpose bit), then release
 //     the stage on its `empty` mbarrier. S(i+1) is issued together with P(i) V(i), and the softmax of S(i+1)
 //     runs while P(i) V(i) is on the tensor cores. The two consumers are not tied to each other by CTA
-//     barriers, so one's softmax overlaps the other's matrix products.
+//     barriers; they take turns issuing their products (ping-pong on two named barriers), so one's softmax
+//     overlaps the other's matrix products.
+// TMA copies (the plan's contiguous ragged K/V) and larger KV tiles are the next steps (BENCHMARKS.md).
 // Shared memory layout of every tile: 128-byte swizzle, i.e. per 64-column block of the head dim, 128-byte rows
 // whose 16-byte chunk c sits at chunk c ^ (row % 8).
 #pragma once
