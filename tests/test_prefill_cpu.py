@@ -193,3 +193,43 @@ def test_sm90_kernels_compile_without_spills_or_serialized_wgmma(d):
         compiled, _ = sm90_spec(d, variant, "bfloat16").compile("sm_90a")
         assert all(r.spill_stores == 0 for r in compiled.resources.values()), compiled.log
         assert "serialized" not in compiled.log, compiled.log
+
+
+class _FakeKernel:
+    """A loaded kernel's ptxas report, without a GPU."""
+
+    def __init__(self, spills):
+        self.resources = compiler.Resources(168, spills, spills, 0, 0)
+
+
+def _fake_launch_env(monkeypatch, arch="sm_90a", sm90_spills=0):
+    from kvattn import prefill
+    monkeypatch.setattr(prefill._driver, "arch", lambda: arch)
+    monkeypatch.setattr(prefill, "get_kernel",
+                        lambda spec: _FakeKernel(sm90_spills if "sm90" in spec.header else 0))
+    return prefill
+
+
+@pytest.mark.parametrize("d, rows, arch, spills, want", [
+    (128, 128, "sm_90a", 0, "sm90"), (64, 128, "sm_90a", 0, "sm90"),
+    (128, 64, "sm_90a", 0, "sm80"), (128, 16, "sm_90a", 0, "sm80"), (256, 64, "sm_90a", 0, "sm80"),
+    (128, 128, "sm_80", 0, "sm80"), (128, 128, "sm_90a", 60, "sm80")])
+def test_auto_backend_choice(monkeypatch, d, rows, arch, spills, want):
+    prefill = _fake_launch_env(monkeypatch, arch, spills)
+    cfg = prefill.launch_config("auto", d, rows, Variant(), "bfloat16")
+    assert cfg.backend == want
+    if want == "sm90":
+        assert cfg.threads == prefill.SM90_THREADS and cfg.smem == sm90_smem_bytes(d) and cfg.ctas_per_sm == 1
+    else:
+        assert cfg.threads == 128 and cfg.smem == smem_bytes(d, rows)
+
+
+def test_forced_backends(monkeypatch):
+    prefill = _fake_launch_env(monkeypatch, "sm_90a", sm90_spills=60)
+    assert prefill.launch_config("sm90", 128, 128, Variant(True, True, True), "bfloat16").backend == "sm90"
+    assert prefill.launch_config("sm80", 128, 128, Variant(), "bfloat16").backend == "sm80"
+    with pytest.raises(ValueError, match="backend: 'sm90' needs"):
+        prefill.launch_config("sm90", 256, 64, Variant(), "bfloat16")
+    prefill = _fake_launch_env(monkeypatch, "sm_80")
+    with pytest.raises(ValueError, match="backend: 'sm90' needs"):
+        prefill.launch_config("sm90", 128, 128, Variant(), "bfloat16")
