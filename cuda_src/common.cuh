@@ -17,6 +17,20 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// Online softmax of one row whose scores are spread over a quad of lanes (the mma accumulator layout): mx is this
+// thread's max of the row's new scores, in the units of the running max m. Updates m and returns the factor
+// the row's old sum and accumulators take; base is what to subtract from the scores before exp2 (0 while the
+// row has seen no score, so that -inf scores give 0).
+__device__ __forceinline__ float online_max(float& m, float mx, float& base) {
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float m_new = fmaxf(m, mx);
+  const float scale = m_new == KVATTN_NEG_INF ? 1.f : fast_exp2(m - m_new);
+  base = m_new == KVATTN_NEG_INF ? 0.f : m_new;
+  m = m_new;
+  return scale;
+}
+
 // 8 consecutive elements <-> float[8]. Pointers must be 8-element aligned.
 // RAW = 16-byte words holding 8 elements; load_raw / convert split a load from its use (more loads in flight).
 template <typename T> struct Vec8;

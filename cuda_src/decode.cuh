@@ -221,11 +221,8 @@ struct DecodeKernel {
       unsigned pa[4];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        const float m_new = fmaxf(m[mt][r], mx[r]);
-        const float scale = m_new == KVATTN_NEG_INF ? 1.f : fast_exp2(m[mt][r] - m_new);
-        const float base = m_new == KVATTN_NEG_INF ? 0.f : m_new;
+        float base;
+        const float scale = online_max(m[mt][r], mx[r], base);
         float sum = 0.f;
 #pragma unroll
         for (int nb = 0; nb < 2; ++nb)
@@ -236,14 +233,10 @@ struct DecodeKernel {
             sum += x;
           }
         l[mt][r] = l[mt][r] * scale + sum;
-        m[mt][r] = m_new;
 #pragma unroll
         for (int dn = 0; dn < CHUNKS; ++dn) { o[mt][dn][2 * r] *= scale; o[mt][dn][2 * r + 1] *= scale; }
       }
-      pa[0] = Mma<T>::pack(s[0][0], s[0][1]);
-      pa[1] = Mma<T>::pack(s[0][2], s[0][3]);
-      pa[2] = Mma<T>::pack(s[1][0], s[1][1]);
-      pa[3] = Mma<T>::pack(s[1][2], s[1][3]);
+      a_from_c<T>(&s[0][0], pa);
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         unsigned b[4];

@@ -62,6 +62,15 @@ template <> struct Mma<__nv_bfloat16> {
   }
 };
 
+// The A fragment (16 x 16) of a k16 step from two adjacent 8-column accumulator fragments c[0..3], c[4..7]
+// (the C layout of n-blocks 2k and 2k + 1 is the A layout of k16 step k), rounded to T.
+template <typename T> __device__ __forceinline__ void a_from_c(const float* c, unsigned (&a)[4]) {
+  a[0] = Mma<T>::pack(c[0], c[1]);
+  a[1] = Mma<T>::pack(c[2], c[3]);
+  a[2] = Mma<T>::pack(c[4], c[5]);
+  a[3] = Mma<T>::pack(c[6], c[7]);
+}
+
 // Element offset of 16-byte chunk c of row r in a [rows][D] tile whose chunks are XOR-swizzled by r % 8,
 // so that ldmatrix over 8 rows at one chunk column hits 8 different bank groups.
 template <int D> __device__ __forceinline__ int swz(int r, int c) { return r * D + ((c ^ (r & 7)) << 3); }

@@ -233,11 +233,8 @@ struct PrefillKernel {
         float scale[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-          mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-          const float m_new = fmaxf(m[mt][r], FOLD ? mx[r] * p.score_scale : mx[r]);
-          scale[r] = m_new == KVATTN_NEG_INF ? 1.f : fast_exp2(m[mt][r] - m_new);
-          const float base = m_new == KVATTN_NEG_INF ? 0.f : m_new;
+          float base;   // FOLD: the max of the raw scores, scaled (the scale is > 0: max commutes with it)
+          scale[r] = online_max(m[mt][r], FOLD ? mx[r] * p.score_scale : mx[r], base);
           float sum = 0.f;
 #pragma unroll
           for (int nb = 0; nb < NB; ++nb)
@@ -248,7 +245,6 @@ struct PrefillKernel {
               sum += x;
             }
           l[mt][r] = l[mt][r] * scale[r] + sum;
-          m[mt][r] = m_new;
         }
         // Rescale the accumulators only when some row's running max moved (rare after the first tiles).
         if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) {
@@ -264,12 +260,7 @@ struct PrefillKernel {
       for (int kst = 0; kst < STEP / 16; ++kst) {
         unsigned pa[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          pa[mt][0] = Mma<T>::pack(s[mt][2 * kst][0], s[mt][2 * kst][1]);
-          pa[mt][1] = Mma<T>::pack(s[mt][2 * kst][2], s[mt][2 * kst][3]);
-          pa[mt][2] = Mma<T>::pack(s[mt][2 * kst + 1][0], s[mt][2 * kst + 1][1]);
-          pa[mt][3] = Mma<T>::pack(s[mt][2 * kst + 1][2], s[mt][2 * kst + 1][3]);
-        }
+        for (int mt = 0; mt < MT; ++mt) a_from_c<T>(&s[mt][2 * kst][0], pa[mt]);
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
           unsigned b[4];

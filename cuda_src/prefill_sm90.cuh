@@ -108,11 +108,8 @@ struct PrefillSm90 {
       }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float m_new = fmaxf(m[0][r], mx[r]);
-      scale[r] = m_new == KVATTN_NEG_INF ? 1.f : fast_exp2(m[0][r] - m_new);
-      const float base = m_new == KVATTN_NEG_INF ? 0.f : m_new;
+      float base;
+      scale[r] = online_max(m[0][r], mx[r], base);
       float sum = 0.f;
 #pragma unroll
       for (int nb = 0; nb < N / 8; ++nb)
@@ -123,7 +120,6 @@ struct PrefillSm90 {
           sum += x;
         }
       l[0][r] = l[0][r] * scale[r] + sum;
-      m[0][r] = m_new;
     }
   }
 
@@ -137,12 +133,7 @@ struct PrefillSm90 {
   // P (the probabilities in s) as the A fragments of the k16 steps of P V.
   __device__ __forceinline__ static void pack_p(const float (&s)[SN], unsigned (&pa)[N / 16][4]) {
 #pragma unroll
-    for (int ks = 0; ks < N / 16; ++ks) {
-      pa[ks][0] = Mma<T>::pack(s[8 * ks + 0], s[8 * ks + 1]);
-      pa[ks][1] = Mma<T>::pack(s[8 * ks + 2], s[8 * ks + 3]);
-      pa[ks][2] = Mma<T>::pack(s[8 * ks + 4], s[8 * ks + 5]);
-      pa[ks][3] = Mma<T>::pack(s[8 * ks + 6], s[8 * ks + 7]);
-    }
+    for (int ks = 0; ks < N / 16; ++ks) a_from_c<T>(&s[8 * ks], pa[ks]);
   }
 
   __device__ static void produce(const PrefillParams& p, const Item& it, T* qs, T* kvs, unsigned long long* full,
