@@ -53,14 +53,15 @@ def rand(rng, shape):
     return rng.standard_normal(shape, dtype=np.float32).astype(BF)
 
 
-def check(rng, q_h, qo_indptr, fetch, out, causal, reqs):
+def check(rng, q_h, qo_indptr, fetch, out, causal, reqs, window=-1, cap=0.0, mask=None):
+    """Worst relative L2 error of 16 sampled rows of each request in reqs (mask: request reqs[0]'s bool mask)."""
     o = out.numpy()
     worst = 0.0
     for i in reqs:
         qi = q_h[qo_indptr[i]:qo_indptr[i + 1]]
         k, v = fetch(i)
         rows = sample_rows(qi.shape[0], 16, rng)
-        ro, _ = request_ref(qi, k, v, rows, causal, -1, 0.0, 1 / np.sqrt(D))
+        ro, _ = request_ref(qi, k, v, rows, causal, window, cap, 1 / np.sqrt(qi.shape[-1]), mask)
         got = o[qo_indptr[i] + rows].astype(np.float64)
         worst = max(worst, float(np.linalg.norm(got - ro) / np.linalg.norm(ro)) if np.isfinite(got).all() else np.inf)
     return worst
@@ -131,11 +132,8 @@ def variant_case(rng, label, *, s=8192, d=128, dtype="bfloat16", causal=True, wi
     q, k, v = kvattn.from_numpy(q_h), kvattn.from_numpy(k_h), kvattn.from_numpy(v_h)
     out = kvattn.empty(q.shape, dtype)
     us = time_us(lambda: w.run(q, k, v, out=out))
-    rows = sample_rows(s, 16, rng)
     allowed = _allowed(s, s, np.arange(s), causal, window).sum() if not custom else s * s
-    ro, _ = request_ref(q_h, k_h, v_h, rows, causal, window, cap, 1 / np.sqrt(d), mask)
-    got = out.numpy()[rows].astype(np.float64)
-    err = float(np.linalg.norm(got - ro) / np.linalg.norm(ro))
+    err = check(rng, q_h, [0, s], lambda i: (k_h, v_h), out, causal, [0], window, cap, mask)
     return label, w, us, 4 * HQ * d * int(allowed) / us / 1e6, err
 
 
