@@ -83,6 +83,21 @@ def export(ptr: int, shape, strides_elems, code: int, bits: int, owner, device_i
     return _api.PyCapsule_New(addr, b"dltensor", _capsule_destructor)
 
 
+_raw_string_at = ctypes.string_at
+
+
+def capsule_pointer(capsule) -> int:
+    """The DLManagedTensor address held by an unconsumed 'dltensor' capsule (the capsule stays unconsumed)."""
+    if not _api.PyCapsule_IsValid(capsule, b"dltensor"):
+        raise TypeError("array: __dlpack__ did not return a 'dltensor' capsule")
+    return _api.PyCapsule_GetPointer(capsule, b"dltensor")
+
+
+def string_at(addr: int, nbytes: int) -> bytes:
+    """nbytes of host memory at addr (the DLTensor struct, its shape and strides arrays)."""
+    return _raw_string_at(addr, nbytes)
+
+
 def read(capsule):
     """(ptr, shape, strides_elems or None, (code, bits, lanes), device_type, device_id) of a 'dltensor' capsule.
 

@@ -17,8 +17,9 @@ import numpy as np
 from . import _driver, _dtypes, scheduler
 from ._attn_args import DTYPES, HEAD_DIMS, check_plan_args
 from .formats import PageTable
-from .kernels import KernelSpec, ParamBuffer, get_kernel, register
-from .memory import DeviceArray, StagingRing, asarray, empty, fit_workspace
+from ._binding import begin, import_array, output
+from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
+from .memory import DeviceArray, StagingRing, asarray, fit_workspace
 from .merge import MERGE_PARAMS, merge_spec
 from .stream import as_stream
 from .variants import Variant
@@ -199,18 +200,24 @@ class BatchDecodeWithPagedKVCache:
                l_row=num_qo_heads, l_n=num_qo_heads, l_h=1, num_rows=plan.num_merge, n=0,
                num_heads=num_qo_heads, head_dim=head_dim)
         merge_rows = L.max_merge if self.use_cuda_graph else plan.num_merge
+        kernel = get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"], tn["refill_first"]))
+        grid = (plan.num_chunks * zsplit, num_kv_heads, 1)
+        merge_grid = -(-merge_rows * num_qo_heads * (head_dim // 8) // 256)
+        merge = Launch(get_kernel(merge_spec("float32", q_dtype)), merge_grid, 256, 0, mp) if merge_rows else None
         self._plan = dict(
             plan=plan, batch=batch, hq=num_qo_heads, hkv=num_kv_heads, d=head_dim, dtype=q_dtype,
             npdtype=_dtypes.to_numpy(q_dtype),
             cache_shape=(page_size, num_kv_heads, head_dim) if self.kv_layout == "NHD" else
             (num_kv_heads, page_size, head_dim),
             page_size=page_size, num_pages_needed=int(page_table.indices.max(initial=-1)) + 1,
-            kernel=get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"],
-                                          tn["refill_first"])),
-            grid=(plan.num_chunks * zsplit, num_kv_heads, 1), smem=smem, params=p,
-            merge_kernel=get_kernel(merge_spec("float32", q_dtype)) if merge_rows else None,
-            merge_grid=-(-merge_rows * num_qo_heads * (head_dim // 8) // 256), merge_params=mp,
-            plan_stream=s.ptr, copy_done=copy_done)
+            kernel=kernel, grid=grid, smem=smem, params=p, merge_kernel=merge.kernel if merge else None,
+            merge_grid=merge_grid, merge_params=mp, plan_stream=s.ptr, copy_done=copy_done,
+            launch=Launch(kernel, grid, THREADS, smem, p), merge=merge,
+            set_ptrs=p.setter("q", "k", "v", "o", "lse"),
+            set_strides=p.setter("q_stride_n", "q_stride_h", "o_stride_n", "o_stride_h", "lse_stride_n",
+                                 "kv_stride_page", "kv_stride_token", "kv_stride_head"),
+            merge_set_ptrs=mp.setter("o_out", "lse_out"),
+            merge_set_strides=mp.setter("so_row", "so_h", "lo_row", "lo_h"))
         return self
 
     # -- run -------------------------------------------------------------------------------------
@@ -220,51 +227,51 @@ class BatchDecodeWithPagedKVCache:
         q: [batch, num_qo_heads, head_dim]; k_cache / v_cache: [pages, page_size, Hkv, D] ("NHD") or
         [pages, Hkv, page_size, D] ("HND"), or k_cache [pages, 2, ...] with v_cache None.
         out: [batch, num_qo_heads, head_dim] (q's dtype); lse: [batch, num_qo_heads] float32 natural log.
-        Returns out, or (out, lse) with return_lse. Device arrays in, no allocation (capturable) when out
-        (and lse) are given; numpy inputs are copied (not capturable).
+        stream: None (the legacy default stream, as in PyTorch and CuPy) or any stream kvattn.stream accepts.
+        Returns out, or (out, lse) with return_lse: the caller's arrays as given, or new kvattn arrays from the
+        stream-ordered pool (readable at once by torch.from_dlpack / cupy.asarray, which order after the run).
+        Capturable when out (and lse) are given.
         """
         st = self._plan
         if st is None:
             raise RuntimeError("run() called before plan()")
-        s = as_stream(stream)
-        q = asarray(q, s)
+        s, capturing = begin(stream)
+        q = import_array(q, s, capturing)
         # Graph mode: arrays may keep max_batch_size rows (rows past the planned batch are not touched).
         rows = st["batch"]
         if self.use_cuda_graph and q.ndim == 3 and q.shape[0] == self.max_batch_size:
             rows = self.max_batch_size
-        self._check(q, "q", (rows, st["hq"], st["d"]), st["npdtype"])
-        k, v = self._caches(k_cache, v_cache, s, st)
-        if out is None:
-            out = empty((rows, st["hq"], st["d"]), st["dtype"])
-        else:
-            out = asarray(out, s)
-            self._check(out, "out", (rows, st["hq"], st["d"]), st["npdtype"])
-        if return_lse and lse is None:
-            lse = empty((rows, st["hq"]), "float32")
-        if lse is not None:
-            lse = asarray(lse, s)
-            self._check(lse, "lse", (rows, st["hq"]), _F32, inner_contiguous_heads=True)
-        qs, os_ = _elem_strides(q), _elem_strides(out)
-        ks = _elem_strides(k)
+        hq, d, npdtype = st["hq"], st["d"], st["npdtype"]
+        self._check(q, "q", (rows, hq, d), npdtype)
+        k, v = self._caches(k_cache, v_cache, s, capturing, st)
+        out, out_ret = output(out, (rows, hq, d), npdtype, s, capturing, "out")
+        self._check(out, "out", (rows, hq, d), npdtype)
+        lse_ret = lse
+        if lse is not None or return_lse:
+            lse, lse_ret = output(lse, (rows, hq), _F32, s, capturing, "lse")
+            self._check(lse, "lse", (rows, hq), _F32, inner_contiguous_heads=True)
+        qs, os_, ks = q.strides, out.strides, k.strides
+        it = q.itemsize
         if self.kv_layout == "NHD":
-            kv_page, kv_tok, kv_head = ks[0], ks[1], ks[2]
+            kv_page, kv_tok, kv_head = ks[0] // it, ks[1] // it, ks[2] // it
         else:
-            kv_page, kv_head, kv_tok = ks[0], ks[1], ks[2]
-        if s.ptr != st["plan_stream"] and not self.use_cuda_graph:
+            kv_page, kv_head, kv_tok = ks[0] // it, ks[1] // it, ks[2] // it
+        if s.ptr != st["plan_stream"] and not self.use_cuda_graph and not capturing:
             s.wait(st["copy_done"])   # run() on another stream than plan(): order it after the plan's copy
-        p = st["params"]
-        p.set(q=q.ptr, k=k.ptr, v=v.ptr, o=out.ptr, lse=lse.ptr if lse is not None else 0,
-              q_stride_n=qs[0], q_stride_h=qs[1], o_stride_n=os_[0], o_stride_h=os_[1],
-              lse_stride_n=(lse.strides[0] // 4) if lse is not None else 0,
-              kv_stride_page=kv_page, kv_stride_token=kv_tok, kv_stride_head=kv_head)
-        st["kernel"].launch(st["grid"], THREADS, st["smem"], p, s)
-        if st["merge_kernel"] is not None:
-            mp = st["merge_params"]
-            mp.set(o_out=out.ptr, so_row=os_[0], so_h=os_[1],
-                   lse_out=lse.ptr if lse is not None else 0,
-                   lo_row=(lse.strides[0] // 4) if lse is not None else 0, lo_h=1)
-            st["merge_kernel"].launch(st["merge_grid"], 256, 0, mp, s)
-        return (out, lse) if return_lse else out
+        lse_ptr, lse_row = (lse.ptr, lse.strides[0] // 4) if lse is not None else (0, 0)
+        st["set_ptrs"](q.ptr, k.ptr, v.ptr, out.ptr, lse_ptr)
+        st["set_strides"](qs[0] // it, qs[1] // it, os_[0] // it, os_[1] // it, lse_row, kv_page, kv_tok, kv_head)
+        handle = s.handle
+        st["launch"].launch(handle)
+        merge = st["merge"]
+        if merge is not None:
+            st["merge_set_ptrs"](out.ptr, lse_ptr)
+            st["merge_set_strides"](os_[0] // it, os_[1] // it, lse_row, 1)
+            merge.launch(handle)
+        out.stream = s.ptr
+        if lse is not None:
+            lse.stream = s.ptr
+        return (out_ret, lse_ret) if return_lse else out_ret
 
     @staticmethod
     def _check(a: DeviceArray, name, shape, dtype, inner_contiguous_heads=False):
@@ -283,15 +290,15 @@ class BatchDecodeWithPagedKVCache:
             if bad:
                 raise ValueError(f"{name}: rows must be 16-byte aligned (pointer and strides)")
 
-    def _caches(self, k_cache, v_cache, s, st):
-        k = asarray(k_cache, s)
+    def _caches(self, k_cache, v_cache, s, capturing, st):
+        k = import_array(k_cache, s, capturing)
         if v_cache is None:
             if k.ndim != 5 or k.shape[1] != 2:
                 raise ValueError(f"k_cache: with v_cache=None expected [pages, 2, ...] (5 dims), got {k.shape}")
             v = k[:, 1]
             k = k[:, 0]
         else:
-            v = asarray(v_cache, s)
+            v = import_array(v_cache, s, capturing)
         want = st["cache_shape"]
         for name, a in (("k_cache", k), ("v_cache", v)):
             if a.ndim != 4 or a.shape[1:] != want:

@@ -1,7 +1,8 @@
 """CUDA graphs: capture the launches made on a stream, instantiate, replay, update kernel-node parameters.
 
+    stream = kvattn.Stream()                       # a created stream: the legacy stream cannot capture
     with kvattn.graphs.capture(stream) as cap:
-        w.run(q, k_cache, v_cache, out=o)          # launches are recorded, not run
+        w.run(q, k_cache, v_cache, out=o, stream=stream)   # launches are recorded, not run
     g = cap.graph
     g.replay(stream)                               # runs them; host cost of one launch call
 """
@@ -12,7 +13,7 @@ import weakref
 
 from . import _driver
 from .kernels import ParamBuffer
-from .stream import as_stream
+from .stream import as_stream, require_capturable
 
 
 class Graph:
@@ -63,9 +64,12 @@ class _Capture:
 
 
 @contextlib.contextmanager
-def capture(stream=None):
-    """Record every launch issued on `stream` (kvattn's default when None) inside the block into a Graph."""
+def capture(stream):
+    """Record every launch issued on `stream` inside the block into a Graph. The stream must be an explicit
+    created stream (kvattn.Stream(), a torch / CuPy stream): the legacy default stream cannot capture. Pass that
+    stream to every run() inside the block, with out (and lse) given."""
     s = as_stream(stream)
+    require_capturable(s)
     drv = _driver.driver()
     cap = _Capture()
     _driver.call("cuStreamBeginCapture", s.handle, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)

@@ -86,6 +86,25 @@ class ParamBuffer:
             st.pack_into(raw, off, v)
         return self
 
+    def setter(self, *names):
+        """A function f(*values) that packs these fields, adjacent in the struct, with one pack_into (run()'s hot
+        path sets its pointers and strides this way)."""
+        fields = self.dtype.fields
+        order = sorted(fields, key=lambda n: fields[n][1])
+        i = order.index(names[0])
+        if list(names) != order[i:i + len(names)]:
+            raise ValueError(f"setter: {names} are not adjacent fields of the struct in its order")
+        fmt = "<" + "".join(_FORMATS[f"{fields[n][0].kind}{fields[n][0].itemsize}"][1] for n in names)
+        st = struct.Struct(fmt)
+        for n in names:   # no padding inside the run: each field starts where the previous one ended
+            if fields[n][1] - fields[names[0]][1] != struct.calcsize("<" + fmt[1:][:names.index(n)]):
+                raise ValueError(f"setter: padding before field {n}")
+        pack, raw, off = st.pack_into, self.raw, fields[names[0]][1]
+
+        def set_fields(*values):
+            pack(raw, off, *values)
+        return set_fields
+
 
 _FORMATS = {"u8": "<Q", "i8": "<q", "i4": "<i", "u4": "<I", "f4": "<f", "f8": "<d"}
 
@@ -137,7 +156,37 @@ class Kernel:
         handle = stream.handle if stream is not None and hasattr(stream, "handle") else as_stream(stream).handle
         err, = self._launch(self.function, gx, gy, gz, bx, by, bz, shared_bytes, handle, argv_addr, 0)
         if err:
-            raise CudaError("cuLaunchKernel", err, f"{self.spec.uri()} grid={grid} block={block} smem={shared_bytes}")
+            _launch_error(err, self, (self.function, gx, gy, gz, bx, by, bz, shared_bytes))
+
+
+class Launch:
+    """One kernel launch bound to its grid, block, shared memory and parameter struct; `launch(stream)` is the
+    whole host cost of issuing it (one driver call)."""
+
+    __slots__ = ("kernel", "params", "_fn", "_args", "_argv")
+
+    def __init__(self, kernel: "Kernel", grid, block, shared_bytes: int, params: ParamBuffer):
+        if shared_bytes > kernel._max_dynamic_smem:
+            kernel._allow_smem(shared_bytes)   # now, not during a graph capture
+        gx, gy, gz = grid if isinstance(grid, tuple) else (grid, 1, 1)
+        bx, by, bz = block if isinstance(block, tuple) else (block, 1, 1)
+        self.kernel, self.params = kernel, params
+        self._fn = kernel._launch
+        self._args = (kernel.function, gx, gy, gz, bx, by, bz, shared_bytes)
+        self._argv = params.argv_addr
+
+    def launch(self, stream_handle):
+        err, = self._fn(*self._args, stream_handle, self._argv, 0)
+        if err:
+            _launch_error(err, self.kernel, self._args)
+
+
+def _launch_error(err, kernel, args):
+    detail = f"{kernel.spec.uri()} grid={args[1:4]} block={args[4:7]} smem={args[7]}"
+    if "CAPTURE" in getattr(err, "name", ""):
+        detail += ("; a graph capture is in progress: run() must be given the capturing stream (stream=...), "
+                   "and the legacy default stream cannot be used during a capture")
+    raise CudaError("cuLaunchKernel", err, detail)
 
 
 _loaded: dict = {}

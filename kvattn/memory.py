@@ -12,7 +12,8 @@ import weakref
 import numpy as np
 
 from . import _dlpack, _driver, _dtypes
-from .stream import as_stream
+from .pool import note_use
+from .stream import as_stream, order_after
 
 ALIGN = 256  # bytes: every allocation and Workspace region starts on this boundary
 
@@ -37,12 +38,15 @@ class DeviceArray:
     """A strided view of device memory.
 
     shape, strides (bytes), dtype (numpy dtype; bfloat16 / float8 through ml_dtypes), ptr (int), owner
-    (the object that keeps the memory alive: an allocation, a foreign array or a DLPack capsule).
+    (the object that keeps the memory alive: an allocation, a foreign array or a DLPack capsule), stream (the
+    handle of the stream whose queued work last wrote it, or None when no queued kvattn work writes it).
+    Exports through `__cuda_array_interface__` (v3, its "stream" field) and `__dlpack__(stream=S)` (S is made
+    to wait for that stream) never claim a readiness that was not established.
     """
 
-    __slots__ = ("shape", "dtype", "strides", "ptr", "owner", "__weakref__")
+    __slots__ = ("shape", "dtype", "strides", "ptr", "owner", "stream", "__weakref__")
 
-    def __init__(self, ptr: int, shape, dtype, strides=None, owner=None):
+    def __init__(self, ptr: int, shape, dtype, strides=None, owner=None, stream=None):
         self.shape = tuple(int(s) for s in shape)
         self.dtype = _dtypes.to_numpy(dtype)
         if strides is None:
@@ -50,6 +54,14 @@ class DeviceArray:
         self.strides = tuple(int(s) for s in strides)
         self.ptr = int(ptr)
         self.owner = owner
+        self.stream = stream
+
+    @classmethod
+    def _make(cls, ptr: int, shape: tuple, dtype: np.dtype, strides: tuple, owner, stream=None) -> "DeviceArray":
+        """The hot-path constructor: arguments already normalised (ints, tuples, a numpy dtype, byte strides)."""
+        a = object.__new__(cls)
+        a.ptr, a.shape, a.dtype, a.strides, a.owner, a.stream = ptr, shape, dtype, strides, owner, stream
+        return a
 
     # -- properties ----------------------------------------------------------------------------
     @property
@@ -93,7 +105,7 @@ class DeviceArray:
             raise ValueError(f"shape: cannot reshape {self.shape} to {shape}")
         if not self.is_contiguous():
             raise ValueError("reshape: the array is not contiguous")
-        return DeviceArray(self.ptr, shape, self.dtype, None, self)
+        return DeviceArray(self.ptr, shape, self.dtype, None, self, self.stream)
 
     def __getitem__(self, key) -> "DeviceArray":
         """Basic indexing (integers and slices with step 1 along leading axes), as a view."""
@@ -118,7 +130,7 @@ class DeviceArray:
                 ptr += (i % n) * st
         shape += self.shape[len(key):]
         strides += self.strides[len(key):]
-        return DeviceArray(ptr, shape, self.dtype, strides, self)
+        return DeviceArray(ptr, shape, self.dtype, strides, self, self.stream)
 
     # -- interchange ---------------------------------------------------------------------------
     @property
@@ -129,24 +141,27 @@ class DeviceArray:
             "data": (self.ptr, False),
             "strides": None if self.is_contiguous() else self.strides,
             "version": 3,
-            "stream": None,  # kvattn synchronises its own streams before handing arrays out
+            "stream": self.stream,   # the writer's stream (1 = legacy), None when no queued kvattn work writes it
         }
 
     def __dlpack_device__(self):
         return (_dlpack.K_DL_CUDA, 0)
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """A DLPack capsule. stream (DLPack's convention): None or 1 the legacy default stream, 2 the per-thread
+        default stream, -1 no ordering, else a stream handle; it is made to wait for the stream that wrote this
+        array (no device-wide synchronisation)."""
         if copy:
             raise BufferError("kvattn.DeviceArray.__dlpack__: copy=True is not supported")
-        if stream is not None and stream != -1:
-            # Make the consumer's stream wait for work queued on kvattn's default stream.
-            from .stream import Event, Stream
-            if stream not in (1, 2):
-                ev = Event(disable_timing=True)
-                ev.record(None)
-                Stream(_handle=stream).wait(ev)
+        if dl_device is not None and tuple(dl_device) != (_dlpack.K_DL_CUDA, 0):
+            raise BufferError(f"kvattn.DeviceArray.__dlpack__: cannot export to device {dl_device}")
+        if self.stream is not None and stream != -1:
+            consumer = as_stream(stream)
+            order_after(self.stream, consumer)
+            note_use(self, consumer.ptr)
         code, bits = _dtypes.to_dlpack(self.dtype)
-        elem_strides = [s // self.itemsize for s in self.strides]
+        itemsize = self.dtype.itemsize
+        elem_strides = [s // itemsize for s in self.strides]
         return _dlpack.export(self.ptr, self.shape, elem_strides, code, bits, self)
 
     # -- copies --------------------------------------------------------------------------------
@@ -156,6 +171,8 @@ class DeviceArray:
         out = np.empty(self.shape, self.dtype)
         if self.size == 0:
             return out
+        if self.stream is not None:
+            order_after(self.stream, s)
         if self.is_contiguous():
             _driver.call("cuMemcpyDtoHAsync", out.ctypes.data, self.ptr, self.nbytes, s.handle)
             s.synchronize()
@@ -180,14 +197,22 @@ class DeviceArray:
         if not self.is_contiguous():
             raise ValueError("copy_from_host: the destination is not contiguous")
         if self.nbytes:
-            _driver.call("cuMemcpyHtoDAsync", self.ptr, host.ctypes.data, self.nbytes, as_stream(stream).handle)
+            s = as_stream(stream)
+            if self.stream is not None:
+                order_after(self.stream, s)   # earlier queued writes first
+            _driver.call("cuMemcpyHtoDAsync", self.ptr, host.ctypes.data, self.nbytes, s.handle)
+            self.stream = s.ptr
 
     def fill_bytes(self, value: int, stream=None):
         """Set every byte of this contiguous array to value (used to poison outputs in tests)."""
         if not self.is_contiguous():
             raise ValueError("fill_bytes: the array is not contiguous")
         if self.nbytes:
-            _driver.call("cuMemsetD8Async", self.ptr, value & 0xFF, self.nbytes, as_stream(stream).handle)
+            s = as_stream(stream)
+            if self.stream is not None:
+                order_after(self.stream, s)
+            _driver.call("cuMemsetD8Async", self.ptr, value & 0xFF, self.nbytes, s.handle)
+            self.stream = s.ptr
 
 
 def _contiguous_strides(shape, itemsize):
@@ -218,67 +243,21 @@ def from_numpy(host: np.ndarray, stream=None) -> DeviceArray:
     a = empty(host.shape, host.dtype)
     a.copy_from_host(host, stream)
     as_stream(stream).synchronize()
+    a.stream = None   # the copy is done: ready on every stream
     return a
 
 
 def asarray(x, stream=None) -> DeviceArray:
     """A DeviceArray for x without copying device memory.
 
-    x: a DeviceArray (returned as is), a numpy array (copied to the device), or any object exposing
-    `__cuda_array_interface__` or a CUDA `__dlpack__` (CuPy, PyTorch, JAX, numba): same pointer.
-    stream: the stream that will use the array; the producer's pending work is ordered before it.
+    x: a DeviceArray (returned as is), a numpy array (copied to the device), or any CUDA array: a torch.Tensor,
+    or any object exposing `__cuda_array_interface__` or a CUDA `__dlpack__` (CuPy, JAX, numba): same pointer.
+    stream: the stream that will use the array (see kvattn.stream); the producer's pending work is ordered
+    before it (no cross-stream wait is added while that stream is capturing a graph).
     """
-    if isinstance(x, DeviceArray):
-        return x
-    if isinstance(x, np.ndarray):
-        return from_numpy(x, stream)
-    cai = getattr(x, "__cuda_array_interface__", None)
-    if cai is not None and np.dtype(cai["typestr"]).kind != "V":
-        return _from_cai(x, cai, stream)
-    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
-        dev_type, _ = x.__dlpack_device__()
-        if int(dev_type) == _dlpack.K_DL_CUDA:
-            return _from_dlpack(x, stream)
-    if cai is not None:  # raw-bytes typestr and no DLPack: cannot tell the element type
-        _dtypes.from_typestr(cai["typestr"])
-    raise TypeError(
-        f"array: expected a numpy array, a kvattn.DeviceArray or a CUDA array exposing "
-        f"__cuda_array_interface__ or __dlpack__, got {type(x).__name__}")
-
-
-def _from_cai(x, cai, stream) -> DeviceArray:
-    dtype = _dtypes.from_typestr(cai["typestr"])
-    ptr = cai["data"][0] or 0
-    producer_stream = cai.get("stream")
-    if producer_stream not in (None, 0):
-        _order_after(int(producer_stream), stream)
-    return DeviceArray(ptr, cai["shape"], dtype, cai.get("strides"), x)
-
-
-def _from_dlpack(x, stream) -> DeviceArray:
+    from ._interop import import_array
     s = as_stream(stream)
-    try:
-        capsule = x.__dlpack__(stream=s.ptr)
-    except TypeError:  # producers without the stream keyword
-        capsule = x.__dlpack__()
-    ptr, shape, strides, (code, bits, lanes), _, _ = _dlpack.read(capsule)
-    if lanes != 1:
-        raise TypeError(f"array: DLPack vector lanes ({lanes}) are not supported")
-    dtype = _dtypes.from_dlpack(code, bits)
-    byte_strides = None if strides is None else tuple(st * dtype.itemsize for st in strides)
-    return DeviceArray(ptr, shape, dtype, byte_strides, (x, capsule))
-
-
-def _order_after(producer_stream: int, stream):
-    """Make `stream` wait for work already queued on the producer's stream (CAI v3 'stream' field)."""
-    from .stream import Event, Stream
-    consumer = as_stream(stream)
-    if producer_stream == consumer.ptr:
-        return
-    handle = 0 if producer_stream in (1, 2) else producer_stream  # legacy / per-thread default
-    ev = Event(disable_timing=True)
-    ev.record(Stream(_handle=handle))
-    consumer.wait(ev)
+    return import_array(x, s, s.is_capturing())
 
 
 class PinnedBuffer:
@@ -387,6 +366,6 @@ def fit_workspace(ws: "Workspace | None", spec, fixed_bytes: "int | None"):
         need = Workspace.bytes_needed(spec)
         if ws is None or ws.nbytes < need:
             if ws is not None:
-                as_stream(None).synchronize()  # queued work may still read the old buffer
+                _driver.call("cuCtxSynchronize")  # queued work on any stream may still read the old buffer
             ws = Workspace(max(need, 1 << 20))
     return ws, ws.regions(spec)

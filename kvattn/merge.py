@@ -1,7 +1,8 @@
 """merge_state / merge_state_in_place / merge_states: the (o, lse) reduction of split-KV and cascade.
 
 lse is float32 natural log; a state with lse = -inf is empty (its o is never read) and merging only empty
-states gives o = 0, lse = -inf. Outputs are DeviceArrays (call .numpy() to copy them back).
+states gives o = 0, lse = -inf. Outputs: the caller's arrays as given, or new kvattn arrays from the stream-ordered
+pool (call .numpy() to copy them back). stream: None is the legacy default stream (kvattn.stream).
 """
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import numpy as np
 
 from . import _dtypes
 from .kernels import KernelSpec, ParamBuffer, get_kernel, register
-from .memory import DeviceArray, asarray, empty
+from ._binding import begin, import_array, output
+from .memory import DeviceArray
 
 MERGE_PARAMS = np.dtype([
     ("o_in", "u8"), ("lse_in", "u8"), ("o_out", "u8"), ("lse_out", "u8"),
@@ -57,20 +59,23 @@ def _check_state(name_o, o: DeviceArray, name_lse, lse: DeviceArray, lead: int):
         raise ValueError(f"{name_lse}: must be 4-byte aligned")
 
 
-def _out_pair(o_shape, dtype, out, lse_out):
-    out = empty(o_shape, dtype) if out is None else asarray(out)
-    lse_out = empty(o_shape[:-1], "float32") if lse_out is None else asarray(lse_out)
+def _out_pair(o_shape, dtype, out, lse_out, s, capturing):
+    """((out, lse_out) DeviceArrays to write, the objects returned for them)."""
+    out, out_ret = output(out, tuple(o_shape), _dtypes.to_numpy(dtype), s, capturing, "out")
+    lse_out, lse_ret = output(lse_out, tuple(o_shape[:-1]), np.dtype(np.float32), s, capturing, "lse_out")
     _check_state("out", out, "lse_out", lse_out, len(o_shape) - 2)
     if out.shape != tuple(o_shape):
         raise ValueError(f"out: expected shape {tuple(o_shape)}, got {out.shape}")
-    return out, lse_out
+    return out, lse_out, (out_ret, lse_ret)
 
 
-def _launch(in_dtype, out: DeviceArray, params: ParamBuffer, rows: int, heads: int, head_dim: int, stream):
+def _launch(in_dtype, out: DeviceArray, params: ParamBuffer, rows: int, heads: int, head_dim: int, s,
+            lse_out: DeviceArray):
     kernel = get_kernel(merge_spec(in_dtype, out.dtype_name))
     threads = rows * heads * (head_dim // 8)
     if threads:
-        kernel.launch((threads + THREADS - 1) // THREADS, THREADS, 0, params, stream)
+        kernel.launch((threads + THREADS - 1) // THREADS, THREADS, 0, params, s)
+    out.stream = lse_out.stream = s.ptr
 
 
 def _set_out(p: ParamBuffer, out: DeviceArray, lse_out: DeviceArray | None):
@@ -103,14 +108,15 @@ def merge_state(o_a, lse_a, o_b, lse_b, *, out=None, lse_out=None, stream=None):
     o_a, o_b: [rows, H, D] float16 / bfloat16 / float32 (same dtype); lse_a, lse_b: [rows, H] float32
     (natural log). Returns (o [rows, H, D] in o_a's dtype, lse [rows, H] float32) as DeviceArrays.
     """
-    o_a, lse_a, o_b, lse_b = (asarray(x, stream) for x in (o_a, lse_a, o_b, lse_b))
+    s, capturing = begin(stream)
+    o_a, lse_a, o_b, lse_b = (import_array(x, s, capturing) for x in (o_a, lse_a, o_b, lse_b))
     _check_state("o_a", o_a, "lse_a", lse_a, 1)
     _check_state("o_b", o_b, "lse_b", lse_b, 1)
     p = _pair_params(o_a, lse_a, o_b, lse_b)
-    out, lse_out = _out_pair(o_a.shape, o_a.dtype_name, out, lse_out)
+    out, lse_out, ret = _out_pair(o_a.shape, o_a.dtype_name, out, lse_out, s, capturing)
     _set_out(p, out, lse_out)
-    _launch(o_a.dtype_name, out, p, *o_a.shape, stream)
-    return out, lse_out
+    _launch(o_a.dtype_name, out, p, *o_a.shape, s, lse_out)
+    return ret
 
 
 def merge_state_in_place(o, lse, o_other, lse_other, mask=None, *, stream=None):
@@ -118,7 +124,9 @@ def merge_state_in_place(o, lse, o_other, lse_other, mask=None, *, stream=None):
 
     o, o_other: [rows, H, D]; lse, lse_other: [rows, H] float32 natural log. Returns (o, lse).
     """
-    o, lse, o_other, lse_other = (asarray(x, stream) for x in (o, lse, o_other, lse_other))
+    s, capturing = begin(stream)
+    o_ret, lse_ret = o, lse
+    o, lse, o_other, lse_other = (import_array(x, s, capturing) for x in (o, lse, o_other, lse_other))
     _check_state("o", o, "lse", lse, 1)
     _check_state("o_other", o_other, "lse_other", lse_other, 1)
     p = _pair_params(o, lse, o_other, lse_other)
@@ -126,14 +134,12 @@ def merge_state_in_place(o, lse, o_other, lse_other, mask=None, *, stream=None):
     if mask is not None:
         if isinstance(mask, np.ndarray):
             mask = np.ascontiguousarray(mask, dtype=np.uint8)
-        m = asarray(mask, stream)
+        m = import_array(mask, s, capturing)
         if m.shape != (o.shape[0],) or m.itemsize != 1:
             raise ValueError(f"mask: expected a bool/uint8 array of shape ({o.shape[0]},), got {m.shape} {m.dtype}")
         p.set(mask=m.ptr)
-        _launch(o.dtype_name, o, p, *o.shape, stream)
-        return o, lse
-    _launch(o.dtype_name, o, p, *o.shape, stream)
-    return o, lse
+    _launch(o.dtype_name, o, p, *o.shape, s, lse)
+    return o_ret, lse_ret
 
 
 def merge_states(o, lse, *, out=None, lse_out=None, stream=None):
@@ -142,14 +148,15 @@ def merge_states(o, lse, *, out=None, lse_out=None, stream=None):
     o: [rows, n, H, D] float16 / bfloat16 / float32; lse: [rows, n, H] float32 natural log.
     Returns (o [rows, H, D] in o's dtype, lse [rows, H] float32).
     """
-    o, lse = asarray(o, stream), asarray(lse, stream)
+    s, capturing = begin(stream)
+    o, lse = import_array(o, s, capturing), import_array(lse, s, capturing)
     _check_state("o", o, "lse", lse, 2)
     rows, n, heads, d = o.shape
     s, ls = _elem_strides(o), _elem_strides(lse)
     p = ParamBuffer(MERGE_PARAMS)
     p.set(o_in=o.ptr, lse_in=lse.ptr, s_row=s[0], s_n=s[1], s_h=s[2], l_row=ls[0], l_n=ls[1], l_h=ls[2],
           num_rows=rows, n=n, num_heads=heads, head_dim=d)
-    out, lse_out = _out_pair((rows, heads, d), o.dtype_name, out, lse_out)
+    out, lse_out, ret = _out_pair((rows, heads, d), o.dtype_name, out, lse_out, s, capturing)
     _set_out(p, out, lse_out)
-    _launch(o.dtype_name, out, p, rows, heads, d, stream)
-    return out, lse_out
+    _launch(o.dtype_name, out, p, rows, heads, d, s, lse_out)
+    return ret

@@ -34,8 +34,9 @@ from . import _driver, _dtypes, _validate as _v, scheduler
 from ._attn_args import check_plan_args
 from .decode import LOG2E, THREADS
 from .formats import PageTable, pack_mask
-from .kernels import KernelSpec, ParamBuffer, get_kernel, register
-from .memory import DeviceArray, StagingRing, asarray, empty, fit_workspace
+from ._binding import begin, import_array, output
+from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
+from .memory import DeviceArray, StagingRing, asarray, fit_workspace
 from .merge import MERGE_PARAMS, merge_spec
 from .stream import as_stream
 from .variants import Variant
@@ -53,6 +54,7 @@ PREFILL_PARAMS = np.dtype([
 ], align=True)
 
 DEFAULT_WORKSPACE = 256 << 20
+_F32 = np.dtype(np.float32)
 RAGGED_PAGE_SHIFT = 30
 #: query tile (packed rows per CTA) -> (WARPS_M, MT) of prefill_kernel
 CONFIGS = {128: (4, 2), 64: (4, 1), 16: (1, 1)}
@@ -159,11 +161,11 @@ def _round4(n: int) -> int:
     return (n + 3) // 4 * 4
 
 
-def _check_array(a: DeviceArray, name, shape, dtype, rows16=True):
-    if a.shape != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {a.shape}")
-    if a.dtype_name != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype}, got {a.dtype_name}")
+def _check_array(a: DeviceArray, name, shape: tuple, dtype: np.dtype, rows16=True):
+    if a.shape != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {a.shape}")
+    if a.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {_dtypes.dtype_name(dtype)}, got {a.dtype_name}")
     if rows16:
         if a.strides[-1] != a.itemsize or a.ptr % 16 or any(st % 16 for st in a.strides[:-1]):
             raise ValueError(f"{name}: head_dim must be contiguous and rows 16-byte aligned")
@@ -290,7 +292,7 @@ class _BatchPrefill:
         _driver.call("cuMemcpyHtoDAsync", dev["plan"].ptr, host.ctypes.data, total_i32 * 4, s.handle)
         if mask_bytes:
             _driver.call("cuMemcpyHtoDAsync", dev["mask"].ptr, host.ctypes.data + total_i32 * 4, mask_bytes, s.handle)
-        self._staging.release(s)
+        copy_done = self._staging.release(s)
 
         base = dev["plan"].ptr
         p = ParamBuffer(PREFILL_PARAMS)
@@ -307,13 +309,21 @@ class _BatchPrefill:
                s_row=hq * head_dim, s_n=hq * head_dim, s_h=head_dim, l_row=hq, l_n=hq, l_h=1,
                num_rows=plan.num_merge, n=0, num_heads=hq, head_dim=head_dim)
         merge_rows = cap_m if self.use_cuda_graph else plan.num_merge
+        merge_grid = -(-merge_rows * hq * (head_dim // 8) // 256)
+        merge = Launch(get_kernel(merge_spec("float32", q_dtype)), merge_grid, 256, 0, mp) if merge_rows else None
         self._plan = dict(
             plan=plan, batch=batch, total_qo=total_qo, hq=hq, hkv=hkv, d=head_dim, dtype=q_dtype,
             page_size=page_size, num_pages_needed=int(page_indices.max(initial=-1)) + 1 if self._paged else 0,
             total_kv=int(kv_lens.sum()) if not self._paged else 0, cta_rows=cta_rows, variant=variant,
             kernel=kernel, grid=(cap_w, hkv, 1), smem=cfg.smem, threads=cfg.threads, backend=cfg.backend, params=p,
-            merge_kernel=get_kernel(merge_spec("float32", q_dtype)) if merge_rows else None,
-            merge_grid=-(-merge_rows * hq * (head_dim // 8) // 256), merge_params=mp)
+            merge_kernel=merge.kernel if merge else None, merge_grid=merge_grid, merge_params=mp,
+            npdtype=_dtypes.to_numpy(q_dtype), plan_stream=s.ptr, copy_done=copy_done,
+            launch=Launch(kernel, (cap_w, hkv, 1), cfg.threads, cfg.smem, p) if cap_w > 0 else None, merge=merge,
+            set_ptrs=p.setter("q", "k", "v", "o", "lse"),
+            set_strides=p.setter("q_stride_n", "q_stride_h", "o_stride_n", "o_stride_h", "lse_stride_n",
+                                 "kv_stride_page", "kv_stride_token", "kv_stride_head"),
+            merge_set_ptrs=mp.setter("o_out", "lse_out"),
+            merge_set_strides=mp.setter("so_row", "so_h", "lo_row", "lo_h"))
         return self
 
     @staticmethod
@@ -356,44 +366,46 @@ class _BatchPrefill:
         return np.ascontiguousarray(m.ravel()), mind
 
     # -- run -------------------------------------------------------------------------------------
-    def _run(self, q, k, v, out, lse, return_lse, stream, kv_strides):
+    def _run(self, q, k, v, out, lse, return_lse, s, capturing, kv_strides):
+        """Shared tail of run(): outputs, parameters, launches. q, k, v: imported DeviceArrays."""
         st = self._plan
-        s = as_stream(stream)
         shape_o = (st["total_qo"], st["hq"], st["d"])
-        _check_array(q, "q", shape_o, st["dtype"])
-        if out is None:
-            out = empty(shape_o, st["dtype"])
-        else:
-            out = asarray(out, s)
-            _check_array(out, "out", shape_o, st["dtype"])
-        if return_lse and lse is None:
-            lse = empty(shape_o[:2], "float32")
-        if lse is not None:
-            lse = asarray(lse, s)
-            _check_array(lse, "lse", shape_o[:2], "float32", rows16=False)
-        qs, os_ = _elem_strides(q), _elem_strides(out)
+        npdtype = st["npdtype"]
+        _check_array(q, "q", shape_o, npdtype)
+        out, out_ret = output(out, shape_o, npdtype, s, capturing, "out")
+        _check_array(out, "out", shape_o, npdtype)
+        lse_ret = lse
+        if lse is not None or return_lse:
+            lse, lse_ret = output(lse, shape_o[:2], _F32, s, capturing, "lse")
+            _check_array(lse, "lse", shape_o[:2], _F32, rows16=False)
+        if s.ptr != st["plan_stream"] and not self.use_cuda_graph and not capturing:
+            s.wait(st["copy_done"])   # run() on another stream than plan(): order it after the plan's copy
+        it = q.itemsize
+        qs, os_ = q.strides, out.strides
         kv_page, kv_tok, kv_head = kv_strides
-        p = st["params"]
-        p.set(q=q.ptr, k=k.ptr, v=v.ptr, o=out.ptr, lse=lse.ptr if lse is not None else 0,
-              q_stride_n=qs[0], q_stride_h=qs[1], o_stride_n=os_[0], o_stride_h=os_[1],
-              lse_stride_n=(lse.strides[0] // 4) if lse is not None else 0,
-              kv_stride_page=kv_page, kv_stride_token=kv_tok, kv_stride_head=kv_head)
-        if st["grid"][0] > 0:
-            st["kernel"].launch(st["grid"], st["threads"], st["smem"], p, s)
-        if st["merge_kernel"] is not None:
-            mp = st["merge_params"]
-            mp.set(o_out=out.ptr, so_row=os_[0], so_h=os_[1], lse_out=lse.ptr if lse is not None else 0,
-                   lo_row=(lse.strides[0] // 4) if lse is not None else 0, lo_h=1)
-            st["merge_kernel"].launch(st["merge_grid"], 256, 0, mp, s)
-        return (out, lse) if return_lse else out
+        lse_ptr, lse_row = (lse.ptr, lse.strides[0] // 4) if lse is not None else (0, 0)
+        st["set_ptrs"](q.ptr, k.ptr, v.ptr, out.ptr, lse_ptr)
+        st["set_strides"](qs[0] // it, qs[1] // it, os_[0] // it, os_[1] // it, lse_row, kv_page, kv_tok, kv_head)
+        handle = s.handle
+        if st["launch"] is not None:
+            st["launch"].launch(handle)
+        merge = st["merge"]
+        if merge is not None:
+            st["merge_set_ptrs"](out.ptr, lse_ptr)
+            st["merge_set_strides"](os_[0] // it, os_[1] // it, lse_row, 1)
+            merge.launch(handle)
+        out.stream = s.ptr
+        if lse is not None:
+            lse.stream = s.ptr
+        return (out_ret, lse_ret) if return_lse else out_ret
 
-    def _kv_pair(self, k, v, s):
-        k = asarray(k, s)
+    def _kv_pair(self, k, v, s, capturing):
+        k = import_array(k, s, capturing)
         if v is None:
             if k.ndim < 2 or k.shape[1] != 2:
                 raise ValueError(f"k_cache: with v_cache=None expected [pages, 2, ...], got {k.shape}")
             return k[:, 0], k[:, 1]
-        return k, asarray(v, s)
+        return k, import_array(v, s, capturing)
 
     def _require_plan(self):
         if self._plan is None:
@@ -436,16 +448,16 @@ class BatchPrefillWithPagedKVCache(_BatchPrefill):
         [total_qo, Hq] float32, natural log. Returns out, or (out, lse) with return_lse. Capturable when every
         array is a device array and out (and lse) are given."""
         st = self._require_plan()
-        s = as_stream(stream)
-        q = asarray(q, s)
-        k, v = self._kv_pair(k_cache, v_cache, s)
+        s, capturing = begin(stream)
+        q = import_array(q, s, capturing)
+        k, v = self._kv_pair(k_cache, v_cache, s, capturing)
         ps, hkv, d = st["page_size"], st["hkv"], st["d"]
         want = (ps, hkv, d) if self.kv_layout == "NHD" else (hkv, ps, d)
         for name, a in (("k_cache", k), ("v_cache", v)):
             if a.ndim != 4 or a.shape[1:] != want:
                 raise ValueError(f"{name}: expected shape [num_pages, {', '.join(map(str, want))}] "
                                  f"({self.kv_layout}), got {a.shape}")
-            if a.dtype_name != st["dtype"]:
+            if a.dtype != st["npdtype"]:
                 raise TypeError(f"{name}: expected dtype {st['dtype']}, got {a.dtype_name}")
             if a.strides[-1] != a.itemsize or a.ptr % 16 or any(x % 16 for x in a.strides[:-1]):
                 raise ValueError(f"{name}: head_dim must be contiguous and 16-byte aligned")
@@ -456,7 +468,7 @@ class BatchPrefillWithPagedKVCache(_BatchPrefill):
             raise ValueError("k_cache, v_cache: must have the same strides")
         ks = _elem_strides(k)
         strides = (ks[0], ks[1], ks[2]) if self.kv_layout == "NHD" else (ks[0], ks[2], ks[1])
-        return self._run(q, k, v, out, lse, return_lse, s, strides)
+        return self._run(q, k, v, out, lse, return_lse, s, capturing, strides)
 
 
 class BatchPrefillWithRaggedKVCache(_BatchPrefill):
@@ -489,14 +501,14 @@ class BatchPrefillWithRaggedKVCache(_BatchPrefill):
         """q: [qo_indptr[-1], Hq, D]; k, v: [kv_indptr[-1], Hkv, D] ("NHD") or [Hkv, kv_indptr[-1], D] ("HND").
         Returns out (and lse) as BatchPrefillWithPagedKVCache.run."""
         st = self._require_plan()
-        s = as_stream(stream)
-        q, k, v = asarray(q, s), asarray(k, s), asarray(v, s)
+        s, capturing = begin(stream)
+        q, k, v = import_array(q, s, capturing), import_array(k, s, capturing), import_array(v, s, capturing)
         n, hkv, d = st["total_kv"], st["hkv"], st["d"]
         want = (n, hkv, d) if self.kv_layout == "NHD" else (hkv, n, d)
         for name, a in (("k", k), ("v", v)):
             if a.ndim != 3 or a.shape != want:
                 raise ValueError(f"{name}: expected shape {list(want)} ({self.kv_layout}), got {a.shape}")
-            if a.dtype_name != st["dtype"]:
+            if a.dtype != st["npdtype"]:
                 raise TypeError(f"{name}: expected dtype {st['dtype']}, got {a.dtype_name}")
             if a.strides[-1] != a.itemsize or a.ptr % 16 or any(x % 16 for x in a.strides[:-1]):
                 raise ValueError(f"{name}: head_dim must be contiguous and 16-byte aligned")
@@ -504,7 +516,7 @@ class BatchPrefillWithRaggedKVCache(_BatchPrefill):
             raise ValueError("k, v: must have the same strides")
         ks = _elem_strides(k)
         tok, head = (ks[0], ks[1]) if self.kv_layout == "NHD" else (ks[1], ks[0])
-        return self._run(q, k, v, out, lse, return_lse, s, (tok, tok, head))
+        return self._run(q, k, v, out, lse, return_lse, s, capturing, (tok, tok, head))
 
 
 def single_prefill(q, k, v, causal=False, *, kv_layout="NHD", custom_mask=None, sm_scale=None, window_left=-1,

@@ -1,13 +1,30 @@
-"""Streams and events. kvattn's default stream is a created non-blocking stream, so it can be captured."""
+"""Streams and events, and the one stream rule of kvattn (as CuPy, PyTorch and numba have it).
+
+`stream=None` means the legacy default stream, so a caller who names no stream is ordered with their framework's
+default stream. `stream=` also takes 0 or 1 (legacy), 2 (per-thread default), a raw CUstream handle (int or
+CUstream), a kvattn Stream, any object with `__cuda_stream__` (CuPy, cuda.core, newer PyTorch) and any object
+with a `cuda_stream` attribute (torch.cuda.Stream; torch is never imported). Graph capture needs an explicit
+created stream: the legacy stream cannot capture.
+
+Cross-stream ordering (`order_after`) records one reusable event on the producer stream and makes the consumer
+wait on it: a wait takes the event's state at the time of the call, so the event can be re-recorded at once.
+"""
 from __future__ import annotations
 
 import weakref
 
 from . import _driver
+from ._errors import KvattnError
+
+LEGACY = 1        # CU_STREAM_LEGACY: also what DLPack and CAI v3 call the legacy default stream
+PER_THREAD = 2    # CU_STREAM_PER_THREAD
 
 
 class Stream:
-    """A CUDA stream owned by kvattn (non-blocking, capturable)."""
+    """A CUDA stream. `Stream()` creates a non-blocking stream owned by kvattn (capturable); special and
+    borrowed handles (see `as_stream`) are wrapped, never destroyed."""
+
+    __slots__ = ("handle", "ptr", "dlpack", "_finalizer", "__weakref__")
 
     def __init__(self, *, _handle=None):
         drv = _driver.driver()
@@ -18,6 +35,21 @@ class Stream:
             self.handle = drv.CUstream(int(_handle))
             self._finalizer = None
         self.ptr = int(self.handle)
+        # The value a DLPack producer is given for this stream: 1 legacy, 2 per-thread, else the handle.
+        self.dlpack = self.ptr
+
+    @property
+    def is_legacy(self) -> bool:
+        return self.ptr == LEGACY
+
+    def is_capturing(self) -> bool:
+        """True while a graph capture is recording this stream. The legacy stream never captures (and is
+        not asked: asking needs no driver call then, and calling it while another stream captures in global
+        mode would be an error)."""
+        if self.ptr == LEGACY:
+            return False
+        status = _driver.call("cuStreamIsCapturing", self.handle)
+        return int(status) != 0
 
     def synchronize(self):
         _driver.call("cuStreamSynchronize", self.handle)
@@ -36,8 +68,15 @@ class Stream:
     def __int__(self):
         return self.ptr
 
+    def __eq__(self, other):
+        return isinstance(other, Stream) and other.ptr == self.ptr
+
+    def __hash__(self):
+        return hash(self.ptr)
+
     def __repr__(self):
-        return f"kvattn.Stream(0x{self.ptr:x})"
+        name = {LEGACY: "legacy default", PER_THREAD: "per-thread default"}.get(self.ptr)
+        return f"kvattn.Stream({name or f'0x{self.ptr:x}'})"
 
 
 def _destroy_stream(handle):
@@ -74,36 +113,96 @@ def _destroy_event(handle):
         pass
 
 
-_default: list[Stream] = []
-
-
-def default_stream() -> Stream:
-    """kvattn's default stream (created once; not the legacy NULL stream, so it can be captured)."""
-    if not _default:
-        _default.append(Stream())
-    return _default[0]
-
-
+_special: dict[int, Stream] = {}
 _borrowed: dict[int, Stream] = {}
 
 
-def as_stream(stream) -> Stream:
-    """A Stream from None (kvattn's default), a Stream, a raw CUstream handle (int or CUstream) or any
-    object exposing __cuda_stream__ (CuPy, cuda.core, ...)."""
-    if stream is None:
-        return default_stream()
-    if isinstance(stream, Stream):
-        return stream
-    if hasattr(stream, "__cuda_stream__"):
-        _, ptr = stream.__cuda_stream__()
-    else:
-        try:
-            ptr = int(stream)
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"stream: expected None, a kvattn.Stream, a CUstream handle or an object with __cuda_stream__, "
-                f"got {type(stream).__name__}") from None
+def legacy_stream() -> Stream:
+    """The legacy default stream (what `stream=None` means)."""
+    s = _special.get(LEGACY)
+    if s is None:
+        s = _special[LEGACY] = Stream(_handle=LEGACY)
+    return s
+
+
+def per_thread_stream() -> Stream:
+    """The per-thread default stream."""
+    s = _special.get(PER_THREAD)
+    if s is None:
+        s = _special[PER_THREAD] = Stream(_handle=PER_THREAD)
+    return s
+
+
+default_stream = legacy_stream   # the name CuPy and PyTorch use for it
+
+
+def _from_handle(ptr: int) -> Stream:
+    if ptr == 0 or ptr == LEGACY:
+        return legacy_stream()
+    if ptr == PER_THREAD:
+        return per_thread_stream()
     s = _borrowed.get(ptr)
     if s is None:
+        if len(_borrowed) > 4096:   # handles of destroyed streams may pile up in a long-lived process
+            _borrowed.clear()
         s = _borrowed[ptr] = Stream(_handle=ptr)
     return s
+
+
+def as_stream(stream) -> Stream:
+    """The Stream that `stream` names (see the module docstring for what is accepted)."""
+    if stream is None:
+        s = _special.get(LEGACY)
+        return s if s is not None else legacy_stream()
+    if type(stream) is Stream:
+        return stream
+    if type(stream) is int:
+        return _from_handle(stream)
+    if isinstance(stream, Stream):
+        return stream
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        value = proto() if callable(proto) else proto
+        return _from_handle(int(value[1]))
+    raw = getattr(stream, "cuda_stream", None)   # torch.cuda.Stream (and ExternalStream)
+    if raw is not None:
+        return _from_handle(int(raw))
+    try:
+        ptr = int(stream)   # CUstream, numpy integers
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"stream: expected None, 0/1 (legacy default), 2 (per-thread default), a CUstream handle, a "
+            f"kvattn.Stream, an object with __cuda_stream__ or a torch.cuda.Stream, got {type(stream).__name__}"
+        ) from None
+    if ptr < 0:
+        raise ValueError(f"stream: a stream handle cannot be negative, got {ptr}")
+    return _from_handle(ptr)
+
+
+def require_capturable(stream: Stream, what: str = "graph capture"):
+    """Raise the error that says why the legacy default stream cannot be captured."""
+    if stream.ptr == LEGACY:
+        raise KvattnError(
+            f"{what}: the legacy default stream (stream=None, 0 or 1) cannot be captured; pass an explicit "
+            f"created stream (kvattn.Stream(), torch.cuda.Stream(), cupy.cuda.Stream(non_blocking=True))")
+
+
+_sync_event: list = []
+
+
+def order_after(producer: int, consumer: Stream):
+    """Make `consumer` wait for the work queued so far on the stream with handle `producer` (0 = legacy)."""
+    if producer == 0:
+        producer = LEGACY
+    if producer == consumer.ptr:
+        return
+    if not _sync_event:
+        _sync_event.append(Event(disable_timing=True))
+    drv = _driver.driver()
+    ev = _sync_event[0].handle
+    err, = drv.cuEventRecord(ev, producer)
+    if err:
+        _driver.call("cuEventRecord", ev, producer)   # raises with the symbolic error
+    err, = drv.cuStreamWaitEvent(consumer.handle, ev, 0)
+    if err:
+        _driver.call("cuStreamWaitEvent", consumer.handle, ev, 0)

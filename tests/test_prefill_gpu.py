@@ -221,20 +221,21 @@ def test_graph_replay_after_replan():
 
     pt, qi, q = batch([100, 30, 7], [500, 30, 4000])
     upload(q)
-    w.plan(qi, pt, hq, hkv, d, causal=True)
+    s = kvattn.Stream()   # capture needs a created stream (the legacy default stream cannot capture)
+    w.plan(qi, pt, hq, hkv, d, causal=True, stream=s)
     t = int(qi[-1])
-    with graphs.capture() as cap:
-        w.run(qbuf[:t], kd, vd, out=obuf[:t], lse=lbuf[:t])
-    cap.graph.replay()
-    kvattn.default_stream().synchronize()
+    with graphs.capture(s) as cap:
+        w.run(qbuf[:t], kd, vd, out=obuf[:t], lse=lbuf[:t], stream=s)
+    cap.graph.replay(s)
+    s.synchronize()
     check(pt, qi, q)
     # a different batch (more requests, one long append that splits): same graph
     for qo_lens, kv_lens in (([4] * 8, [3000, 40, 4, 900, 16, 17, 2500, 4]), ([300], [20000])):
         pt, qi, q = batch(qo_lens, kv_lens)
         upload(q)
-        w.plan(qi, pt, hq, hkv, d, causal=True)
-        cap.graph.replay()
-        kvattn.default_stream().synchronize()
+        w.plan(qi, pt, hq, hkv, d, causal=True, stream=s)
+        cap.graph.replay(s)
+        s.synchronize()
         check(pt, qi, q)
 
 

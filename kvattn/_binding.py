@@ -1,0 +1,39 @@
+"""What every op's run() does at its boundary: resolve the stream, import the caller's arrays, provide outputs.
+
+    s, capturing = begin(stream)
+    q = import_array(q, s, capturing)            # see kvattn._interop
+    out, out_ret = output(out, shape, dtype, s, capturing, "out")
+    ... launches on s ...
+    out.stream = s.ptr                           # exports now order their consumers after s
+
+An implicit output (`out=None`) comes from kvattn's stream-ordered pool (kvattn.pool); it is refused while the
+stream captures a graph (the pool block would not be the same at each replay).
+"""
+from __future__ import annotations
+
+from ._errors import KvattnError
+from ._interop import import_array
+from .pool import pool_empty
+from .stream import as_stream
+
+
+def begin(stream):
+    """(the kvattn Stream that `stream` names, whether it is capturing a graph now)."""
+    s = as_stream(stream)
+    return s, s.is_capturing()
+
+
+def output(arr, shape: tuple, dtype, s, capturing: bool, name: str):
+    """(DeviceArray to write, the object run() returns for it): the caller's array as given, or a new pool
+    array of shape / dtype (numpy dtype) on stream s."""
+    if arr is None:
+        if capturing:
+            raise KvattnError(
+                f"{name}: run() is being captured into a graph with {name}=None; an implicit allocation cannot be "
+                f"replayed: pass {name} (a preallocated array, the same one at capture and at every replay)")
+        a = pool_empty(shape, dtype, s)
+        return a, a
+    return import_array(arr, s, capturing), arr
+
+
+__all__ = ["begin", "output", "import_array"]
