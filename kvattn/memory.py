@@ -157,8 +157,9 @@ class DeviceArray:
             raise BufferError(f"kvattn.DeviceArray.__dlpack__: cannot export to device {dl_device}")
         if self.stream is not None and stream != -1:
             consumer = as_stream(stream)
-            order_after(self.stream, consumer)
-            note_use(self, consumer.ptr)
+            if consumer.ptr != self.stream:
+                order_after(self.stream, consumer)
+                note_use(self, consumer.ptr)
         code, bits = _dtypes.to_dlpack(self.dtype)
         itemsize = self.dtype.itemsize
         elem_strides = [s // itemsize for s in self.strides]

@@ -137,6 +137,8 @@ default_stream = legacy_stream   # the name CuPy and PyTorch use for it
 
 
 def _from_handle(ptr: int) -> Stream:
+    if ptr < 0:
+        raise ValueError(f"stream: a stream handle cannot be negative, got {ptr}")
     if ptr == 0 or ptr == LEGACY:
         return legacy_stream()
     if ptr == PER_THREAD:
@@ -174,8 +176,6 @@ def as_stream(stream) -> Stream:
             f"stream: expected None, 0/1 (legacy default), 2 (per-thread default), a CUstream handle, a "
             f"kvattn.Stream, an object with __cuda_stream__ or a torch.cuda.Stream, got {type(stream).__name__}"
         ) from None
-    if ptr < 0:
-        raise ValueError(f"stream: a stream handle cannot be negative, got {ptr}")
     return _from_handle(ptr)
 
 
