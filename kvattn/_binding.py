@@ -36,4 +36,17 @@ def output(arr, shape: tuple, dtype, s, capturing: bool, name: str):
     return import_array(arr, s, capturing), arr
 
 
-__all__ = ["begin", "output", "import_array"]
+def misaligned16(ptr: int, strides: tuple) -> bool:
+    """True when the pointer or a stride of any but the last axis is not a multiple of 16 bytes."""
+    n = len(strides)
+    if n == 3:
+        return bool((ptr | strides[0] | strides[1]) & 15)
+    if n == 4:
+        return bool((ptr | strides[0] | strides[1] | strides[2]) & 15)
+    bad = ptr
+    for x in strides[:-1]:
+        bad |= x
+    return bool(bad & 15)
+
+
+__all__ = ["begin", "output", "import_array", "misaligned16"]

@@ -9,6 +9,10 @@ Ordering rules (the producer's pending writes come before the consumer stream's 
   `__dlpack__` orders it (torch's current stream is waited for when it is not the consumer). Torch's
   `__dlpack__(stream=S)` costs about 12 us per tensor in Python, this about 2 us; torch is never imported (the
   tensor's own module is looked up in sys.modules).
+- JAX arrays that are computed (`is_ready()`): read through unsafe_buffer_pointer / shape / dtype (JAX arrays
+  are immutable, so a computed one needs no ordering); not yet computed: DLPack, which orders them.
+- CAI arrays whose typestr is raw bytes ('<V2', CuPy's bfloat16) take their own numpy `dtype` when it has that
+  size; otherwise DLPack names the element type.
 While the consumer stream is capturing a graph no cross-stream wait is added (DLPack producers get -1): the
 caller has ordered its producers before the capture, as every framework's graph capture requires.
 """
@@ -21,7 +25,7 @@ import numpy as np
 
 from . import _dlpack, _dtypes
 from ._errors import KvattnError
-from .memory import DeviceArray, from_numpy
+from .memory import DeviceArray, contiguous_strides, from_numpy
 from .stream import Stream, order_after
 
 _strategy: dict = {}   # type -> "torch" | "cai" | "dlpack": how arrays of that type were read last time
@@ -40,10 +44,17 @@ def import_array(x, stream: Stream, capturing: bool) -> DeviceArray:
         how = _choose(x)
     if how == "torch":
         return _from_torch(x, stream, capturing)
+    if how == "jax":
+        a = _from_jax(x)
+        if a is not None:
+            return a
+        how = "dlpack"   # not computed yet (or not one buffer): DLPack orders it on the consumer stream
     if how == "cai":
         cai = getattr(x, "__cuda_array_interface__", None)
-        if cai is not None and cai["typestr"][1] != "V":
-            return _from_cai(x, cai, stream, capturing)
+        if cai is not None:
+            dtype = _cai_dtype(x, cai["typestr"])
+            if dtype is not None:
+                return _from_cai(x, cai, dtype, stream, capturing)
         _strategy[t] = "dlpack"   # e.g. bfloat16 reported as raw bytes: DLPack names the element type
     if how in ("cai", "dlpack") and hasattr(x, "__dlpack__"):
         return _from_dlpack(x, stream, capturing)
@@ -69,8 +80,11 @@ def _choose(x) -> str:
     how = None
     if isinstance(x, (DeviceArray, np.ndarray)):
         return "other"
-    if t.__module__.split(".", 1)[0] == "torch" and hasattr(x, "data_ptr") and hasattr(x, "stride"):
+    root = t.__module__.split(".", 1)[0]
+    if root == "torch" and hasattr(x, "data_ptr") and hasattr(x, "stride"):
         how = "torch"
+    elif root in ("jax", "jaxlib") and hasattr(x, "unsafe_buffer_pointer") and hasattr(x, "is_ready"):
+        how = "jax"
     elif hasattr(t, "__cuda_array_interface__"):
         how = "cai"
     elif hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
@@ -90,8 +104,27 @@ def _choose(x) -> str:
 
 
 # -- CUDA Array Interface ------------------------------------------------------------------------------
-def _from_cai(x, cai, stream: Stream, capturing: bool) -> DeviceArray:
-    dtype = _dtypes.from_typestr(cai["typestr"])
+_typestrs: dict = {}
+
+
+def _cai_dtype(x, typestr: str):
+    """The numpy dtype of a CAI typestr; raw bytes ('<V2': bfloat16 from CuPy) take the array's own numpy dtype
+    when it has one of that size (CuPy holds bfloat16 as ml_dtypes' type). None: DLPack must name it."""
+    dtype = _typestrs.get(typestr)
+    if dtype is None:
+        if typestr[1] == "V":
+            own = getattr(x, "dtype", None)
+            if isinstance(own, np.dtype) and own.itemsize == int(typestr[2:]):
+                try:
+                    return _dtypes.to_numpy(own)
+                except TypeError:
+                    return None
+            return None
+        dtype = _typestrs[typestr] = _dtypes.from_typestr(typestr)
+    return dtype
+
+
+def _from_cai(x, cai, dtype, stream: Stream, capturing: bool) -> DeviceArray:
     producer = cai.get("stream")
     if producer is not None and not capturing:
         producer = int(producer)
@@ -99,16 +132,36 @@ def _from_cai(x, cai, stream: Stream, capturing: bool) -> DeviceArray:
             order_after(producer, stream)
     shape = tuple(cai["shape"])
     strides = cai.get("strides")
-    strides = _contiguous(shape, dtype.itemsize) if strides is None else tuple(strides)
+    strides = contiguous_strides(shape, dtype.itemsize) if strides is None else tuple(strides)
     return DeviceArray._make(cai["data"][0] or 0, shape, dtype, strides, x)
 
 
 def _contiguous(shape, itemsize):
-    out, acc = [], itemsize
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(out))
+    return contiguous_strides(tuple(shape), itemsize)
+
+
+_numpy_dtypes: dict = {}
+
+
+# -- JAX -----------------------------------------------------------------------------------------------
+def _from_jax(x):
+    """A computed single-buffer JAX array through its public attributes (unsafe_buffer_pointer, shape, dtype;
+    JAX arrays are dense and row-major and never written again); None when it is not computed yet: the DLPack
+    path then orders it on the consumer stream. JAX's own __dlpack__(stream=) plus reading the capsule costs
+    about 10 us an array."""
+    try:
+        if not x.is_ready():
+            return None
+        ptr = x.unsafe_buffer_pointer()
+    except Exception:   # a sharded or deleted array: DLPack says what is wrong
+        return None
+    dtype = _numpy_dtypes.get(x.dtype)
+    if dtype is None:
+        if not isinstance(x.dtype, np.dtype):
+            return None
+        dtype = _numpy_dtypes[x.dtype] = _dtypes.to_numpy(x.dtype)   # raises for an unsupported type
+    shape = tuple(x.shape)
+    return DeviceArray._make(ptr, shape, dtype, contiguous_strides(shape, dtype.itemsize), x)
 
 
 # -- DLPack --------------------------------------------------------------------------------------------
@@ -158,17 +211,16 @@ def _torch_tables():
 
 def _from_torch(x, stream: Stream, capturing: bool) -> DeviceArray:
     tables = _torch or _torch_tables()
-    if not x.is_cuda:
-        raise TypeError(f"array: a torch tensor on {x.device} (expected a CUDA tensor; move it with .cuda())")
-    dev = x.get_device()
+    dev = x.get_device()   # -1 for a CPU tensor
     if dev != 0:
+        if not x.is_cuda:
+            raise TypeError(f"array: a torch tensor on {x.device} (expected a CUDA tensor; move it with .cuda())")
         raise ValueError(f"array: a torch tensor on cuda:{dev}; kvattn runs on device 0")
     dtype = tables["dtypes"].get(x.dtype)
     if dtype is None:
         raise TypeError(f"array: torch dtype {x.dtype} is not supported by kvattn")
     if not capturing:
-        producer = tables["current_stream"](dev)
-        if producer != stream.ptr and not (producer == 0 and stream.ptr == 1):
+        producer = tables["current_stream"](0)
+        if producer != stream.ptr and (producer or stream.ptr != 1):   # torch's 0 is the legacy stream (1)
             order_after(producer, stream)
-    it = dtype.itemsize
-    return DeviceArray._make(x.data_ptr(), tuple(x.shape), dtype, tuple(s * it for s in x.stride()), x)
+    return DeviceArray._make(x.data_ptr(), tuple(x.shape), dtype, tuple(map(dtype.itemsize.__mul__, x.stride())), x)

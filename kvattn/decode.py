@@ -17,7 +17,7 @@ import numpy as np
 from . import _driver, _dtypes, scheduler
 from ._attn_args import DTYPES, HEAD_DIMS, check_plan_args
 from .formats import PageTable
-from ._binding import begin, import_array, output
+from ._binding import begin, import_array, misaligned16, output
 from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
 from .memory import DeviceArray, StagingRing, asarray, fit_workspace
 from .merge import MERGE_PARAMS, merge_spec
@@ -278,17 +278,13 @@ class BatchDecodeWithPagedKVCache:
         """Shape, dtype (numpy dtype) and layout of an argument; cheap on the hot path (run() host time)."""
         if a.shape != shape:
             raise ValueError(f"{name}: expected shape {shape}, got {a.shape}")
-        if a.dtype != dtype:
+        if a.dtype is not dtype and a.dtype != dtype:
             raise TypeError(f"{name}: expected dtype {_dtypes.dtype_name(dtype)}, got {a.dtype_name}")
         strides = a.strides
-        if strides[-1] != a.itemsize:
+        if strides[-1] != dtype.itemsize:
             raise ValueError(f"{name}: the last axis must be contiguous")
-        if not inner_contiguous_heads:
-            bad = a.ptr & 15
-            for x in strides[:-1]:
-                bad |= x & 15
-            if bad:
-                raise ValueError(f"{name}: rows must be 16-byte aligned (pointer and strides)")
+        if not inner_contiguous_heads and misaligned16(a.ptr, strides):
+            raise ValueError(f"{name}: rows must be 16-byte aligned (pointer and strides)")
 
     def _caches(self, k_cache, v_cache, s, capturing, st):
         k = import_array(k_cache, s, capturing)
@@ -299,18 +295,27 @@ class BatchDecodeWithPagedKVCache:
             k = k[:, 0]
         else:
             v = import_array(v_cache, s, capturing)
-        want = st["cache_shape"]
-        for name, a in (("k_cache", k), ("v_cache", v)):
-            if a.ndim != 4 or a.shape[1:] != want:
-                raise ValueError(f"{name}: expected shape [num_pages, {', '.join(map(str, want))}] "
-                                 f"({self.kv_layout}), got {a.shape}")
-            self._check(a, name, a.shape, st["npdtype"])
-            if a.shape[0] < st["num_pages_needed"]:
-                raise ValueError(f"{name}: the page table uses page id {st['num_pages_needed'] - 1} but the "
-                                 f"cache holds {a.shape[0]} pages")
-        if k.strides != v.strides:
-            raise ValueError("k_cache, v_cache: must have the same strides")
+        if k.strides != v.strides or k.shape != v.shape:
+            self._check_cache("k_cache", k, st)
+            self._check_cache("v_cache", v, st)
+            raise ValueError("k_cache, v_cache: must have the same shape and strides")
+        self._check_cache("k_cache", k, st)
+        if (v.ptr - k.ptr) & 15:
+            raise ValueError("v_cache: rows must be 16-byte aligned (pointer and strides)")
+        if v.dtype is not k.dtype:
+            self._check_cache("v_cache", v, st)
         return k, v
+
+    def _check_cache(self, name, a, st):
+        want = st["cache_shape"]
+        shape = a.shape
+        if len(shape) != 4 or shape[1:] != want:
+            raise ValueError(f"{name}: expected shape [num_pages, {', '.join(map(str, want))}] "
+                             f"({self.kv_layout}), got {shape}")
+        self._check(a, name, shape, st["npdtype"])
+        if shape[0] < st["num_pages_needed"]:
+            raise ValueError(f"{name}: the page table uses page id {st['num_pages_needed'] - 1} but the "
+                             f"cache holds {shape[0]} pages")
 
 
 def _round4(n: int) -> int:

@@ -224,6 +224,20 @@ def _contiguous_strides(shape, itemsize):
     return tuple(reversed(strides))
 
 
+_strides_memo: dict = {}
+
+
+def contiguous_strides(shape: tuple, itemsize: int) -> tuple:
+    """Row-major byte strides of shape (memoised: run() asks for the same few shapes on every call)."""
+    key = (shape, itemsize)
+    st = _strides_memo.get(key)
+    if st is None:
+        if len(_strides_memo) > 4096:
+            _strides_memo.clear()
+        st = _strides_memo[key] = _contiguous_strides(shape, itemsize)
+    return st
+
+
 def empty(shape, dtype) -> DeviceArray:
     """A new uninitialised contiguous device array."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
@@ -256,9 +270,8 @@ def asarray(x, stream=None) -> DeviceArray:
     stream: the stream that will use the array (see kvattn.stream); the producer's pending work is ordered
     before it (no cross-stream wait is added while that stream is capturing a graph).
     """
-    from ._interop import import_array
     s = as_stream(stream)
-    return import_array(x, s, s.is_capturing())
+    return _import_array(x, s, s.is_capturing())
 
 
 class PinnedBuffer:
@@ -370,3 +383,6 @@ def fit_workspace(ws: "Workspace | None", spec, fixed_bytes: "int | None"):
                 _driver.call("cuCtxSynchronize")  # queued work on any stream may still read the old buffer
             ws = Workspace(max(need, 1 << 20))
     return ws, ws.regions(spec)
+
+
+from ._interop import import_array as _import_array  # noqa: E402  (imports this module)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 _state: dict = {}
 _deferred: list = []   # blocks whose free failed (e.g. inside another stream's graph capture): retried later
+_hot: list = [None, None, None]   # [pool handle, cuMemAllocFromPoolAsync, cuMemFreeAsync] once the pool exists
 
 
 def _pool():
@@ -34,29 +35,21 @@ def _pool():
         _driver.call("cuMemPoolSetAttribute", pool, drv.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
                      drv.cuuint64_t(2 ** 64 - 1))
         _state["pool"] = pool
-        _state["alloc"] = drv.cuMemAllocFromPoolAsync
-        _state["free"] = drv.cuMemFreeAsync
+        _hot[:] = [pool, drv.cuMemAllocFromPoolAsync, drv.cuMemFreeAsync]
     return pool
 
 
 class PoolBlock:
-    """One stream-ordered allocation; freed on its stream when garbage."""
+    """One stream-ordered allocation (ptr, the handle of its stream); freed on that stream when garbage."""
 
     __slots__ = ("ptr", "stream", "used_on")
 
-    def __init__(self, nbytes: int, stream: int):
-        pool = _pool()
-        if _deferred:
-            _retry_deferred()
-        err, ptr = _state["alloc"](max(nbytes, 1), pool, stream)
-        if err:
-            _driver.call("cuMemAllocFromPoolAsync", max(nbytes, 1), pool, stream)   # raises, naming the error
-        self.ptr = int(ptr)
-        self.stream = stream
-        self.used_on = None
-
     def __del__(self):
         try:
+            if self.used_on is None:
+                err, = _hot[2](self.ptr, self.stream)
+                if not err:
+                    return
             if not _free(self.ptr, self.stream, self.used_on):
                 _deferred.append((self.ptr, self.stream, self.used_on))
         except Exception:   # interpreter shutdown: the context goes with the process
@@ -69,7 +62,7 @@ def _free(ptr, stream, used_on) -> bool:
     if used_on:
         for other in used_on:
             order_after(other, s)
-    err, = _state["free"](ptr, stream)
+    err, = _hot[2](ptr, stream)
     return not err
 
 
@@ -81,13 +74,31 @@ def _retry_deferred():
             _deferred.append(item)
 
 
+_strides: dict = {}
+
+
 def pool_empty(shape: tuple, dtype: np.dtype, stream) -> "DeviceArray":
     """A contiguous uninitialised array from the pool, ordered on `stream` (a kvattn Stream). shape: a tuple of
-    ints; dtype: a numpy dtype. The returned array's `stream` is that stream."""
+    ints; dtype: a numpy dtype. The returned array's `stream` is that stream's handle."""
     from .memory import DeviceArray, _contiguous_strides
-    itemsize = dtype.itemsize
-    block = PoolBlock(math.prod(shape) * itemsize, stream.ptr)
-    return DeviceArray._make(block.ptr, shape, dtype, _contiguous_strides(shape, itemsize), block, stream.ptr)
+    key = (shape, dtype.itemsize)
+    strides = _strides.get(key)
+    if strides is None:
+        if len(_strides) > 1024:
+            _strides.clear()
+        strides = _strides[key] = (_contiguous_strides(shape, dtype.itemsize), math.prod(shape) * dtype.itemsize)
+    pool, alloc, _ = _hot
+    if pool is None:
+        pool, alloc, _ = _pool(), _hot[1], None
+    if _deferred:
+        _retry_deferred()
+    h = stream.ptr
+    err, ptr = alloc(strides[1] or 1, pool, h)
+    if err:
+        _driver.call("cuMemAllocFromPoolAsync", strides[1] or 1, pool, h)   # raises, naming the error
+    block = PoolBlock.__new__(PoolBlock)
+    block.ptr, block.stream, block.used_on = int(ptr), h, None
+    return DeviceArray._make(block.ptr, shape, dtype, strides[0], block, h)
 
 
 def note_use(array, consumer: int):

@@ -34,7 +34,7 @@ from . import _driver, _dtypes, _validate as _v, scheduler
 from ._attn_args import check_plan_args
 from .decode import LOG2E, THREADS
 from .formats import PageTable, pack_mask
-from ._binding import begin, import_array, output
+from ._binding import begin, import_array, misaligned16, output
 from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
 from .memory import DeviceArray, StagingRing, asarray, fit_workspace
 from .merge import MERGE_PARAMS, merge_spec
@@ -164,12 +164,12 @@ def _round4(n: int) -> int:
 def _check_array(a: DeviceArray, name, shape: tuple, dtype: np.dtype, rows16=True):
     if a.shape != shape:
         raise ValueError(f"{name}: expected shape {shape}, got {a.shape}")
-    if a.dtype != dtype:
+    if a.dtype is not dtype and a.dtype != dtype:
         raise TypeError(f"{name}: expected dtype {_dtypes.dtype_name(dtype)}, got {a.dtype_name}")
     if rows16:
-        if a.strides[-1] != a.itemsize or a.ptr % 16 or any(st % 16 for st in a.strides[:-1]):
+        if a.strides[-1] != dtype.itemsize or misaligned16(a.ptr, a.strides):
             raise ValueError(f"{name}: head_dim must be contiguous and rows 16-byte aligned")
-    elif a.strides[-1] != a.itemsize or a.ptr % 4:
+    elif a.strides[-1] != dtype.itemsize or a.ptr % 4:
         raise ValueError(f"{name}: the head axis must be contiguous and 4-byte aligned")
 
 
@@ -459,7 +459,7 @@ class BatchPrefillWithPagedKVCache(_BatchPrefill):
                                  f"({self.kv_layout}), got {a.shape}")
             if a.dtype != st["npdtype"]:
                 raise TypeError(f"{name}: expected dtype {st['dtype']}, got {a.dtype_name}")
-            if a.strides[-1] != a.itemsize or a.ptr % 16 or any(x % 16 for x in a.strides[:-1]):
+            if a.strides[-1] != a.itemsize or misaligned16(a.ptr, a.strides):
                 raise ValueError(f"{name}: head_dim must be contiguous and 16-byte aligned")
             if a.shape[0] < st["num_pages_needed"]:
                 raise ValueError(f"{name}: the page table uses page id {st['num_pages_needed'] - 1} but the "
@@ -510,7 +510,7 @@ class BatchPrefillWithRaggedKVCache(_BatchPrefill):
                 raise ValueError(f"{name}: expected shape {list(want)} ({self.kv_layout}), got {a.shape}")
             if a.dtype != st["npdtype"]:
                 raise TypeError(f"{name}: expected dtype {st['dtype']}, got {a.dtype_name}")
-            if a.strides[-1] != a.itemsize or a.ptr % 16 or any(x % 16 for x in a.strides[:-1]):
+            if a.strides[-1] != a.itemsize or misaligned16(a.ptr, a.strides):
                 raise ValueError(f"{name}: head_dim must be contiguous and 16-byte aligned")
         if k.strides != v.strides:
             raise ValueError("k, v: must have the same strides")

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: GPU tests, the main job, benchmarks; logs under $OUT, a short table last.
-#   bash scripts/gpu_check.sh [pytest args...]      (run from the repository root)
+# One call on the GPU machine: GPU tests, the main job, benchmarks, the transformers example; logs under $OUT,
+# a short table last.   bash scripts/gpu_check.sh [pytest args...]      (run from the repository root)
 set -u
 OUT=${OUT:-/tmp/kvattn-out}; mkdir -p "$OUT"
-export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export KVATTN_CACHE_DIR=${KVATTN_CACHE_DIR:-.kvcache}
 python3 -m pytest tests -q -x -m gpu -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 python3 -m kvattn 2>&1 | tee "$OUT/main.log" | tail -12
+python3 scripts/example_transformers.py 2>&1 | tee "$OUT/example.log" | tail -6
 python3 scripts/bench_launch.py 2>&1 | tee "$OUT/launch.log" | tail -6
 python3 scripts/bench_merge.py 2>&1 | tee "$OUT/merge.log" | tail -5
 python3 scripts/bench_decode.py ${BENCH_ARGS:-} --json "$OUT/decode.jsonl" 2>&1 | tee "$OUT/decode.log" | tail -25
 python3 scripts/bench_prefill.py 2>&1 | tee "$OUT/prefill.log" | tail -12
+python3 scripts/bench_interop.py ${INTEROP_ARGS:-} --json "$OUT/interop.jsonl" 2>&1 | tee "$OUT/interop.log" | tail -40

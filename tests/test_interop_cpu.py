@@ -174,7 +174,7 @@ def test_torch_tensors_read_directly_and_ordered_like_torch(monkeypatch, waits):
         device = "cpu"
 
         def get_device(self):
-            return 0
+            return 0 if self.is_cuda else -1
 
         def data_ptr(self):
             return 0x40000
@@ -216,3 +216,37 @@ def test_param_setter_packs_adjacent_fields_and_refuses_others():
     assert [p[n] for n in ("q", "k", "v", "o", "lse", "q_stride_n", "q_stride_h")] == [1, 2, 3, 4, 5, -7, 9]
     with pytest.raises(ValueError, match="not adjacent"):
         p.setter("q", "v")
+
+
+def test_cai_raw_bytes_take_the_arrays_own_numpy_dtype(waits):
+    import ml_dtypes
+
+    class CuPyBF16(FakeCAI):   # CuPy holds bfloat16 as ml_dtypes' numpy type and exports '<V2'
+        dtype = np.dtype(ml_dtypes.bfloat16)
+
+    a = _interop.import_array(CuPyBF16(1, "<V2"), st.as_stream(None), False)
+    assert a.dtype_name == "bfloat16" and a.shape == (2, 8) and a.strides == (16, 2)
+
+
+def test_jax_arrays_read_directly_when_computed_else_through_dlpack(monkeypatch, waits):
+    import ml_dtypes
+
+    class Array(FakeDLPack):
+        __module__ = "jaxlib.xla_extension"
+        dtype = np.dtype(ml_dtypes.bfloat16)
+        ready = True
+
+        def is_ready(self):
+            return self.ready
+
+        def unsafe_buffer_pointer(self):
+            return 0x50000
+
+    monkeypatch.setattr(_interop, "_strategy", {})
+    x = Array((4, 6), code=4, bits=16)
+    x.shape = (4, 6)
+    a = _interop.import_array(x, st.as_stream(0xAB00), False)
+    assert (a.ptr, a.shape, a.strides, a.dtype_name) == (0x50000, (4, 6), (12, 2), "bfloat16") and x.got == []
+    x.ready = False   # not computed yet: the producer is given the consumer stream and orders itself
+    b = _interop.import_array(x, st.as_stream(0xAB00), False)
+    assert x.got == [0xAB00] and b.ptr == 0x10000 and waits == []

@@ -179,7 +179,7 @@ def _capture(kind, fn):
 @pytest.mark.parametrize("kind", ["torch", "kvattn"])
 def test_decode_capture_with_torch_tensors_replays_new_batches(kind):
     rng = np.random.default_rng()
-    max_b, max_pages = 16, 600
+    max_b, max_pages = 16, 2100
     k = rng.standard_normal((max_pages, PAGE, HKV, D)).astype(BF)
     v = rng.standard_normal((max_pages, PAGE, HKV, D)).astype(BF)
     w = kvattn.BatchDecodeWithPagedKVCache(use_cuda_graph=True, max_batch_size=max_b, max_num_pages=max_pages)
