@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import struct
 
 K_DL_CUDA = 2
 
@@ -49,10 +50,18 @@ _raw_get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_
 # deleter, or the capsule dies unconsumed.
 _live: dict[int, tuple] = {}
 
+# One export is one ctypes buffer: the DLManagedTensor (DLTensor 48 bytes, manager_ctx, deleter), then the shape
+# and strides arrays it points to, packed with one struct call (ctypes Structure objects cost ~1 us each).
+_MANAGED = struct.Struct("<QiiiBBHQQQQQ")
+_SHAPES = [struct.Struct(f"<{2 * n}q") for n in range(9)]
 
-@_DELETER
-def _delete_managed(ptr):
-    _live.pop(ctypes.addressof(ptr.contents), None)
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _delete_managed(addr):
+    _live.pop(addr, None)
+
+
+_DELETER_ADDR = ctypes.cast(_delete_managed, ctypes.c_void_p).value
 
 
 @_CAPSULE_DESTRUCTOR
@@ -66,20 +75,14 @@ def _capsule_destructor(capsule):
 def export(ptr: int, shape, strides_elems, code: int, bits: int, owner, device_id: int = 0):
     """A 'dltensor' capsule describing device memory at ptr; owner is kept alive until it is released."""
     ndim = len(shape)
-    shape_arr = (ctypes.c_int64 * max(ndim, 1))(*shape)
-    strides_arr = (ctypes.c_int64 * max(ndim, 1))(*strides_elems)
-    managed = DLManagedTensor()
-    managed.dl_tensor.data = ptr
-    managed.dl_tensor.device = DLDevice(K_DL_CUDA, device_id)
-    managed.dl_tensor.ndim = ndim
-    managed.dl_tensor.dtype = DLDataType(code, bits, 1)
-    managed.dl_tensor.shape = ctypes.cast(shape_arr, ctypes.POINTER(ctypes.c_int64))
-    managed.dl_tensor.strides = ctypes.cast(strides_arr, ctypes.POINTER(ctypes.c_int64))
-    managed.dl_tensor.byte_offset = 0
-    managed.manager_ctx = None
-    managed.deleter = _delete_managed
-    addr = ctypes.addressof(managed)
-    _live[addr] = (managed, shape_arr, strides_arr, owner)
+    buf = ctypes.create_string_buffer(_MANAGED.size + 16 * ndim)
+    addr = ctypes.addressof(buf)
+    dims = addr + _MANAGED.size
+    _MANAGED.pack_into(buf, 0, ptr, K_DL_CUDA, device_id, ndim, code, bits, 1, dims, dims + 8 * ndim, 0, 0,
+                       _DELETER_ADDR)
+    packer = _SHAPES[ndim] if ndim < len(_SHAPES) else struct.Struct(f"<{2 * ndim}q")
+    packer.pack_into(buf, _MANAGED.size, *shape, *strides_elems)
+    _live[addr] = (buf, owner)
     return _api.PyCapsule_New(addr, b"dltensor", _capsule_destructor)
 
 

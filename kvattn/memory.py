@@ -16,6 +16,7 @@ from .pool import note_use
 from .stream import as_stream, order_after
 
 ALIGN = 256  # bytes: every allocation and Workspace region starts on this boundary
+_dlpack_types: dict = {}   # numpy dtype -> DLPack (code, bits)
 
 
 class _Allocation:
@@ -160,10 +161,11 @@ class DeviceArray:
             if consumer.ptr != self.stream:
                 order_after(self.stream, consumer)
                 note_use(self, consumer.ptr)
-        code, bits = _dtypes.to_dlpack(self.dtype)
+        code_bits = _dlpack_types.get(self.dtype)
+        if code_bits is None:
+            code_bits = _dlpack_types[self.dtype] = _dtypes.to_dlpack(self.dtype)
         itemsize = self.dtype.itemsize
-        elem_strides = [s // itemsize for s in self.strides]
-        return _dlpack.export(self.ptr, self.shape, elem_strides, code, bits, self)
+        return _dlpack.export(self.ptr, self.shape, tuple(map(itemsize.__rfloordiv__, self.strides)), *code_bits, self)
 
     # -- copies --------------------------------------------------------------------------------
     def numpy(self, stream=None) -> np.ndarray:

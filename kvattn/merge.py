@@ -148,15 +148,15 @@ def merge_states(o, lse, *, out=None, lse_out=None, stream=None):
     o: [rows, n, H, D] float16 / bfloat16 / float32; lse: [rows, n, H] float32 natural log.
     Returns (o [rows, H, D] in o's dtype, lse [rows, H] float32).
     """
-    s, capturing = begin(stream)
-    o, lse = import_array(o, s, capturing), import_array(lse, s, capturing)
+    cs, capturing = begin(stream)
+    o, lse = import_array(o, cs, capturing), import_array(lse, cs, capturing)
     _check_state("o", o, "lse", lse, 2)
     rows, n, heads, d = o.shape
     s, ls = _elem_strides(o), _elem_strides(lse)
     p = ParamBuffer(MERGE_PARAMS)
     p.set(o_in=o.ptr, lse_in=lse.ptr, s_row=s[0], s_n=s[1], s_h=s[2], l_row=ls[0], l_n=ls[1], l_h=ls[2],
           num_rows=rows, n=n, num_heads=heads, head_dim=d)
-    out, lse_out, ret = _out_pair((rows, heads, d), o.dtype_name, out, lse_out, s, capturing)
+    out, lse_out, ret = _out_pair((rows, heads, d), o.dtype_name, out, lse_out, cs, capturing)
     _set_out(p, out, lse_out)
-    _launch(o.dtype_name, out, p, rows, heads, d, s, lse_out)
+    _launch(o.dtype_name, out, p, rows, heads, d, cs, lse_out)
     return ret

@@ -35,22 +35,25 @@ DECODE = {"b64_L4096": [4096] * 64, "b16_L32768": [32768] * 16, "b64_skewed": SK
 PREFILL = {"b1_S8192": (1, 8192), "b8_S2048": (8, 2048), "b1_S32768": (1, 32768)}
 
 
-def host_us(fn, n=200, sync=None):
-    """Median host time of fn() over n calls, no synchronisation inside the timed calls. sync() runs (untimed)
-    before the first call and every 25 calls: without it the launch queue fills up on long kernels and every
-    launch then waits for a kernel to finish, which would time the GPU instead of the host."""
-    sync = sync or kvattn._driver.driver().cuCtxSynchronize
-    for _ in range(10):
-        fn()
-    ts = []
-    for i in range(n):
-        if i % 25 == 0:
+def host_us_interleaved(styles: dict, rounds=8, per_round=25) -> dict:
+    """Median host time (us) of one call of each fn in styles, no synchronisation inside the timed calls.
+    The styles take turns (rounds x per_round calls each, 200 in all) so a drift of the machine hits them alike;
+    the device is synchronised (untimed) between turns, which keeps the launch queue short: a full queue would
+    make each launch wait for a kernel and time the GPU instead of the host."""
+    sync = kvattn._driver.driver().cuCtxSynchronize
+    samples = {name: [] for name in styles}
+    for _ in range(rounds):
+        for name, fn in styles.items():
             sync()
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
+            for _ in range(3):
+                fn()
+            sync()
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - t0)
     sync()
-    return float(np.median(ts) * 1e6)
+    return {name: float(np.median(v) * 1e6) for name, v in samples.items()}
 
 
 class Frameworks:
@@ -216,42 +219,50 @@ def prefill_case(fw, name, b, s, rng, gemm, jsonl):
     return row, (w, q, k, v, out, tq, tk, tv, cq, ck, cv)
 
 
-def host_rows(fw, op, arrays):
-    """Host time of one run() with each kind of array in (out=None except the kvattn row, which gives out)."""
+def host_rows(fw, op, arrays, profile=False):
+    """Host time of one run() with each kind of array in (out=None unless named)."""
     w, q, k, v, out, tq, tk, tv, cq, ck, cv = arrays
     torch = fw.torch
     tout = torch.empty_like(tq)
-    rows = [dict(op=op, arrays="kvattn, out given", us=round(host_us(lambda: w.run(q, k, v, out=out)), 1)),
-            dict(op=op, arrays="kvattn, out=None", us=round(host_us(lambda: w.run(q, k, v)), 1)),
-            dict(op=op, arrays="torch, out=None", us=round(host_us(lambda: w.run(tq, tk, tv)), 1)),
-            dict(op=op, arrays="torch, out=torch", us=round(host_us(lambda: w.run(tq, tk, tv, out=tout)), 1)),
-            dict(op=op, arrays="torch, stream=current_stream()",
-                 us=round(host_us(lambda: w.run(tq, tk, tv, stream=torch.cuda.current_stream())), 1))]
+    styles = {"kvattn, out given": lambda: w.run(q, k, v, out=out),
+              "kvattn, out=None": lambda: w.run(q, k, v),
+              "torch, out=None": lambda: w.run(tq, tk, tv),
+              "torch, out=torch tensor": lambda: w.run(tq, tk, tv, out=tout),
+              "torch, out=None, stream=torch.cuda.current_stream()":
+                  lambda: w.run(tq, tk, tv, stream=torch.cuda.current_stream())}
     o = w.run(tq, tk, tv)
-    rows.append(dict(op=op, arrays="torch.from_dlpack(kvattn out)", us=round(host_us(lambda: torch.from_dlpack(o)), 1)))
+    styles["torch.from_dlpack(kvattn output)"] = lambda: torch.from_dlpack(o)
     if cq is not None:
-        rows.append(dict(op=op, arrays="cupy, out=None", us=round(host_us(lambda: w.run(cq, ck, cv)), 1)))
+        styles["cupy, out=None"] = lambda: w.run(cq, ck, cv)
     jq, jk, jv = fw.jax_view(tq), fw.jax_view(tk), fw.jax_view(tv)
     if jq is not None:
-        rows.append(dict(op=op, arrays="jax, out=None", us=round(host_us(lambda: w.run(jq, jk, jv)), 1)))
+        styles["jax, out=None"] = lambda: w.run(jq, jk, jv)
+    us = host_us_interleaved(styles)
+    if profile:
+        for name, fn in styles.items():
+            print(f"# profile: {op}, {name}\n{profile_calls(fn)}")
     torch.cuda.synchronize()
-    return rows
+    return [dict(op=op, arrays=name, us=round(t, 1)) for name, t in us.items()]
 
 
-def profile_torch_run(arrays, n=2000):
-    """cProfile of run() with torch tensors in: where the host time goes (top entries by own time)."""
+def profile_calls(fn, n=1000, top=8):
+    """cProfile of n calls of fn: where the host time goes (entries by own time)."""
     import cProfile
     import io
     import pstats
-    w, q, k, v, out, tq, tk, tv = arrays[:8]
     pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(n):
-        w.run(tq, tk, tv)
-    pr.disable()
+    sync = kvattn._driver.driver().cuCtxSynchronize
+    for i in range(n):
+        if i % 25 == 0:
+            sync()
+        pr.enable()
+        fn()
+        pr.disable()
+    sync()
     buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(12)
-    return buf.getvalue()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    text = buf.getvalue()
+    return text[text.find("ncalls"):].rstrip()
 
 
 def main():
@@ -280,9 +291,7 @@ def main():
         row, arrays = decode_case(fw, name, lens, rng, ceiling, args.json)
         dec.append(row)
         if name == "b1_L2048":
-            host += host_rows(fw, "decode b1_L2048", arrays)
-            if args.profile:
-                print(profile_torch_run(arrays))
+            host += host_rows(fw, "decode b1_L2048", arrays, args.profile)
         del arrays
     for name, (b, s) in PREFILL.items():
         if args.quick and name != "b8_S2048":
@@ -290,7 +299,7 @@ def main():
         row, arrays = prefill_case(fw, name, b, s, rng, gemm, args.json)
         pre.append(row)
         if name == "b8_S2048":
-            host += host_rows(fw, "prefill b8_S2048", arrays)
+            host += host_rows(fw, "prefill b8_S2048", arrays, args.profile)
         del arrays
     for r in host:
         record(args.json, section="host", **r)
@@ -300,7 +309,7 @@ def main():
     print("\ncausal prefill, ragged (TFLOP/s)")
     table(pre, ["case", "kvattn_tflops", "torch_tflops", "cupy_tflops", "fi_fa2_tflops", "fi_fa3_tflops",
                 "torch/kvattn", "torch/fa2", "torch_frac_gemm", "err"])
-    print("\nhost time of one run() (median of 200, no sync)")
+    print("\nhost time of one call (median of 200, no sync inside the timed calls; styles interleaved)")
     table(host, ["op", "arrays", "us"])
     return 0
 
