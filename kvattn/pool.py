@@ -3,8 +3,13 @@
 One memory pool of kvattn's own (cuMemPoolCreate on device 0, release threshold at its maximum, so freed memory
 stays in the pool and is handed out again without a call to the OS or a device synchronisation), allocated with
 cuMemAllocFromPoolAsync on the run's stream and freed with cuMemFreeAsync on the same stream when the last array
-viewing the block is gone. A consumer that read the block on another stream (through `__dlpack__(stream=S)`) is
-waited for before the free, so the memory is never handed out while a queued read of it remains.
+viewing the block is gone. In front of it, a small free list per (bytes, stream) keeps a few freed blocks for the
+next request of that size on that stream: reusing a block on the stream it was freed on is stream-ordered by
+construction (the new writer queues after every earlier use on that stream), and costs no driver call.
+A consumer that read the block on another stream (through `__dlpack__(stream=S)`) is waited for before the block is
+freed, and such a block never enters the free list. A consumer that reads through `__cuda_array_interface__` on
+another stream must keep the array alive until its reads are queued behind a synchronisation (as with any
+stream-ordered allocator: PyTorch's record_stream, CuPy's pool).
 """
 from __future__ import annotations
 
@@ -39,14 +44,29 @@ def _pool():
     return pool
 
 
-class PoolBlock:
-    """One stream-ordered allocation (ptr, the handle of its stream); freed on that stream when garbage."""
+FREE_LIST_BLOCKS = 4             # blocks kept per (bytes, stream)
+FREE_LIST_BYTES = 256 << 20      # bytes kept in all free lists together
+_free_lists: dict = {}           # (nbytes, stream handle) -> [ptr, ...]
+_free_bytes = [0]
 
-    __slots__ = ("ptr", "stream", "used_on")
+
+class PoolBlock:
+    """One stream-ordered allocation (ptr, bytes, the handle of its stream); back to its free list or freed on
+    its stream when garbage."""
+
+    __slots__ = ("ptr", "nbytes", "stream", "used_on")
 
     def __del__(self):
         try:
             if self.used_on is None:
+                key = (self.nbytes, self.stream)
+                lst = _free_lists.get(key)
+                if lst is None:
+                    lst = _free_lists[key] = []
+                if len(lst) < FREE_LIST_BLOCKS and _free_bytes[0] + self.nbytes <= FREE_LIST_BYTES:
+                    lst.append(self.ptr)
+                    _free_bytes[0] += self.nbytes
+                    return
                 err, = _hot[2](self.ptr, self.stream)
                 if not err:
                     return
@@ -54,6 +74,14 @@ class PoolBlock:
                 _deferred.append((self.ptr, self.stream, self.used_on))
         except Exception:   # interpreter shutdown: the context goes with the process
             pass
+
+
+def release_free_lists():
+    """Give every block kept in the free lists back to the pool (stream-ordered frees)."""
+    for (nbytes, stream), lst in list(_free_lists.items()):
+        while lst:
+            _free(lst.pop(), stream, None)
+            _free_bytes[0] -= nbytes
 
 
 def _free(ptr, stream, used_on) -> bool:
@@ -87,18 +115,25 @@ def pool_empty(shape: tuple, dtype: np.dtype, stream) -> "DeviceArray":
         if len(_strides) > 1024:
             _strides.clear()
         strides = _strides[key] = (_contiguous_strides(shape, dtype.itemsize), math.prod(shape) * dtype.itemsize)
-    pool, alloc, _ = _hot
-    if pool is None:
-        pool, alloc, _ = _pool(), _hot[1], None
-    if _deferred:
-        _retry_deferred()
     h = stream.ptr
-    err, ptr = alloc(strides[1] or 1, pool, h)
-    if err:
-        _driver.call("cuMemAllocFromPoolAsync", strides[1] or 1, pool, h)   # raises, naming the error
+    nbytes = strides[1] or 1
+    lst = _free_lists.get((nbytes, h))
+    if lst:
+        ptr = lst.pop()
+        _free_bytes[0] -= nbytes
+    else:
+        pool, alloc, _ = _hot
+        if pool is None:
+            pool, alloc = _pool(), _hot[1]
+        if _deferred:
+            _retry_deferred()
+        err, ptr = alloc(nbytes, pool, h)
+        if err:
+            _driver.call("cuMemAllocFromPoolAsync", nbytes, pool, h)   # raises, naming the error
+        ptr = int(ptr)
     block = PoolBlock.__new__(PoolBlock)
-    block.ptr, block.stream, block.used_on = int(ptr), h, None
-    return DeviceArray._make(block.ptr, shape, dtype, strides[0], block, h)
+    block.ptr, block.nbytes, block.stream, block.used_on = ptr, nbytes, h, None
+    return DeviceArray._make(ptr, shape, dtype, strides[0], block, h)
 
 
 def note_use(array, consumer: int):
@@ -114,7 +149,8 @@ def note_use(array, consumer: int):
 
 
 def pool_usage() -> tuple[int, int]:
-    """(bytes in use, bytes reserved) of kvattn's pool: what a memory-flatness check reads."""
+    """(bytes in use, bytes reserved) of kvattn's pool: what a memory-flatness check reads (blocks in the free
+    lists count as in use)."""
     drv = _driver.driver()
     a = drv.CUmemPool_attribute
     used = _driver.call("cuMemPoolGetAttribute", _pool(), a.CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
