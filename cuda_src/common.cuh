@@ -7,6 +7,22 @@
 
 namespace kvattn {
 
+// The header of every op's packed int32 plan buffer (kvattn/contract.py PLAN_HEADER: same fields, same order;
+// tests/test_contract.py checks them against each other).
+struct PlanHeader {
+  int num_items;          // work items; a padded graph-mode grid exits past it
+  int num_merge;          // output rows merged from partial states
+  int batch_size;         // requests in the plan
+  int num_partial_rows;   // partial (o, lse) rows the items write
+  int num_chunks;         // decode: CTAs of the split-KV grid
+  int reserved[3];
+};
+static_assert(sizeof(PlanHeader) == 32, "PlanHeader: 8 int32, as kvattn/contract.py");
+
+__device__ __forceinline__ const PlanHeader& plan_header(const int* plan) {
+  return *reinterpret_cast<const PlanHeader*>(plan);
+}
+
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 #define KVATTN_NEG_INF (-__int_as_float(0x7f800000))

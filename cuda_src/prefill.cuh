@@ -32,7 +32,7 @@ struct PrefillParams {
   float* lse;                  // [total_qo, Hq] natural log, may be null
   float* tmp_o;                // [partial rows, Hq, D] float32
   float* tmp_lse;              // [partial rows, Hq]
-  const int* plan;             // header[0] = number of items; the regions below
+  const int* plan;             // PlanHeader (common.cuh), then the regions below
   const unsigned char* mask;   // bit-packed custom mask (CUSTOM only), little bit order
   long long q_stride_n, q_stride_h, o_stride_n, o_stride_h, lse_stride_n;
   long long kv_stride_page, kv_stride_token, kv_stride_head;
@@ -461,7 +461,7 @@ struct PrefillKernel {
 
 template <int D, int WARPS_M, int MT, bool SOFT_CAP, bool WINDOW, bool CUSTOM, typename T>
 __global__ void __launch_bounds__(128, 1) prefill_kernel(const __grid_constant__ PrefillParams p) {
-  if ((int)blockIdx.x >= p.plan[0]) return;   // padded grid (graph mode) or fewer items than launched
+  if ((int)blockIdx.x >= plan_header(p.plan).num_items) return;   // padded grid (graph mode) or fewer items than launched
   extern __shared__ __align__(128) unsigned char smem_raw[];
   PrefillKernel<D, WARPS_M, MT, SOFT_CAP, WINDOW, CUSTOM, T>::run(p, blockIdx.x, reinterpret_cast<T*>(smem_raw));
 }

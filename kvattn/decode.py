@@ -16,6 +16,7 @@ import numpy as np
 
 from . import _driver, _dtypes, scheduler
 from ._attn_args import DTYPES, HEAD_DIMS, check_plan_args
+from .contract import NUM_MERGE
 from .formats import PageTable
 from ._binding import begin, import_array, misaligned16, output
 from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
@@ -195,7 +196,7 @@ class BatchDecodeWithPagedKVCache:
         # Merge of partial rows: row count read from the plan header in graph mode.
         mp = ParamBuffer(MERGE_PARAMS)
         mp.set(o_in=dev["tmp_o"].ptr, lse_in=dev["tmp_lse"].ptr, indptr=base + L.merge_indptr * 4,
-               out_rows=base + L.merge_req * 4, num_rows_dev=base + 2 * 4,
+               out_rows=base + L.merge_req * 4, num_rows_dev=base + NUM_MERGE * 4,
                s_row=num_qo_heads * head_dim, s_n=num_qo_heads * head_dim, s_h=head_dim,
                l_row=num_qo_heads, l_n=num_qo_heads, l_h=1, num_rows=plan.num_merge, n=0,
                num_heads=num_qo_heads, head_dim=head_dim)

@@ -32,6 +32,7 @@ import numpy as np
 
 from . import _driver, _dtypes, _validate as _v, scheduler
 from ._attn_args import check_plan_args
+from .contract import HEADER_INT32, NUM_MERGE, write_header
 from .decode import LOG2E, THREADS
 from .formats import PageTable, pack_mask
 from ._binding import begin, import_array, misaligned16, output
@@ -58,7 +59,7 @@ _F32 = np.dtype(np.float32)
 RAGGED_PAGE_SHIFT = 30
 #: query tile (packed rows per CTA) -> (WARPS_M, MT) of prefill_kernel
 CONFIGS = {128: (4, 2), 64: (4, 1), 16: (1, 1)}
-HEADER = 8
+HEADER = HEADER_INT32
 
 
 def choose_cta_rows(packed_len: float, head_dim: int) -> int:
@@ -266,7 +267,8 @@ class _BatchPrefill:
         host = self._staging.acquire((total_i32 * 4 + mask_bytes + 15) // 16 * 16)
         h = host.view(np.int32)
         h[:total_i32] = 0
-        h[0], h[1], h[2], h[3] = plan.num_items, plan.num_merge, batch, plan.num_partial_rows
+        write_header(h, num_items=plan.num_items, num_merge=plan.num_merge, batch_size=batch,
+                     num_partial_rows=plan.num_partial_rows)
         h[off["qo_indptr"]:off["qo_indptr"] + batch + 1] = qo_indptr
         h[off["kv_len"]:off["kv_len"] + batch] = kv_lens
         h[off["page_indptr"]:off["page_indptr"] + batch + 1] = page_indptr
@@ -305,7 +307,7 @@ class _BatchPrefill:
               score_scale=(scale / cap) if cap > 0 else scale * LOG2E, cap_log2=cap * LOG2E)
         mp = ParamBuffer(MERGE_PARAMS)
         mp.set(o_in=dev["tmp_o"].ptr, lse_in=dev["tmp_lse"].ptr, indptr=base + mi * 4,
-               out_rows=base + off["merge_rows"] * 4, num_rows_dev=base + 1 * 4,
+               out_rows=base + off["merge_rows"] * 4, num_rows_dev=base + NUM_MERGE * 4,
                s_row=hq * head_dim, s_n=hq * head_dim, s_h=head_dim, l_row=hq, l_n=hq, l_h=1,
                num_rows=plan.num_merge, n=0, num_heads=hq, head_dim=head_dim)
         merge_rows = cap_m if self.use_cuda_graph else plan.num_merge

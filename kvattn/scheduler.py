@@ -60,7 +60,8 @@ Packed buffer
 -------------
 ``plan_decode`` writes one int32 host buffer (``DecodeLayout.size`` elements) that is copied to
 the device in one copy.  Regions, each starting at a multiple of 4 int32 (16 bytes):
-``header[8] = [num_chunks, num_work, num_merge, batch_size, num_partial_rows, 0, 0, 0]``,
+``header[8]`` (kvattn.contract.PLAN_HEADER: num_items = work items, num_merge, batch_size, num_partial_rows,
+num_chunks),
 ``chunk_indptr[max_chunks + 1]`` (padded with its last value), ``work_req``, ``work_begin``,
 ``work_end``, ``work_partial`` (``max_work`` each), ``merge_indptr[max_merge + 1]`` (padded with
 its last value), ``merge_req[max_merge]``.  Unused work / merge slots hold ``work_req = -1``,
@@ -75,6 +76,8 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import numpy as np
+
+from .contract import HEADER_INT32, write_header
 
 __all__ = [
     "ITEM_OVERHEAD_TOKENS",
@@ -101,8 +104,8 @@ MIN_CHUNK_TOKENS = 128
 MIN_CHUNK_COST = MIN_CHUNK_TOKENS + ITEM_OVERHEAD_TOKENS
 #: The no-split path is taken only when max request cost <= NO_SPLIT_BALANCE * mean cost.
 NO_SPLIT_BALANCE = 1.1
-#: int32 elements of the header region.
-HEADER_SIZE = 8
+#: int32 elements of the header region (kvattn.contract.PLAN_HEADER).
+HEADER_SIZE = HEADER_INT32
 
 _INT32_MAX = 2**31 - 1
 _ALIGN = 4  # int32 elements = 16 bytes
@@ -535,7 +538,7 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
         grid = C
     buf = np.empty(layout.size, np.int32) if out is None else _check_out(out, layout)
     buf[:] = _template(layout)
-    buf[0:5] = (grid, W, num_merge, B, rows)
+    write_header(buf, num_items=W, num_merge=num_merge, batch_size=B, num_partial_rows=rows, num_chunks=grid)
 
     o = layout.chunk_indptr
     if cuts is None:

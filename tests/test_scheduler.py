@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from kvattn import contract
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -59,7 +61,10 @@ def check_plan(plan, kv, *, page_size, num_kv_heads, num_sms=132, ctas_per_sm=2,
     graph = max_batch_size is not None
     assert plan.graph == graph
     W, M, R = plan.num_work, plan.num_merge, plan.num_partial_rows
-    assert list(plan.header) == [plan.num_chunks, W, M, B, R, 0, 0, 0]
+    h = plan.header   # kvattn.contract.PLAN_HEADER, read by name
+    assert [h[contract.NUM_ITEMS], h[contract.NUM_MERGE], h[contract.BATCH_SIZE], h[contract.NUM_PARTIAL_ROWS],
+            h[contract.NUM_CHUNKS]] == [W, M, B, R, plan.num_chunks]
+    assert not h[contract.HEADER_INT32 - 3:].any()
     assert plan.batch_size == B
     assert plan.split == (R > 0)
     c_one_wave = default_num_chunks(num_kv_heads, num_sms=num_sms, ctas_per_sm=ctas_per_sm)
