@@ -14,14 +14,13 @@ import math
 
 import numpy as np
 
-from . import _driver, _dtypes, scheduler
+from . import _dtypes, scheduler
 from ._attn_args import DTYPES, HEAD_DIMS, check_plan_args
-from .contract import NUM_MERGE
 from .formats import PageTable
-from ._binding import begin, import_array, misaligned16, output
 from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
-from .memory import DeviceArray, StagingRing, asarray, fit_workspace
-from .merge import MERGE_PARAMS, merge_spec
+from ._binding import import_array
+from .memory import asarray
+from .opcore import AttentionOp, PagedKV
 from .stream import as_stream
 from .variants import Variant
 
@@ -39,7 +38,6 @@ DECODE_PARAMS = np.dtype([
 THREADS = 128
 LOG2E = 1.4426950408889634
 DEFAULT_WORKSPACE = 128 << 20
-_F32 = np.dtype(np.float32)
 
 
 # Kernel tuning: defaults measured on the H200 (BENCHMARKS.md); a `tuning=` dict overrides them.
@@ -73,11 +71,7 @@ register("decode", [decode_spec(d, 1, Variant(), t) for d in HEAD_DIMS for t in 
          + [decode_spec(128, 1, Variant(soft_cap=True, window=True), "bfloat16")])
 
 
-def _elem_strides(a: DeviceArray):
-    return [s // a.itemsize for s in a.strides]
-
-
-class BatchDecodeWithPagedKVCache:
+class BatchDecodeWithPagedKVCache(AttentionOp):
     """Decode (one query token per request) against a paged KV cache. See the module docstring.
 
     kv_layout: "NHD" (caches [pages, page_size, Hkv, D]) or "HND" ([pages, Hkv, page_size, D]).
@@ -85,25 +79,16 @@ class BatchDecodeWithPagedKVCache:
     one captured run() replays correctly after any later plan() within those bounds.
     """
 
+    DEFAULT_WORKSPACE = DEFAULT_WORKSPACE
+
     def __init__(self, kv_layout="NHD", use_cuda_graph=False, max_batch_size=None, max_num_pages=None,
                  workspace_bytes=None, num_sms=None, tuning=None):
-        if kv_layout not in ("NHD", "HND"):
-            raise ValueError(f"kv_layout: expected 'NHD' or 'HND', got {kv_layout!r}")
-        if use_cuda_graph and (max_batch_size is None or max_num_pages is None):
-            raise ValueError("use_cuda_graph=True needs max_batch_size and max_num_pages (they fix the buffers)")
-        self.kv_layout = kv_layout
-        self.use_cuda_graph = bool(use_cuda_graph)
-        self.max_batch_size = max_batch_size
-        self.max_num_pages = max_num_pages
-        self._num_sms = num_sms
+        super().__init__(kv_layout, use_cuda_graph, dict(max_batch_size=max_batch_size, max_num_pages=max_num_pages),
+                         ("max_batch_size", "max_num_pages"), workspace_bytes, num_sms)
         unknown = set(tuning or {}) - set(DEFAULT_TUNING)
         if unknown:
             raise ValueError(f"tuning: unknown keys {sorted(unknown)}; known: {sorted(DEFAULT_TUNING)}")
         self.tuning = {**DEFAULT_TUNING, **(tuning or {})}
-        self._workspace_bytes = workspace_bytes or (DEFAULT_WORKSPACE if use_cuda_graph else None)
-        self.workspace = None   # allocated by the first plan(): constructing a wrapper touches no GPU
-        self._staging = StagingRing()   # pinned host buffers for plan()'s one copy
-        self._plan = None
 
     # -- plan ------------------------------------------------------------------------------------
     def plan(self, page_table: PageTable, num_qo_heads, num_kv_heads, head_dim, *, q_dtype="bfloat16",
@@ -117,9 +102,6 @@ class BatchDecodeWithPagedKVCache:
             raise TypeError(f"page_table: expected a kvattn.PageTable, got {type(page_table).__name__}")
         num_qo_heads, num_kv_heads, head_dim, q_dtype, window_left, logits_soft_cap = check_plan_args(
             num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, window_left, logits_soft_cap)
-        if self._num_sms is None:
-            self._num_sms = _driver.sm_count()
-        self.num_sms = self._num_sms
         batch = page_table.batch_size
         nnz = int(page_table.indptr[-1])
         if self.use_cuda_graph:
@@ -127,13 +109,10 @@ class BatchDecodeWithPagedKVCache:
                 raise ValueError(f"page_table: batch size {batch} exceeds max_batch_size {self.max_batch_size}")
             if nnz > self.max_num_pages:
                 raise ValueError(f"page_table: {nnz} pages exceed max_num_pages {self.max_num_pages}")
-        if self.use_cuda_graph:  # these are baked into a captured graph: later plans must keep them
-            static = (num_qo_heads, num_kv_heads, head_dim, q_dtype, page_table.page_size, sm_scale, window_left,
-                      logits_soft_cap)
-            if getattr(self, "_graph_static", static) != static:
-                raise ValueError("plan: in graph mode only the batch and its lengths may change between plans; "
-                                 f"heads, head_dim, dtype, page_size and variants were {self._graph_static}, got {static}")
-            self._graph_static = static
+        self._bake(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, q_dtype=q_dtype,
+                   page_size=page_table.page_size, sm_scale=sm_scale, window_left=window_left,
+                   logits_soft_cap=logits_soft_cap)
+        num_sms = self.num_sms
         group = num_qo_heads // num_kv_heads
         tn = self.tuning
         mt = tn["m_tiles"]                  # 16-row MMA tiles per CTA; larger groups are sliced over CTAs
@@ -146,21 +125,22 @@ class BatchDecodeWithPagedKVCache:
         # Host buffers: plan region then page table (indptr, indices, last_page_len), one copy.
         kv_lens = page_table.kv_lens
         if self.use_cuda_graph:
-            layout = scheduler.graph_layout(self.max_batch_size, num_kv_heads * zsplit, num_sms=self.num_sms,
+            layout = scheduler.graph_layout(self.max_batch_size, num_kv_heads * zsplit, num_sms=num_sms,
                                             ctas_per_sm=ctas_per_sm)
             cap_b, cap_p = self.max_batch_size, self.max_num_pages
         else:
             layout = None
             cap_b, cap_p = batch, nnz
         plan_cap = layout.size if layout else scheduler.plan_size_bound(
-            batch, num_kv_heads * zsplit, num_sms=self.num_sms, ctas_per_sm=ctas_per_sm)
+            batch, num_kv_heads * zsplit, num_sms=num_sms, ctas_per_sm=ctas_per_sm)
         off_indptr = _round4(plan_cap)
         off_indices = off_indptr + _round4(cap_b + 1)
         off_last = off_indices + _round4(max(cap_p, 1))
         total_i32 = off_last + _round4(max(cap_b, 1))
-        host = self._staging.acquire(total_i32 * 4).view(np.int32)
+        host_bytes = self._stage(total_i32 * 4)
+        host = host_bytes.view(np.int32)
         plan = scheduler.plan_decode(
-            kv_lens, page_table.page_size, num_kv_heads * zsplit, num_kv_heads * zsplit, head_dim, num_sms=self.num_sms,
+            kv_lens, page_table.page_size, num_kv_heads * zsplit, num_kv_heads * zsplit, head_dim, num_sms=num_sms,
             ctas_per_sm=ctas_per_sm, max_batch_size=self.max_batch_size if self.use_cuda_graph else None,
             max_chunks=layout.max_chunks if layout else None, out=host[:plan_cap],
             allow_no_split=tn["allow_no_split"])
@@ -174,10 +154,7 @@ class BatchDecodeWithPagedKVCache:
             "tmp_o": ((max_partial, num_qo_heads, head_dim), "float32"),
             "tmp_lse": ((max_partial, num_qo_heads), "float32"),
         }
-        self.workspace, dev = fit_workspace(self.workspace, regions, self._workspace_bytes)
-        s = as_stream(stream)
-        _driver.call("cuMemcpyHtoDAsync", dev["plan"].ptr, host.ctypes.data, total_i32 * 4, s.handle)
-        copy_done = self._staging.release(s)
+        dev, s, copy_done = self._upload(host_bytes, [("plan", 0, total_i32 * 4)], regions, stream)
 
         base = dev["plan"].ptr
         L = plan.layout
@@ -193,33 +170,18 @@ class BatchDecodeWithPagedKVCache:
               window_left=window_left, z_split=zsplit,
               score_scale=(scale / logits_soft_cap) if logits_soft_cap > 0 else scale * LOG2E,
               cap_log2=logits_soft_cap * LOG2E)
-        # Merge of partial rows: row count read from the plan header in graph mode.
-        mp = ParamBuffer(MERGE_PARAMS)
-        mp.set(o_in=dev["tmp_o"].ptr, lse_in=dev["tmp_lse"].ptr, indptr=base + L.merge_indptr * 4,
-               out_rows=base + L.merge_req * 4, num_rows_dev=base + NUM_MERGE * 4,
-               s_row=num_qo_heads * head_dim, s_n=num_qo_heads * head_dim, s_h=head_dim,
-               l_row=num_qo_heads, l_n=num_qo_heads, l_h=1, num_rows=plan.num_merge, n=0,
-               num_heads=num_qo_heads, head_dim=head_dim)
         merge_rows = L.max_merge if self.use_cuda_graph else plan.num_merge
+        merge, mp = self._merge_launch(merge_rows, dev["tmp_o"], dev["tmp_lse"], base, L.merge_indptr, L.merge_req,
+                                       num_qo_heads, head_dim, plan.num_merge, q_dtype)
         kernel = get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"], tn["refill_first"]))
         grid = (plan.num_chunks * zsplit, num_kv_heads, 1)
-        merge_grid = -(-merge_rows * num_qo_heads * (head_dim // 8) // 256)
-        merge = Launch(get_kernel(merge_spec("float32", q_dtype)), merge_grid, 256, 0, mp) if merge_rows else None
-        self._plan = dict(
-            plan=plan, batch=batch, hq=num_qo_heads, hkv=num_kv_heads, d=head_dim, dtype=q_dtype,
-            npdtype=_dtypes.to_numpy(q_dtype),
-            cache_shape=(page_size, num_kv_heads, head_dim) if self.kv_layout == "NHD" else
-            (num_kv_heads, page_size, head_dim),
-            page_size=page_size, num_pages_needed=int(page_table.indices.max(initial=-1)) + 1,
-            kernel=kernel, grid=grid, smem=smem, params=p, merge_kernel=merge.kernel if merge else None,
-            merge_grid=merge_grid, merge_params=mp, plan_stream=s.ptr, copy_done=copy_done,
-            launch=Launch(kernel, grid, THREADS, smem, p), merge=merge,
-            set_ptrs=p.setter("q", "k", "v", "o", "lse"),
-            set_strides=p.setter("q_stride_n", "q_stride_h", "o_stride_n", "o_stride_h", "lse_stride_n",
-                                 "kv_stride_page", "kv_stride_token", "kv_stride_head"),
-            merge_set_ptrs=mp.setter("o_out", "lse_out"),
-            merge_set_strides=mp.setter("so_row", "so_h", "lo_row", "lo_h"))
-        return self
+        kv = PagedKV(self.kv_layout, page_size, num_kv_heads, head_dim, _dtypes.to_numpy(q_dtype),
+                     int(page_table.indices.max(initial=-1)) + 1)
+        return self._finish_plan(
+            rows=batch, max_rows=self.max_batch_size if self.use_cuda_graph else batch, hq=num_qo_heads,
+            d=head_dim, dtype=q_dtype, kv=kv, launch=Launch(kernel, grid, THREADS, smem, p), params=p, merge=merge,
+            merge_params=mp, s=s, copy_done=copy_done,
+            schedule=plan, kernel=kernel, grid=grid, smem=smem, num_kv_heads=num_kv_heads)
 
     # -- run -------------------------------------------------------------------------------------
     def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None):
@@ -228,95 +190,16 @@ class BatchDecodeWithPagedKVCache:
         q: [batch, num_qo_heads, head_dim]; k_cache / v_cache: [pages, page_size, Hkv, D] ("NHD") or
         [pages, Hkv, page_size, D] ("HND"), or k_cache [pages, 2, ...] with v_cache None.
         out: [batch, num_qo_heads, head_dim] (q's dtype); lse: [batch, num_qo_heads] float32 natural log.
+        Graph mode: q / out / lse may keep max_batch_size rows (rows past the batch are not touched).
         stream: None (the legacy default stream, as in PyTorch and CuPy) or any stream kvattn.stream accepts.
         Returns out, or (out, lse) with return_lse: the caller's arrays as given, or new kvattn arrays from the
         stream-ordered pool (readable at once by torch.from_dlpack / cupy.asarray, which order after the run).
         Capturable when out (and lse) are given.
         """
-        st = self._plan
-        if st is None:
-            raise RuntimeError("run() called before plan()")
-        s, capturing = begin(stream)
+        p, s, capturing = self._begin_run(stream)
         q = import_array(q, s, capturing)
-        # Graph mode: arrays may keep max_batch_size rows (rows past the planned batch are not touched).
-        rows = st["batch"]
-        if self.use_cuda_graph and q.ndim == 3 and q.shape[0] == self.max_batch_size:
-            rows = self.max_batch_size
-        hq, d, npdtype = st["hq"], st["d"], st["npdtype"]
-        self._check(q, "q", (rows, hq, d), npdtype)
-        k, v = self._caches(k_cache, v_cache, s, capturing, st)
-        out, out_ret = output(out, (rows, hq, d), npdtype, s, capturing, "out")
-        self._check(out, "out", (rows, hq, d), npdtype)
-        lse_ret = lse
-        if lse is not None or return_lse:
-            lse, lse_ret = output(lse, (rows, hq), _F32, s, capturing, "lse")
-            self._check(lse, "lse", (rows, hq), _F32, inner_contiguous_heads=True)
-        qs, os_, ks = q.strides, out.strides, k.strides
-        it = q.itemsize
-        if self.kv_layout == "NHD":
-            kv_page, kv_tok, kv_head = ks[0] // it, ks[1] // it, ks[2] // it
-        else:
-            kv_page, kv_head, kv_tok = ks[0] // it, ks[1] // it, ks[2] // it
-        if s.ptr != st["plan_stream"] and not self.use_cuda_graph and not capturing:
-            s.wait(st["copy_done"])   # run() on another stream than plan(): order it after the plan's copy
-        lse_ptr, lse_row = (lse.ptr, lse.strides[0] // 4) if lse is not None else (0, 0)
-        st["set_ptrs"](q.ptr, k.ptr, v.ptr, out.ptr, lse_ptr)
-        st["set_strides"](qs[0] // it, qs[1] // it, os_[0] // it, os_[1] // it, lse_row, kv_page, kv_tok, kv_head)
-        handle = s.handle
-        st["launch"].launch(handle)
-        merge = st["merge"]
-        if merge is not None:
-            st["merge_set_ptrs"](out.ptr, lse_ptr)
-            st["merge_set_strides"](os_[0] // it, os_[1] // it, lse_row, 1)
-            merge.launch(handle)
-        out.stream = s.ptr
-        if lse is not None:
-            lse.stream = s.ptr
-        return (out_ret, lse_ret) if return_lse else out_ret
-
-    @staticmethod
-    def _check(a: DeviceArray, name, shape, dtype, inner_contiguous_heads=False):
-        """Shape, dtype (numpy dtype) and layout of an argument; cheap on the hot path (run() host time)."""
-        if a.shape != shape:
-            raise ValueError(f"{name}: expected shape {shape}, got {a.shape}")
-        if a.dtype is not dtype and a.dtype != dtype:
-            raise TypeError(f"{name}: expected dtype {_dtypes.dtype_name(dtype)}, got {a.dtype_name}")
-        strides = a.strides
-        if strides[-1] != dtype.itemsize:
-            raise ValueError(f"{name}: the last axis must be contiguous")
-        if not inner_contiguous_heads and misaligned16(a.ptr, strides):
-            raise ValueError(f"{name}: rows must be 16-byte aligned (pointer and strides)")
-
-    def _caches(self, k_cache, v_cache, s, capturing, st):
-        k = import_array(k_cache, s, capturing)
-        if v_cache is None:
-            if k.ndim != 5 or k.shape[1] != 2:
-                raise ValueError(f"k_cache: with v_cache=None expected [pages, 2, ...] (5 dims), got {k.shape}")
-            v = k[:, 1]
-            k = k[:, 0]
-        else:
-            v = import_array(v_cache, s, capturing)
-        if k.strides != v.strides or k.shape != v.shape:
-            self._check_cache("k_cache", k, st)
-            self._check_cache("v_cache", v, st)
-            raise ValueError("k_cache, v_cache: must have the same shape and strides")
-        self._check_cache("k_cache", k, st)
-        if (v.ptr - k.ptr) & 15:
-            raise ValueError("v_cache: rows must be 16-byte aligned (pointer and strides)")
-        if v.dtype is not k.dtype:
-            self._check_cache("v_cache", v, st)
-        return k, v
-
-    def _check_cache(self, name, a, st):
-        want = st["cache_shape"]
-        shape = a.shape
-        if len(shape) != 4 or shape[1:] != want:
-            raise ValueError(f"{name}: expected shape [num_pages, {', '.join(map(str, want))}] "
-                             f"({self.kv_layout}), got {shape}")
-        self._check(a, name, shape, st["npdtype"])
-        if shape[0] < st["num_pages_needed"]:
-            raise ValueError(f"{name}: the page table uses page id {st['num_pages_needed'] - 1} but the "
-                             f"cache holds {shape[0]} pages")
+        k, v, kv_strides = p.kv.bind(k_cache, v_cache, s, capturing)
+        return self._execute(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse)
 
 
 def _round4(n: int) -> int:

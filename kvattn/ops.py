@@ -92,7 +92,7 @@ def prefill_check(rng, qo=(512, 77, 300), kv=(512, 1200, 300), hq=32, hkv=8, dim
         err = max(err, rel_err(got[qs], reference.attention(q[qs], k[ks], v[ks], causal=True)))
     pairs = sum(a * (b - a) + a * (a + 1) // 2 for a, b in zip(qo, kv))
     tf = 4 * hq * dim * pairs / us / 1e6
-    kernel = f"{w._plan['backend']}/{w._plan['cta_rows']}"
+    kernel = f"{w.last_plan.info['backend']}/{w.last_plan.info['cta_rows']}"
     return [(f"prefill causal b{len(qo)} Hq{hq} Hkv{hkv} D{dim} {dtype} [{kernel}] ({tf:.1f} TFLOP/s)", err, 1e-2, us)]
 
 

@@ -32,13 +32,13 @@ import numpy as np
 
 from . import _driver, _dtypes, _validate as _v, scheduler
 from ._attn_args import check_plan_args
-from .contract import HEADER_INT32, NUM_MERGE, write_header
+from ._binding import import_array
+from .contract import HEADER_INT32, write_header
 from .decode import LOG2E, THREADS
 from .formats import PageTable, pack_mask
-from ._binding import begin, import_array, misaligned16, output
 from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
-from .memory import DeviceArray, StagingRing, asarray, fit_workspace
-from .merge import MERGE_PARAMS, merge_spec
+from .memory import asarray
+from .opcore import AttentionOp, PagedKV, RaggedKV
 from .stream import as_stream
 from .variants import Variant
 
@@ -55,7 +55,6 @@ PREFILL_PARAMS = np.dtype([
 ], align=True)
 
 DEFAULT_WORKSPACE = 256 << 20
-_F32 = np.dtype(np.float32)
 RAGGED_PAGE_SHIFT = 30
 #: query tile (packed rows per CTA) -> (WARPS_M, MT) of prefill_kernel
 CONFIGS = {128: (4, 2), 64: (4, 1), 16: (1, 1)}
@@ -154,54 +153,25 @@ register("prefill", [prefill_spec(128, r, Variant(), "bfloat16") for r in (128, 
          + [sm90_spec(128, Variant(custom_mask=True), "bfloat16")])
 
 
-def _elem_strides(a: DeviceArray):
-    return [s // a.itemsize for s in a.strides]
-
-
 def _round4(n: int) -> int:
     return (n + 3) // 4 * 4
 
 
-def _check_array(a: DeviceArray, name, shape: tuple, dtype: np.dtype, rows16=True):
-    if a.shape != shape:
-        raise ValueError(f"{name}: expected shape {shape}, got {a.shape}")
-    if a.dtype is not dtype and a.dtype != dtype:
-        raise TypeError(f"{name}: expected dtype {_dtypes.dtype_name(dtype)}, got {a.dtype_name}")
-    if rows16:
-        if a.strides[-1] != dtype.itemsize or misaligned16(a.ptr, a.strides):
-            raise ValueError(f"{name}: head_dim must be contiguous and rows 16-byte aligned")
-    elif a.strides[-1] != dtype.itemsize or a.ptr % 4:
-        raise ValueError(f"{name}: the head axis must be contiguous and 4-byte aligned")
-
-
-class _BatchPrefill:
-    """Shared plan/run machinery of the paged and ragged wrappers."""
+class _BatchPrefill(AttentionOp):
+    """What the paged and ragged wrappers share: the schedule, the packing, the variants (on the plan/run core)."""
 
     _paged = True
+    DEFAULT_WORKSPACE = DEFAULT_WORKSPACE
 
     def __init__(self, kv_layout="NHD", use_cuda_graph=False, max_batch_size=None, max_num_pages=None,
                  max_total_qo=None, workspace_bytes=None, num_sms=None, backend="auto"):
-        self.kv_layout = _v.check_layout(kv_layout)
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        super().__init__(kv_layout, use_cuda_graph,
+                         dict(max_batch_size=max_batch_size, max_total_qo=max_total_qo, max_num_pages=max_num_pages),
+                         ("max_batch_size", "max_total_qo") + (("max_num_pages",) if self._paged else ()),
+                         workspace_bytes, num_sms)
         self.backend = backend
-        self.use_cuda_graph = bool(use_cuda_graph)
-        if self.use_cuda_graph:
-            need = ["max_batch_size", "max_total_qo"] + (["max_num_pages"] if self._paged else [])
-            vals = dict(max_batch_size=max_batch_size, max_total_qo=max_total_qo, max_num_pages=max_num_pages)
-            missing = [n for n in need if vals[n] is None]
-            if missing:
-                raise ValueError(f"use_cuda_graph=True needs {', '.join(missing)} (they fix the buffers)")
-            for n in need:
-                _v.as_int(vals[n], n, min_value=1)
-        self.max_batch_size = max_batch_size
-        self.max_num_pages = max_num_pages
-        self.max_total_qo = max_total_qo
-        self.num_sms = num_sms or _driver.sm_count()
-        self._workspace_bytes = workspace_bytes or (DEFAULT_WORKSPACE if self.use_cuda_graph else None)
-        self.workspace = None   # allocated by the first plan()
-        self._staging = StagingRing()   # pinned host buffers for plan()'s copies
-        self._plan = None
 
     # -- plan ------------------------------------------------------------------------------------
     def _plan_common(self, qo_indptr, kv_lens, page_indptr, page_indices, page_size, page_shift, num_qo_heads,
@@ -237,6 +207,9 @@ class _BatchPrefill:
         elif cta_rows not in CONFIGS or (head_dim == 256 and cta_rows == 128):
             raise ValueError(f"cta_rows: expected one of {sorted(CONFIGS)} (not 128 with head_dim 256), got {cta_rows}")
         variant = Variant(soft_cap=cap > 0, window=window_left >= 0, custom_mask=packed_mask is not None)
+        self._bake(num_qo_heads=hq, num_kv_heads=hkv, head_dim=head_dim, q_dtype=q_dtype, page_size=page_size,
+                   sm_scale=scale, causal=causal, window_left=window_left, logits_soft_cap=cap,
+                   custom_mask=packed_mask is not None, cta_rows=cta_rows)
         cfg = launch_config(self.backend, head_dim, cta_rows, variant, q_dtype)
         kernel = get_kernel(cfg.spec)
         kernel._allow_smem(cfg.smem)   # now, not during a graph capture
@@ -264,7 +237,7 @@ class _BatchPrefill:
             pos += _round4(max(n, 1))
         total_i32 = pos
         mask_bytes = packed_mask.size if packed_mask is not None else 0
-        host = self._staging.acquire((total_i32 * 4 + mask_bytes + 15) // 16 * 16)
+        host = self._stage((total_i32 * 4 + mask_bytes + 15) // 16 * 16)
         h = host.view(np.int32)
         h[:total_i32] = 0
         write_header(h, num_items=plan.num_items, num_merge=plan.num_merge, batch_size=batch,
@@ -289,12 +262,8 @@ class _BatchPrefill:
             "tmp_lse": ((max(cap_part, 1), hq), "float32"),
             "mask": ((max(mask_bytes, 16),), "uint8"),
         }
-        self.workspace, dev = fit_workspace(self.workspace, regions, self._workspace_bytes)
-        s = as_stream(stream)
-        _driver.call("cuMemcpyHtoDAsync", dev["plan"].ptr, host.ctypes.data, total_i32 * 4, s.handle)
-        if mask_bytes:
-            _driver.call("cuMemcpyHtoDAsync", dev["mask"].ptr, host.ctypes.data + total_i32 * 4, mask_bytes, s.handle)
-        copy_done = self._staging.release(s)
+        dev, s, copy_done = self._upload(host, [("plan", 0, total_i32 * 4), ("mask", total_i32 * 4, mask_bytes)],
+                                         regions, stream)
 
         base = dev["plan"].ptr
         p = ParamBuffer(PREFILL_PARAMS)
@@ -305,28 +274,18 @@ class _BatchPrefill:
               num_qo_heads=hq, group_size=group, page_size=page_size, page_shift=page_shift, causal=int(causal),
               window_left=window_left,
               score_scale=(scale / cap) if cap > 0 else scale * LOG2E, cap_log2=cap * LOG2E)
-        mp = ParamBuffer(MERGE_PARAMS)
-        mp.set(o_in=dev["tmp_o"].ptr, lse_in=dev["tmp_lse"].ptr, indptr=base + mi * 4,
-               out_rows=base + off["merge_rows"] * 4, num_rows_dev=base + NUM_MERGE * 4,
-               s_row=hq * head_dim, s_n=hq * head_dim, s_h=head_dim, l_row=hq, l_n=hq, l_h=1,
-               num_rows=plan.num_merge, n=0, num_heads=hq, head_dim=head_dim)
         merge_rows = cap_m if self.use_cuda_graph else plan.num_merge
-        merge_grid = -(-merge_rows * hq * (head_dim // 8) // 256)
-        merge = Launch(get_kernel(merge_spec("float32", q_dtype)), merge_grid, 256, 0, mp) if merge_rows else None
-        self._plan = dict(
-            plan=plan, batch=batch, total_qo=total_qo, hq=hq, hkv=hkv, d=head_dim, dtype=q_dtype,
-            page_size=page_size, num_pages_needed=int(page_indices.max(initial=-1)) + 1 if self._paged else 0,
-            total_kv=int(kv_lens.sum()) if not self._paged else 0, cta_rows=cta_rows, variant=variant,
-            kernel=kernel, grid=(cap_w, hkv, 1), smem=cfg.smem, threads=cfg.threads, backend=cfg.backend, params=p,
-            merge_kernel=merge.kernel if merge else None, merge_grid=merge_grid, merge_params=mp,
-            npdtype=_dtypes.to_numpy(q_dtype), plan_stream=s.ptr, copy_done=copy_done,
-            launch=Launch(kernel, (cap_w, hkv, 1), cfg.threads, cfg.smem, p) if cap_w > 0 else None, merge=merge,
-            set_ptrs=p.setter("q", "k", "v", "o", "lse"),
-            set_strides=p.setter("q_stride_n", "q_stride_h", "o_stride_n", "o_stride_h", "lse_stride_n",
-                                 "kv_stride_page", "kv_stride_token", "kv_stride_head"),
-            merge_set_ptrs=mp.setter("o_out", "lse_out"),
-            merge_set_strides=mp.setter("so_row", "so_h", "lo_row", "lo_h"))
-        return self
+        merge, mp = self._merge_launch(merge_rows, dev["tmp_o"], dev["tmp_lse"], base, mi, off["merge_rows"], hq,
+                                       head_dim, plan.num_merge, q_dtype)
+        npdtype = _dtypes.to_numpy(q_dtype)
+        kv = (PagedKV(self.kv_layout, page_size, hkv, head_dim, npdtype, int(page_indices.max(initial=-1)) + 1)
+              if self._paged else RaggedKV(self.kv_layout, int(kv_lens.sum()), hkv, head_dim, npdtype))
+        return self._finish_plan(
+            rows=total_qo, max_rows=self.max_total_qo if self.use_cuda_graph else total_qo, hq=hq, d=head_dim,
+            dtype=q_dtype, kv=kv, launch=Launch(kernel, (cap_w, hkv, 1), cfg.threads, cfg.smem, p) if cap_w > 0 else None,
+            params=p, merge=merge, merge_params=mp, s=s, copy_done=copy_done,
+            schedule=plan, backend=cfg.backend, cta_rows=cta_rows, variant=variant, kernel=kernel,
+            grid=(cap_w, hkv, 1), smem=cfg.smem, threads=cfg.threads, num_kv_heads=hkv)
 
     @staticmethod
     def _mask(custom_mask, mask_indptr, qo_lens, kv_lens):
@@ -367,54 +326,6 @@ class _BatchPrefill:
                              f"ceil(qo_len * kv_len / 8) = {int(nbytes[i])}")
         return np.ascontiguousarray(m.ravel()), mind
 
-    # -- run -------------------------------------------------------------------------------------
-    def _run(self, q, k, v, out, lse, return_lse, s, capturing, kv_strides):
-        """Shared tail of run(): outputs, parameters, launches. q, k, v: imported DeviceArrays."""
-        st = self._plan
-        shape_o = (st["total_qo"], st["hq"], st["d"])
-        npdtype = st["npdtype"]
-        _check_array(q, "q", shape_o, npdtype)
-        out, out_ret = output(out, shape_o, npdtype, s, capturing, "out")
-        _check_array(out, "out", shape_o, npdtype)
-        lse_ret = lse
-        if lse is not None or return_lse:
-            lse, lse_ret = output(lse, shape_o[:2], _F32, s, capturing, "lse")
-            _check_array(lse, "lse", shape_o[:2], _F32, rows16=False)
-        if s.ptr != st["plan_stream"] and not self.use_cuda_graph and not capturing:
-            s.wait(st["copy_done"])   # run() on another stream than plan(): order it after the plan's copy
-        it = q.itemsize
-        qs, os_ = q.strides, out.strides
-        kv_page, kv_tok, kv_head = kv_strides
-        lse_ptr, lse_row = (lse.ptr, lse.strides[0] // 4) if lse is not None else (0, 0)
-        st["set_ptrs"](q.ptr, k.ptr, v.ptr, out.ptr, lse_ptr)
-        st["set_strides"](qs[0] // it, qs[1] // it, os_[0] // it, os_[1] // it, lse_row, kv_page, kv_tok, kv_head)
-        handle = s.handle
-        if st["launch"] is not None:
-            st["launch"].launch(handle)
-        merge = st["merge"]
-        if merge is not None:
-            st["merge_set_ptrs"](out.ptr, lse_ptr)
-            st["merge_set_strides"](os_[0] // it, os_[1] // it, lse_row, 1)
-            merge.launch(handle)
-        out.stream = s.ptr
-        if lse is not None:
-            lse.stream = s.ptr
-        return (out_ret, lse_ret) if return_lse else out_ret
-
-    def _kv_pair(self, k, v, s, capturing):
-        k = import_array(k, s, capturing)
-        if v is None:
-            if k.ndim < 2 or k.shape[1] != 2:
-                raise ValueError(f"k_cache: with v_cache=None expected [pages, 2, ...], got {k.shape}")
-            return k[:, 0], k[:, 1]
-        return k, import_array(v, s, capturing)
-
-    def _require_plan(self):
-        if self._plan is None:
-            raise RuntimeError("run() called before plan()")
-        return self._plan
-
-
 class BatchPrefillWithPagedKVCache(_BatchPrefill):
     """Prefill / append of ragged queries against a paged KV cache. See the module docstring.
 
@@ -447,30 +358,14 @@ class BatchPrefillWithPagedKVCache(_BatchPrefill):
     def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None):
         """q: [qo_indptr[-1], Hq, D]; caches [pages, page_size, Hkv, D] ("NHD") / [pages, Hkv, page_size, D]
         ("HND"), or k_cache [pages, 2, ...] with v_cache None. out: [total_qo, Hq, D] in q's dtype; lse:
-        [total_qo, Hq] float32, natural log. Returns out, or (out, lse) with return_lse. Capturable when every
-        array is a device array and out (and lse) are given."""
-        st = self._require_plan()
-        s, capturing = begin(stream)
+        [total_qo, Hq] float32, natural log (graph mode: q / out / lse may keep max_total_qo rows). stream: None
+        (the legacy default stream) or any stream kvattn.stream accepts. Returns out, or (out, lse) with
+        return_lse: the caller's arrays as given, or new kvattn arrays from the stream-ordered pool. Capturable
+        when every array is a device array and out (and lse) are given."""
+        p, s, capturing = self._begin_run(stream)
         q = import_array(q, s, capturing)
-        k, v = self._kv_pair(k_cache, v_cache, s, capturing)
-        ps, hkv, d = st["page_size"], st["hkv"], st["d"]
-        want = (ps, hkv, d) if self.kv_layout == "NHD" else (hkv, ps, d)
-        for name, a in (("k_cache", k), ("v_cache", v)):
-            if a.ndim != 4 or a.shape[1:] != want:
-                raise ValueError(f"{name}: expected shape [num_pages, {', '.join(map(str, want))}] "
-                                 f"({self.kv_layout}), got {a.shape}")
-            if a.dtype != st["npdtype"]:
-                raise TypeError(f"{name}: expected dtype {st['dtype']}, got {a.dtype_name}")
-            if a.strides[-1] != a.itemsize or misaligned16(a.ptr, a.strides):
-                raise ValueError(f"{name}: head_dim must be contiguous and 16-byte aligned")
-            if a.shape[0] < st["num_pages_needed"]:
-                raise ValueError(f"{name}: the page table uses page id {st['num_pages_needed'] - 1} but the "
-                                 f"cache holds {a.shape[0]} pages")
-        if k.strides != v.strides:
-            raise ValueError("k_cache, v_cache: must have the same strides")
-        ks = _elem_strides(k)
-        strides = (ks[0], ks[1], ks[2]) if self.kv_layout == "NHD" else (ks[0], ks[2], ks[1])
-        return self._run(q, k, v, out, lse, return_lse, s, capturing, strides)
+        k, v, kv_strides = p.kv.bind(k_cache, v_cache, s, capturing)
+        return self._execute(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse)
 
 
 class BatchPrefillWithRaggedKVCache(_BatchPrefill):
@@ -492,33 +387,18 @@ class BatchPrefillWithRaggedKVCache(_BatchPrefill):
         if kv_lens.size and kv_lens.max() >= 1 << RAGGED_PAGE_SHIFT:
             raise ValueError(f"kv_indptr: a request holds more than 2^{RAGGED_PAGE_SHIFT} tokens")
         b = qo_indptr.size - 1
-        self._plan_common(qo_indptr, kv_lens, np.arange(b + 1, dtype=np.int32), kv_indptr[:-1],
-                                     1 << RAGGED_PAGE_SHIFT, RAGGED_PAGE_SHIFT, num_qo_heads, num_kv_heads,
-                                     head_dim, causal, custom_mask, mask_indptr, sm_scale, window_left,
-                                     logits_soft_cap, q_dtype, kv_dtype, cta_rows, stream)
-        self._plan["total_kv"] = int(kv_indptr[-1])
-        return self
+        return self._plan_common(qo_indptr, kv_lens, np.arange(b + 1, dtype=np.int32), kv_indptr[:-1],
+                                 1 << RAGGED_PAGE_SHIFT, RAGGED_PAGE_SHIFT, num_qo_heads, num_kv_heads, head_dim,
+                                 causal, custom_mask, mask_indptr, sm_scale, window_left, logits_soft_cap, q_dtype,
+                                 kv_dtype, cta_rows, stream)
 
     def run(self, q, k, v, out=None, lse=None, return_lse=False, stream=None):
         """q: [qo_indptr[-1], Hq, D]; k, v: [kv_indptr[-1], Hkv, D] ("NHD") or [Hkv, kv_indptr[-1], D] ("HND").
         Returns out (and lse) as BatchPrefillWithPagedKVCache.run."""
-        st = self._require_plan()
-        s, capturing = begin(stream)
-        q, k, v = import_array(q, s, capturing), import_array(k, s, capturing), import_array(v, s, capturing)
-        n, hkv, d = st["total_kv"], st["hkv"], st["d"]
-        want = (n, hkv, d) if self.kv_layout == "NHD" else (hkv, n, d)
-        for name, a in (("k", k), ("v", v)):
-            if a.ndim != 3 or a.shape != want:
-                raise ValueError(f"{name}: expected shape {list(want)} ({self.kv_layout}), got {a.shape}")
-            if a.dtype != st["npdtype"]:
-                raise TypeError(f"{name}: expected dtype {st['dtype']}, got {a.dtype_name}")
-            if a.strides[-1] != a.itemsize or misaligned16(a.ptr, a.strides):
-                raise ValueError(f"{name}: head_dim must be contiguous and 16-byte aligned")
-        if k.strides != v.strides:
-            raise ValueError("k, v: must have the same strides")
-        ks = _elem_strides(k)
-        tok, head = (ks[0], ks[1]) if self.kv_layout == "NHD" else (ks[1], ks[0])
-        return self._run(q, k, v, out, lse, return_lse, s, capturing, (tok, tok, head))
+        p, s, capturing = self._begin_run(stream)
+        q = import_array(q, s, capturing)
+        k, v, kv_strides = p.kv.bind(k, v, s, capturing)
+        return self._execute(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse)
 
 
 def single_prefill(q, k, v, causal=False, *, kv_layout="NHD", custom_mask=None, sm_scale=None, window_left=-1,

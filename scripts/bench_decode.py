@@ -79,7 +79,7 @@ def run_case(name, lens, cfg, rng, ceiling, torch, fi, jsonl, tunings=None):
     tbs = nbytes / us / 1e6
     err = sample_error(rng, lens, pt, q, k, v, out, cfg)
     row = dict(case=name, us=round(us, 1), TBps=round(tbs, 2), frac=round(tbs / ceiling, 3), err=f"{err:.1e}",
-               plan_us=round(plan_us), chunks=w._plan["grid"][0], merges=w._plan["plan"].num_merge)
+               plan_us=round(plan_us), chunks=w.last_plan.info["grid"][0], merges=w.last_plan.info["schedule"].num_merge)
     for tname, tuning in (tunings or {}).items():
         tus, _, _, _ = time_kvattn(pt, q, k, v, cfg, tuning)
         row[tname] = round(nbytes / tus / 1e6, 3)

@@ -151,7 +151,7 @@ def extra():
           f"{'err':>9s}")
     for label, kw in EXTRA:
         label, w, us, tf, err = variant_case(rng, label, **kw)
-        st = w._plan
+        st = w.last_plan.info
         regs = st["kernel"].resources.registers if st["kernel"].resources else -1
         occ = min(65536 // (st["threads"] * regs), (228 * 1024) // (st["smem"] + 1024))
         print(f"{label:32s} {st['backend'] + '/' + str(st['cta_rows']):>9s} {us:8.1f}us {tf:8.0f} {regs:5d} "
@@ -267,7 +267,7 @@ def main():
             w, us, err = ragged_case(rng, "append", qo, kv, t, backend=be)
             tf = 4 * HQ * D * pairs(qo, kv, True) / us / 1e6
             rows.append(("append 256 x 65536 prefix", w, us, f"{tf:.0f} TFLOP/s",
-                         f"target 300, split={w._plan['plan'].split}", err))
+                         f"target 300, split={w.last_plan.info['schedule'].split}", err))
     for t in [None, 16]:
         w, us, err = paged_case(rng, [4] * 64, [4096] * 64, t)
         nbytes = 2 * 64 * 4096 * HKV * D * 2
@@ -276,7 +276,7 @@ def main():
                      f"{tbs / copy:.2f} of copy (target 0.88)", err))
     print(f"{'case':28s} {'kernel':>9s} {'time':>10s} {'rate':>15s}  {'vs':34s} {'max rel err':>11s}")
     for name, w, us, rate, vs, err in rows:
-        kern = f"{w._plan['backend']}/{w._plan['cta_rows']}"
+        kern = f"{w.last_plan.info['backend']}/{w.last_plan.info['cta_rows']}"
         print(f"{name:28s} {kern:>9s} {us:8.1f}us {rate:>15s}  {vs:34s} {err:11.2e}")
     if args.peers:
         peers = peer_rates(shapes, args.peers.split(","))
@@ -291,7 +291,7 @@ def main():
                 if "verify" in name:
                     fa2 = peers.get(("spec_verify", "fi_paged_fa2 TB/s"))
                 val = float(rate.split()[0])
-                print(f"{name:28s} {w._plan['backend']:5s} {rate:>15s}  " + (f"{val / fa2:.2f}x FlashInfer fa2" if fa2 else "no fa2") +
+                print(f"{name:28s} {w.last_plan.info['backend']:5s} {rate:>15s}  " + (f"{val / fa2:.2f}x FlashInfer fa2" if fa2 else "no fa2") +
                       (f", {val / fl:.2f}x PyTorch flash" if fl else ""))
 
 

@@ -49,3 +49,24 @@ def test_one_wave_of_chunks_never_overshoots():
     from kvattn import scheduler
     assert scheduler.default_num_chunks(32, num_sms=132, ctas_per_sm=2) == 8
     assert scheduler.default_num_chunks(8, num_sms=132, ctas_per_sm=1) == 16
+
+
+@pytest.mark.parametrize("change", [dict(num_qo_heads=16), dict(head_dim=64), dict(q_dtype="float16"),
+                                    dict(sm_scale=0.1), dict(window_left=100), dict(logits_soft_cap=30.0),
+                                    dict(page_size=8)])
+def test_graph_mode_refuses_a_later_plan_that_changes_a_baked_value(change):
+    w = kvattn.BatchDecodeWithPagedKVCache(use_cuda_graph=True, max_batch_size=4, max_num_pages=64, num_sms=132)
+    base = dict(num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=16)
+
+    def plan(**kw):
+        a = {**base, **kw}
+        pt = kvattn.PageTable.from_kv_lens([30, 5], a.pop("page_size"), rng=0)
+        w.plan(pt, a.pop("num_qo_heads"), a.pop("num_kv_heads"), a.pop("head_dim"), **a)
+
+    try:
+        plan()
+    except kvattn.CudaUnavailableError:   # no GPU: the checks ran; commit the baked values as a plan would
+        w._baked = w._pending_bake
+    name = list(change)[0]
+    with pytest.raises(ValueError, match=f"in graph mode {name} is baked into the captured graph"):
+        plan(**change)

@@ -222,8 +222,9 @@ def test_prefill_capture_with_torch_tensors_replays_new_batches(kind):
         q = rng.standard_normal((total, HQ, D)).astype(BF)
         tq[:total].copy_(_torch(q))
         torch.cuda.synchronize()
-        if replay is None:   # captured once: later batches replay it (same pointers, new plan in device memory)
-            replay = _capture(kind, lambda st: w.run(tq[:total], tk[:n], tv[:n], out=tout[:total], stream=st))
+        if replay is None:   # captured once: later batches replay it (same pointers, new plan in device memory);
+            # q / out keep max_total_qo rows (graph mode), the ragged K / V are this batch's rows of one buffer
+            replay = _capture(kind, lambda st: w.run(tq, tk[:n], tv[:n], out=tout, stream=st))
         tout.fill_(float("nan"))
         torch.cuda.synchronize()
         replay()

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import kvattn
 from kvattn import compiler, kernels, scheduler
 from kvattn.prefill import (CONFIGS, PREFILL_PARAMS, BatchPrefillWithPagedKVCache, BatchPrefillWithRaggedKVCache,
                             choose_cta_rows, prefill_spec, smem_bytes,
@@ -233,3 +234,30 @@ def test_forced_backends(monkeypatch):
     prefill = _fake_launch_env(monkeypatch, "sm_80")
     with pytest.raises(ValueError, match="backend: 'sm90' needs"):
         prefill.launch_config("sm90", 128, 128, Variant(), "bfloat16")
+
+
+def _baked_plan(w, plan, **kw):
+    """The first graph-mode plan(): on a machine without a GPU it stops after its checks (its baked values are
+    then committed by hand, as a successful plan commits them)."""
+    try:
+        plan(w, **kw)
+    except kvattn.CudaUnavailableError:
+        w._baked = w._pending_bake
+
+
+@pytest.mark.parametrize("change", [dict(num_qo_heads=16), dict(head_dim=64), dict(q_dtype="float16"),
+                                    dict(sm_scale=0.1), dict(window_left=100), dict(logits_soft_cap=30.0),
+                                    dict(causal=False), dict(cta_rows=64), dict(num_kv_heads=4, num_qo_heads=8)])
+def test_graph_mode_refuses_a_later_plan_that_changes_a_baked_value(change):
+    w = kvattn.BatchPrefillWithRaggedKVCache(use_cuda_graph=True, max_batch_size=4, max_total_qo=512, num_sms=132)
+    base = dict(num_qo_heads=8, num_kv_heads=2, head_dim=128, causal=True, cta_rows=128)
+
+    def plan(w, **kw):
+        args = {**base, **kw}
+        w.plan([0, 40, 60], [0, 100, 140], args.pop("num_qo_heads"), args.pop("num_kv_heads"),
+               args.pop("head_dim"), **args)
+
+    _baked_plan(w, plan)
+    name = [k for k in change if change[k] != base.get(k)][0]
+    with pytest.raises(ValueError, match=f"in graph mode {name} is baked into the captured graph"):
+        plan(w, **change)

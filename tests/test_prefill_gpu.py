@@ -69,7 +69,7 @@ def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD"
             s = slice(kv_indptr[i], kv_indptr[i + 1])
             return (k[s], v[s]) if layout == "NHD" else (k[:, s].transpose(1, 0, 2), v[:, s].transpose(1, 0, 2))
     if backend != "auto":
-        assert w._plan["backend"] == backend
+        assert w.last_plan.info["backend"] == backend
     total = int(qo_indptr[-1])
     out = poisoned((total, hq, d), dtype)
     lse = poisoned((total, hq), "float32")
@@ -157,7 +157,7 @@ def test_speculative_verify_shape():
 def test_long_append_splits_kv():
     w = run_case(np.random.default_rng(2), dtype="bfloat16", d=128, hkv=8, group=4, qo_lens=[256],
                  kv_lens=[65536 + 256], paged=False, causal=True)
-    assert w._plan["plan"].split
+    assert w.last_plan.info["schedule"].split
 
 
 def test_long_prefill_and_empty_requests():

@@ -1,0 +1,283 @@
+"""The plan/run machinery every attention op shares (decode, paged and ragged prefill; later cascade, block-sparse).
+
+An op supplies its schedule (plan(): host arrays -> one packed int32 buffer and a parameter struct) and how its
+arrays are checked; this module owns everything else:
+- `AttentionOp`: the workspace, the pinned staging ring, the one host-to-device copy per plan and its event, the
+  graph-mode bounds and the baked-value check, and run()'s generic path (`_execute`).
+- `AttentionPlan`: the frozen, typed result of plan(): its launches, the bound parameter setters, the array rows
+  and dtypes run() accepts, the KV accessor, the stream of the plan's copy; `info` holds read-only facts (the
+  scheduler's plan, the kernel's backend and tile) for scripts and tests.
+- `PagedKV` / `RaggedKV`: how run() checks k / v against the plan and reads their strides as the kernels' (page,
+  token, head) element strides.
+
+The kernels of every op take the same array fields (q, k, v, o, lse pointers, then q / o / lse / kv strides, in
+that order: DECODE_PARAMS and PREFILL_PARAMS) and the same merge parameters, so run() binds them in one place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import numpy as np
+
+from . import _driver, _dtypes
+from ._binding import begin, import_array, misaligned16, output
+from .contract import NUM_MERGE
+from .kernels import Launch, ParamBuffer, get_kernel
+from .memory import DeviceArray, StagingRing, fit_workspace
+from .merge import MERGE_PARAMS, merge_spec
+from .stream import as_stream
+
+F32 = np.dtype(np.float32)
+
+
+# -- KV accessors -------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, slots=True)
+class PagedKV:
+    """A paged cache: k / v [pages, page_size, Hkv, D] ("NHD") or [pages, Hkv, page_size, D] ("HND"), or k_cache
+    [pages, 2, ...] with v_cache None; at least pages_needed pages."""
+    layout: str
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: np.dtype
+    pages_needed: int
+
+    def bind(self, k_cache, v_cache, s, capturing):
+        """(k, v DeviceArrays, (page, token, head) element strides)."""
+        k = import_array(k_cache, s, capturing)
+        if v_cache is None:
+            if k.ndim != 5 or k.shape[1] != 2:
+                raise ValueError(f"k_cache: with v_cache=None expected [pages, 2, ...] (5 dims), got {k.shape}")
+            v = k[:, 1]
+            k = k[:, 0]
+        else:
+            v = import_array(v_cache, s, capturing)
+        if k.strides != v.strides or k.shape != v.shape:
+            self._check("k_cache", k)
+            self._check("v_cache", v)
+            raise ValueError("k_cache, v_cache: must have the same shape and strides")
+        self._check("k_cache", k)
+        if (v.ptr - k.ptr) & 15:
+            raise ValueError("v_cache: rows must be 16-byte aligned (pointer and strides)")
+        if v.dtype is not k.dtype:
+            self._check("v_cache", v)
+        ks, it = k.strides, k.dtype.itemsize
+        if self.layout == "NHD":
+            return k, v, (ks[0] // it, ks[1] // it, ks[2] // it)
+        return k, v, (ks[0] // it, ks[2] // it, ks[1] // it)
+
+    def _check(self, name, a):
+        want = ((self.page_size, self.num_kv_heads, self.head_dim) if self.layout == "NHD" else
+                (self.num_kv_heads, self.page_size, self.head_dim))
+        shape = a.shape
+        if len(shape) != 4 or shape[1:] != want:
+            raise ValueError(f"{name}: expected shape [num_pages, {', '.join(map(str, want))}] ({self.layout}), "
+                             f"got {shape}")
+        check_array(a, name, shape, self.dtype)
+        if shape[0] < self.pages_needed:
+            raise ValueError(f"{name}: the page table uses page id {self.pages_needed - 1} but the cache holds "
+                             f"{shape[0]} pages")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RaggedKV:
+    """Ragged (contiguous per request) K / V: [total_kv, Hkv, D] ("NHD") or [Hkv, total_kv, D] ("HND"). The
+    kernels see it as one "page" per request, so the page stride is the token stride."""
+    layout: str
+    total_kv: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: np.dtype
+
+    def bind(self, k, v, s, capturing):
+        k, v = import_array(k, s, capturing), import_array(v, s, capturing)
+        n, hkv, d = self.total_kv, self.num_kv_heads, self.head_dim
+        want = (n, hkv, d) if self.layout == "NHD" else (hkv, n, d)
+        for name, a in (("k", k), ("v", v)):
+            if a.shape != want:
+                raise ValueError(f"{name}: expected shape {list(want)} ({self.layout}), got {a.shape}")
+            check_array(a, name, want, self.dtype)
+        if k.strides != v.strides:
+            raise ValueError("k, v: must have the same strides")
+        ks, it = k.strides, k.dtype.itemsize
+        tok, head = (ks[0] // it, ks[1] // it) if self.layout == "NHD" else (ks[1] // it, ks[0] // it)
+        return k, v, (tok, tok, head)
+
+
+def check_array(a: DeviceArray, name: str, shape: tuple, dtype: np.dtype, rows16: bool = True):
+    """Shape, dtype (numpy dtype) and layout of an argument (cheap: it runs in every run()). rows16: the pointer
+    and every stride but the last's are multiples of 16 bytes; else only a 4-byte aligned pointer."""
+    if a.shape != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {a.shape}")
+    if a.dtype is not dtype and a.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {_dtypes.dtype_name(dtype)}, got {a.dtype_name}")
+    if a.strides[-1] != dtype.itemsize:
+        raise ValueError(f"{name}: the last axis must be contiguous")
+    if rows16:
+        if misaligned16(a.ptr, a.strides):
+            raise ValueError(f"{name}: rows must be 16-byte aligned (pointer and strides)")
+    elif a.ptr & 3:
+        raise ValueError(f"{name}: the pointer must be 4-byte aligned")
+
+
+# -- the plan ---------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    rows: int                    # query rows (q / out / lse first axis)
+    max_rows: int                # graph mode: the arrays may also keep this many rows (else == rows)
+    num_qo_heads: int
+    head_dim: int
+    dtype: np.dtype              # q / out element type
+    kv: object                   # PagedKV or RaggedKV
+    launch: Launch | None        # the attention kernel (None: nothing to compute)
+    merge: Launch | None         # the merge of partial states
+    set_ptrs: object             # (q, k, v, o, lse) -> packs the kernel's pointer fields
+    set_strides: object          # (q_n, q_h, o_n, o_h, lse_n, kv_page, kv_token, kv_head) -> packs its strides
+    merge_set_ptrs: object       # (o, lse)
+    merge_set_strides: object    # (o_n, o_h, lse_n, lse_h)
+    plan_stream: int             # the stream of the plan's copy
+    copy_done: object            # its event
+    wait_copy: bool              # run() on another stream waits for copy_done (not in graph mode)
+    info: types.MappingProxyType  # read-only facts for inspection (schedule, grid, backend, ...)
+
+
+class AttentionOp:
+    """Base of the attention wrappers. Subclasses implement plan() (ending in `_finish_plan`) and run() (ending in
+    `_execute`)."""
+
+    DEFAULT_WORKSPACE = 256 << 20
+
+    def __init__(self, kv_layout, use_cuda_graph, bounds: dict, required: tuple, workspace_bytes, num_sms):
+        from ._validate import as_int, check_layout
+        self.kv_layout = check_layout(kv_layout)
+        self.use_cuda_graph = bool(use_cuda_graph)
+        if self.use_cuda_graph:
+            missing = [n for n in required if bounds.get(n) is None]
+            if missing:
+                raise ValueError(f"use_cuda_graph=True needs {', '.join(missing)} (they fix the buffers)")
+            for n in required:
+                as_int(bounds[n], n, min_value=1)
+        for name, value in bounds.items():
+            setattr(self, name, value)
+        self._num_sms = num_sms
+        self._workspace_bytes = workspace_bytes or (self.DEFAULT_WORKSPACE if self.use_cuda_graph else None)
+        self.workspace = None   # allocated by the first plan(): constructing a wrapper touches no GPU
+        self._staging = StagingRing()   # pinned host buffers for plan()'s one copy
+        self._baked = None          # graph mode: the values the first successful plan() baked in
+        self._pending_bake = None
+        self._plan: AttentionPlan | None = None
+
+    @property
+    def num_sms(self) -> int:
+        if self._num_sms is None:
+            self._num_sms = _driver.sm_count()
+        return self._num_sms
+
+    @property
+    def last_plan(self) -> AttentionPlan | None:
+        """The plan run() uses (read-only)."""
+        return self._plan
+
+    # -- plan ----------------------------------------------------------------------------------------------
+    def _bake(self, **values):
+        """Graph mode: everything a captured graph holds (heads, head dims, dtypes, page size, scale, variants,
+        kernel choice) must stay as the first plan() set it; raise naming the first value that changed."""
+        if not self.use_cuda_graph:
+            return
+        self._pending_bake = values   # committed by _finish_plan: a plan that fails bakes nothing
+        if self._baked is None:
+            return
+        for name, value in values.items():
+            if self._baked.get(name) != value:
+                raise ValueError(f"plan: in graph mode {name} is baked into the captured graph; it was "
+                                 f"{self._baked.get(name)!r}, got {value!r} (only the batch and its lengths may change)")
+
+    def _stage(self, nbytes: int) -> np.ndarray:
+        """This plan's pinned staging bytes (uint8, at least nbytes), free of any copy still in flight."""
+        return self._staging.acquire(nbytes)
+
+    def _upload(self, host: np.ndarray, copies, regions: dict, stream):
+        """Fit the workspace to regions ({name: (shape, dtype)}), then issue the plan's host-to-device copies on
+        stream: copies = [(region name, byte offset in host, bytes)]. Returns (regions as DeviceArrays, stream,
+        the event recorded after the copies)."""
+        self.workspace, dev = fit_workspace(self.workspace, regions, self._workspace_bytes)
+        s = as_stream(stream)
+        for name, offset, nbytes in copies:
+            if nbytes:
+                _driver.call("cuMemcpyHtoDAsync", dev[name].ptr, host.ctypes.data + offset, nbytes, s.handle)
+        return dev, s, self._staging.release(s)
+
+    @staticmethod
+    def _merge_launch(rows: int, tmp_o: DeviceArray, tmp_lse: DeviceArray, base: int, indptr_off: int,
+                      rows_off: int, hq: int, d: int, num_merge: int, dtype: str):
+        """(merge Launch or None, its ParamBuffer): the merge of float32 partial states into out / lse, its row
+        list at base + 4 * indptr_off / rows_off (int32 offsets), its row count in the plan header in graph mode.
+        rows: the rows the grid covers (graph mode: the bound)."""
+        mp = ParamBuffer(MERGE_PARAMS)
+        mp.set(o_in=tmp_o.ptr, lse_in=tmp_lse.ptr, indptr=base + indptr_off * 4, out_rows=base + rows_off * 4,
+               num_rows_dev=base + NUM_MERGE * 4, s_row=hq * d, s_n=hq * d, s_h=d, l_row=hq, l_n=hq, l_h=1,
+               num_rows=num_merge, n=0, num_heads=hq, head_dim=d)
+        if not rows:
+            return None, mp
+        grid = -(-rows * hq * (d // 8) // 256)
+        return Launch(get_kernel(merge_spec("float32", dtype)), grid, 256, 0, mp), mp
+
+    def _finish_plan(self, *, rows, max_rows, hq, d, dtype, kv, launch, params, merge, merge_params, s, copy_done,
+                     **info):
+        if self.use_cuda_graph and self._baked is None:
+            self._baked = self._pending_bake
+        self._plan = AttentionPlan(
+            rows=rows, max_rows=max_rows, num_qo_heads=hq, head_dim=d, dtype=_dtypes.to_numpy(dtype), kv=kv,
+            launch=launch, merge=merge,
+            set_ptrs=params.setter("q", "k", "v", "o", "lse"),
+            set_strides=params.setter("q_stride_n", "q_stride_h", "o_stride_n", "o_stride_h", "lse_stride_n",
+                                      "kv_stride_page", "kv_stride_token", "kv_stride_head"),
+            merge_set_ptrs=merge_params.setter("o_out", "lse_out"),
+            merge_set_strides=merge_params.setter("so_row", "so_h", "lo_row", "lo_h"),
+            plan_stream=s.ptr, copy_done=copy_done, wait_copy=not self.use_cuda_graph,
+            info=types.MappingProxyType(dict(info, params=params, merge_params=merge_params)))
+        return self
+
+    # -- run -----------------------------------------------------------------------------------------------
+    def _begin_run(self, stream):
+        """(plan, stream, capturing): the plan run() uses, or RuntimeError before the first plan()."""
+        p = self._plan
+        if p is None:
+            raise RuntimeError("run() called before plan()")
+        s, capturing = begin(stream)
+        return p, s, capturing
+
+    def _execute(self, p: AttentionPlan, s, capturing, q: DeviceArray, k: DeviceArray, v: DeviceArray,
+                 kv_strides, out, lse, return_lse):
+        """run()'s generic tail: check q, provide out / lse, bind pointers and strides, launch the plan."""
+        rows = p.rows
+        if q.shape[0] != rows and q.shape[0] == p.max_rows:
+            rows = p.max_rows   # graph mode: the arrays keep their maximum rows; rows past the batch are not touched
+        hq, d, dtype = p.num_qo_heads, p.head_dim, p.dtype
+        check_array(q, "q", (rows, hq, d), dtype)
+        out, out_ret = output(out, (rows, hq, d), dtype, s, capturing, "out")
+        check_array(out, "out", (rows, hq, d), dtype)
+        lse_ret = lse
+        if lse is not None or return_lse:
+            lse, lse_ret = output(lse, (rows, hq), F32, s, capturing, "lse")
+            check_array(lse, "lse", (rows, hq), F32, rows16=False)
+        if p.wait_copy and s.ptr != p.plan_stream and not capturing:
+            s.wait(p.copy_done)   # run() on another stream than plan(): order it after the plan's copy
+        it = dtype.itemsize
+        qs, os_ = q.strides, out.strides
+        lse_ptr, lse_row = (lse.ptr, lse.strides[0] // 4) if lse is not None else (0, 0)
+        p.set_ptrs(q.ptr, k.ptr, v.ptr, out.ptr, lse_ptr)
+        p.set_strides(qs[0] // it, qs[1] // it, os_[0] // it, os_[1] // it, lse_row, *kv_strides)
+        handle = s.handle
+        if p.launch is not None:
+            p.launch.launch(handle)
+        merge = p.merge
+        if merge is not None:
+            p.merge_set_ptrs(out.ptr, lse_ptr)
+            p.merge_set_strides(os_[0] // it, os_[1] // it, lse_row, 1)
+            merge.launch(handle)
+        out.stream = s.ptr
+        if lse is not None:
+            lse.stream = s.ptr
+        return (out_ret, lse_ret) if return_lse else out_ret
