@@ -8,6 +8,7 @@
 // through shared memory at the end of each item. Scores live in the log2 domain; the LSE written is natural.
 #pragma once
 #include "mma.cuh"
+#include "variant.cuh"
 #include "warp_merge.cuh"
 
 #ifndef KVATTN_REFILL_FIRST
@@ -38,7 +39,7 @@ struct DecodeParams {
   float cap_log2;              // log2(e) * cap (soft cap only)
 };
 
-template <int D, int M_TILES, int STAGES_, bool SOFT_CAP, bool WINDOW, typename T>
+template <int D, int M_TILES, int STAGES_, class V, typename T>
 struct DecodeKernel {
   static constexpr int WARPS = 4;
   static constexpr int THREADS = WARPS * 32;
@@ -169,7 +170,7 @@ struct DecodeKernel {
 
       if (cons.t0 == cons.begin) {  // a new item: reset the running state
         reset_state(o, m, l);
-        if (WINDOW) {
+        if (VariantTraits<V>::kMasks) {   // the row's diagonal (kv_len - 1) for the masks
           const int np = p.page_indptr[cons.req + 1] - p.page_indptr[cons.req];
           kv_len = np == 0 ? 0 : (np - 1) * p.page_size + p.last_page_len[cons.req];
         }
@@ -210,10 +211,10 @@ struct DecodeKernel {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int tok = c.t0 + tw + nb * 8 + 2 * (lane % 4) + (e & 1);
-          float x = s[nb][e] * p.score_scale;
-          if (SOFT_CAP) x = p.cap_log2 * tanhf(x);
+          float x = V::logits(p, s[nb][e] * p.score_scale);
           bool ok = tok < c.end;
-          if (WINDOW) ok = ok && (p.window_left < 0 || tok >= kv_len - 1 - p.window_left);
+          if (V::kWindow) ok = ok && (p.window_left < 0 || tok >= kv_len - 1 - p.window_left);
+          if (V::kKeep) ok = ok && V::keep(p, tok, kv_len - 1);
           x = ok ? x : KVATTN_NEG_INF;
           s[nb][e] = x;
           mx[e >> 1] = fmaxf(mx[e >> 1], x);
@@ -276,11 +277,11 @@ struct DecodeKernel {
   }
 };
 
-template <int D, int M_TILES, int STAGES, bool SOFT_CAP, bool WINDOW, typename T>
+template <int D, int M_TILES, int STAGES, class V, typename T>
 __global__ void __launch_bounds__(128) decode_kernel(const __grid_constant__ DecodeParams p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const int chunk = blockIdx.x / p.z_split, z = blockIdx.x - chunk * p.z_split;
-  DecodeKernel<D, M_TILES, STAGES, SOFT_CAP, WINDOW, T> k(p, blockIdx.y, z);
+  DecodeKernel<D, M_TILES, STAGES, V, T> k(p, blockIdx.y, z);
   k.run(chunk, reinterpret_cast<T*>(smem_raw));
 }
 

@@ -18,6 +18,7 @@
 // needs_mask), the Q copy (copy_q) and the epilogue (store_rows) defined here.
 #pragma once
 #include "mma.cuh"
+#include "variant.cuh"
 #include "warp_merge.cuh"
 
 namespace kvattn {
@@ -33,7 +34,7 @@ struct PrefillParams {
   float* tmp_o;                // [partial rows, Hq, D] float32
   float* tmp_lse;              // [partial rows, Hq]
   const int* plan;             // PlanHeader (common.cuh), then the regions below
-  const unsigned char* mask;   // bit-packed custom mask (CUSTOM only), little bit order
+  const unsigned char* mask;   // bit-packed custom mask (V::kCustomMask only), little bit order
   long long q_stride_n, q_stride_h, o_stride_n, o_stride_h, lse_stride_n;
   long long kv_stride_page, kv_stride_token, kv_stride_head;
   int off_qo_indptr, off_kv_len, off_page_indptr, off_page_indices, off_mask_indptr, off_items;
@@ -42,7 +43,7 @@ struct PrefillParams {
   float cap_log2;              // log2(e) * cap (soft cap only)
 };
 
-template <int D, int WARPS_M, int MT, bool SOFT_CAP, bool WINDOW, bool CUSTOM, typename T>
+template <int D, int WARPS_M, int MT, class V, typename T>
 struct PrefillKernel {
   static constexpr int WARPS = 4;
   static constexpr int THREADS = WARPS * 32;
@@ -77,7 +78,7 @@ struct PrefillKernel {
 #define KVATTN_PF_FOLD 0
 #endif
   // (variant kernels of MT = 2 keep 16: their extra registers would spill at 32)
-  static constexpr int SUB_CAP = MT == 2 ? ((SOFT_CAP || WINDOW || CUSTOM) ? 16 : KVATTN_PF_SUBN2) : 32;
+  static constexpr int SUB_CAP = MT == 2 ? (VariantTraits<V>::kAny ? 16 : KVATTN_PF_SUBN2) : 32;
   static constexpr int SUBN = (D * MT <= 128) ? NW : (NW < SUB_CAP ? NW : SUB_CAP);
   static constexpr bool QREGS = KVATTN_PF_QREGS && MT == 1;
   static constexpr int KK_UNROLL = QREGS ? D / 16 : KVATTN_PF_KK_UNROLL;
@@ -149,14 +150,14 @@ struct PrefillKernel {
   // Score of kv token j for a row of query token tok: log2 domain, soft cap, masks (-inf when masked).
   template <bool MASK, bool FOLD>
   __device__ __forceinline__ static float score(const PrefillParams& p, const Item& it, float s, int j, int tok) {
-    float x = FOLD ? s : s * p.score_scale;
-    if (SOFT_CAP) x = p.cap_log2 * tanhf(x);
+    float x = V::logits(p, FOLD ? s : s * p.score_scale);
     if (MASK) {
       const int lim = it.delta + tok;   // the diagonal of this row
       bool ok = j < it.ke;
       if (p.causal) ok = ok && j <= lim;
-      if (WINDOW) ok = ok && (p.window_left < 0 || j >= lim - p.window_left);
-      if (CUSTOM) {
+      if (V::kWindow) ok = ok && (p.window_left < 0 || j >= lim - p.window_left);
+      if (V::kKeep) ok = ok && V::keep(p, j, lim);
+      if (V::kCustomMask) {
         if (ok) {
           const long long bit = it.mask_bit0 + (long long)tok * it.kv_len + j;
           ok = (__ldg(p.mask + (bit >> 3)) >> (bit & 7)) & 1;
@@ -169,9 +170,10 @@ struct PrefillKernel {
 
   // Whether the tile of `tile` tokens starting at kv index t0 needs the masked path for some row of the item.
   __device__ __forceinline__ static bool needs_mask(const PrefillParams& p, const Item& it, int t0, int tile) {
-    bool need = CUSTOM || t0 + tile > it.ke;
+    bool need = V::kCustomMask || t0 + tile > it.ke;
     if (p.causal) need = need || t0 + tile - 1 > it.delta + it.tok_lo;
-    if (WINDOW) need = need || (p.window_left >= 0 && t0 < it.delta + it.tok_hi - p.window_left);
+    if (V::kWindow) need = need || (p.window_left >= 0 && t0 < it.delta + it.tok_hi - p.window_left);
+    if (V::kKeep) need = need || V::tile_may_mask(p, t0, it.delta + it.tok_hi);
     return need;
   }
 
@@ -182,7 +184,7 @@ struct PrefillKernel {
                                                  int warp_m, int warp_n, float (&o)[MT][CHUNKS][4], float (&m)[MT][2],
                                                  float (&l)[MT][2]) {
     constexpr int NB = STEP / 8;
-    constexpr bool FOLD = KVATTN_PF_FOLD && !MASK && !SOFT_CAP;
+    constexpr bool FOLD = KVATTN_PF_FOLD && !MASK && !V::kLogits;
     const T* vs = ks + KV_ELEMS;
     const int j8 = lane / 8;
 #pragma unroll
@@ -338,7 +340,7 @@ struct PrefillKernel {
     it.tok_lo = it.row0 / p.group_size;
     it.tok_hi = (it.row0 + it.nrows - 1) / p.group_size;
     it.pages = p.plan + p.off_page_indices + plan[p.off_page_indptr + it.req];
-    it.mask_bit0 = CUSTOM ? (long long)plan[p.off_mask_indptr + it.req] * 8 : 0;
+    it.mask_bit0 = V::kCustomMask ? (long long)plan[p.off_mask_indptr + it.req] * 8 : 0;
     return it;
   }
 
@@ -404,11 +406,11 @@ struct PrefillKernel {
       const T* ks = kvs + (ti % STAGES) * 2 * KV_ELEMS;
       const int t0 = it.kb + ti * TILE;
       bool need = needs_mask(p, it, t0, TILE);
-      if (KVATTN_PF_FOLD && !SOFT_CAP) need = need || !(p.score_scale > 0.f);
+      if (KVATTN_PF_FOLD && !V::kLogits) need = need || !(p.score_scale > 0.f);
       // KVATTN_PF_FAST64 (local constants: no new symbol in the default cubin): unmasked tiles in one 64-token
       // step; the masked path re-reads row0 / nrows from the plan for its rows' query tokens (4 fewer live
       // registers across the mainloop).
-      constexpr bool FAST = KVATTN_PF_FAST64 && MT == 2 && !SOFT_CAP && !WINDOW && !CUSTOM;
+      constexpr bool FAST = KVATTN_PF_FAST64 && MT == 2 && !VariantTraits<V>::kAny;
       constexpr int SUBN_FAST = FAST ? NW : SUBN;
       if (need) {
         if constexpr (FAST) {
@@ -459,11 +461,11 @@ struct PrefillKernel {
   }
 };
 
-template <int D, int WARPS_M, int MT, bool SOFT_CAP, bool WINDOW, bool CUSTOM, typename T>
+template <int D, int WARPS_M, int MT, class V, typename T>
 __global__ void __launch_bounds__(128, 1) prefill_kernel(const __grid_constant__ PrefillParams p) {
   if ((int)blockIdx.x >= plan_header(p.plan).num_items) return;   // padded grid (graph mode) or fewer items than launched
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  PrefillKernel<D, WARPS_M, MT, SOFT_CAP, WINDOW, CUSTOM, T>::run(p, blockIdx.x, reinterpret_cast<T*>(smem_raw));
+  PrefillKernel<D, WARPS_M, MT, V, T>::run(p, blockIdx.x, reinterpret_cast<T*>(smem_raw));
 }
 
 }  // namespace kvattn

@@ -24,9 +24,9 @@
 
 namespace kvattn {
 
-template <int D, bool SOFT_CAP, bool WINDOW, bool CUSTOM, typename T>
+template <int D, class V, typename T>
 struct PrefillSm90 {
-  using Base = PrefillKernel<D, 4, 2, SOFT_CAP, WINDOW, CUSTOM, T>;   // helpers only (items, masks, epilogue)
+  using Base = PrefillKernel<D, 4, 2, V, T>;   // helpers only (items, masks, epilogue)
   using Item = typename Base::Item;
   static constexpr int THREADS = 384;                 // producer warpgroup + two consumer warpgroups
   static constexpr int PRODUCERS = 128;
@@ -252,11 +252,11 @@ struct PrefillSm90 {
   }
 };
 
-template <int D, bool SOFT_CAP, bool WINDOW, bool CUSTOM, typename T>
+template <int D, class V, typename T>
 __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_constant__ PrefillParams p) {
   if ((int)blockIdx.x >= plan_header(p.plan).num_items) return;   // padded grid (graph mode) or fewer items than launched
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  PrefillSm90<D, SOFT_CAP, WINDOW, CUSTOM, T>::run(p, blockIdx.x, reinterpret_cast<T*>(smem_raw));
+  PrefillSm90<D, V, T>::run(p, blockIdx.x, reinterpret_cast<T*>(smem_raw));
 }
 
 }  // namespace kvattn

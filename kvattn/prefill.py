@@ -78,13 +78,13 @@ TUNING: dict = {}
 def prefill_spec(head_dim: int, cta_rows: int, variant: Variant, dtype: str) -> KernelSpec:
     """The mma.sync kernel (backend "sm80") of prefill.cuh."""
     wm, mt = CONFIGS[cta_rows]
-    return KernelSpec("prefill.cuh", f"kvattn::prefill_kernel<{head_dim}, {wm}, {mt}, {variant.prefill_flags()}, "
+    return KernelSpec("prefill.cuh", f"kvattn::prefill_kernel<{head_dim}, {wm}, {mt}, {variant.prefill_type()}, "
                                      f"{_dtypes.to_ctype(dtype)}>", defines=tuple(TUNING.get(cta_rows, ())))
 
 
 def sm90_spec(head_dim: int, variant: Variant, dtype: str) -> KernelSpec:
     """The wgmma kernel (backend "sm90") of prefill_sm90.cuh: 128-row query tiles, head_dim 64 or 128."""
-    return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{head_dim}, {variant.prefill_flags()}, "
+    return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{head_dim}, {variant.prefill_type()}, "
                                           f"{_dtypes.to_ctype(dtype)}>")
 
 

@@ -1,9 +1,10 @@
-"""Attention variants as compile-time switches: a variant that is off costs nothing (if constexpr / dead code).
+"""Attention variants: the hook struct a kernel is instantiated with (cuda_src/variant.cuh).
 
-Built-in now: logits soft cap, sliding window and (prefill) a bit-packed custom mask. The kernels take them as
-template flags, in this order: decode ``cpp_flags()`` = SOFT_CAP, WINDOW; prefill ``prefill_flags()`` =
-SOFT_CAP, WINDOW, CUSTOM_MASK. Causal is not a variant: it is a run-time flag of the prefill kernel (it only
-decides which tiles take the masked path).
+Each kernel takes one variant type; its hooks (logits transform, keep / mask, whether a tile may hold a masked
+pair) are the identity unless the variant overrides them, so a variant that is off costs nothing. Built in now:
+`kvattn::Builtin<SOFT_CAP, WINDOW, CUSTOM>`: logits soft cap, sliding window and (prefill) a bit-packed custom
+mask. Causal is not a variant: it is a run-time flag of the prefill kernel (it only decides which tiles take the
+masked path) and decode's query is always the last row.
 """
 from __future__ import annotations
 
@@ -20,12 +21,12 @@ class Variant:
     window: bool = False        # keep kv index j >= kv - qo + r - window_left
     custom_mask: bool = False   # keep kv index j where the request's bit-packed mask bit (r, j) is set (prefill)
 
-    def cpp_flags(self) -> str:
-        """The decode kernel's variant template arguments: SOFT_CAP, WINDOW."""
+    def decode_type(self) -> str:
+        """The decode kernel's variant type."""
         if self.custom_mask:
             raise ValueError("custom_mask: the decode kernel has no custom-mask variant")
-        return f"{_b(self.soft_cap)}, {_b(self.window)}"
+        return f"kvattn::Builtin<{_b(self.soft_cap)}, {_b(self.window)}, false>"
 
-    def prefill_flags(self) -> str:
-        """The prefill kernel's variant template arguments: SOFT_CAP, WINDOW, CUSTOM_MASK."""
-        return f"{_b(self.soft_cap)}, {_b(self.window)}, {_b(self.custom_mask)}"
+    def prefill_type(self) -> str:
+        """The prefill kernels' (sm80 and sm90) variant type."""
+        return f"kvattn::Builtin<{_b(self.soft_cap)}, {_b(self.window)}, {_b(self.custom_mask)}>"

@@ -110,11 +110,11 @@ def test_param_struct_size_matches_c_struct():
     compiler.compile_cubin(src, "prefill_asserts.cu", [], [], "sm_90a")
 
 
-def test_variant_flags():
-    assert Variant().cpp_flags() == "false, false"
-    assert Variant(True, False, True).prefill_flags() == "true, false, true"
+def test_variant_types():
+    assert Variant().decode_type() == "kvattn::Builtin<false, false, false>"
+    assert Variant(True, False, True).prefill_type() == "kvattn::Builtin<true, false, true>"
     with pytest.raises(ValueError):
-        Variant(custom_mask=True).cpp_flags()
+        Variant(custom_mask=True).decode_type()
 
 
 def test_smem_fits():
@@ -178,7 +178,7 @@ def test_sm90_smem_fits_and_mirrors_the_kernel():
     for d in SM90_HEAD_DIMS:
         assert sm90_smem_bytes(d) <= 227 * 1024
     src = ('#include "prefill_sm90.cuh"\n'
-           + "".join(f"static_assert(kvattn::PrefillSm90<{d}, false, false, false, __nv_bfloat16>::SMEM_BYTES == "
+           + "".join(f"static_assert(kvattn::PrefillSm90<{d}, kvattn::Builtin<false, false, false>, __nv_bfloat16>::SMEM_BYTES == "
                      f"{sm90_smem_bytes(d)}, \"smem\");\n" for d in SM90_HEAD_DIMS))
     compiler.compile_cubin(src, "sm90_asserts.cu", [], [], "sm_90a")
 
