@@ -26,7 +26,8 @@ struct VariantBase {
   static constexpr bool kCustomMask = false;
   template <class P> __device__ __forceinline__ static float logits(const P&, float x) { return x; }
   template <class P> __device__ __forceinline__ static bool keep(const P&, int, int) { return true; }
-  template <class P> __device__ __forceinline__ static bool tile_may_mask(const P&, int, int) { return false; }
+  // A variant with a keep() hook sends every tile down the masked path unless it says which tiles are safe.
+  template <class P> __device__ __forceinline__ static bool tile_may_mask(const P&, int, int) { return true; }
 };
 
 // The mask traits every kernel reads.

@@ -110,8 +110,9 @@ def store(k: str, c: compiler.Compiled):
         pass  # a read-only or full cache folder only costs recompiles
 
 
-def get_or_compile(source: str, name: str, options, name_expressions, arch: str):
-    """(Compiled, where) with where in {'memo', 'disk', 'compiled'}."""
+def get_or_compile(source: str, name: str, options, name_expressions, arch: str, files=None):
+    """(Compiled, where) with where in {'memo', 'disk', 'compiled'}. files: {name: text} of #line-named parts of
+    source, for compile errors (see compiler.compile_cubin)."""
     k = key(source, options, name_expressions, arch)
     with _memo_lock:
         if k in _memo:
@@ -119,7 +120,7 @@ def get_or_compile(source: str, name: str, options, name_expressions, arch: str)
     c = load(k)
     where = "disk"
     if c is None:
-        c = compiler.compile_cubin(source, name, options, name_expressions, arch)
+        c = compiler.compile_cubin(source, name, options, name_expressions, arch, files)
         store(k, c)
         where = "compiled"
     with _memo_lock:

@@ -86,8 +86,10 @@ def source_dir() -> str:
     raise KvattnError(f"kvattn's CUDA sources (cuda_src) were not found next to {here}")
 
 
-def compile_cubin(source: str, name: str, options, name_expressions, arch: str) -> Compiled:
-    """Compile one translation unit to a cubin for `arch` (e.g. sm_90a). Raises CompileError with the log."""
+def compile_cubin(source: str, name: str, options, name_expressions, arch: str, files=None) -> Compiled:
+    """Compile one translation unit to a cubin for `arch` (e.g. sm_90a). Raises CompileError with the log.
+    files: {name: text} of the parts of source that a `#line 1 "name"` directive names (a user variant's
+    snippet): an error there is shown with that part's own numbered lines."""
     nvrtc = _nvrtc()
     t0 = time.perf_counter()
     prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []), "nvrtcCreateProgram")
@@ -99,7 +101,7 @@ def compile_cubin(source: str, name: str, options, name_expressions, arch: str) 
         err, = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         log = program_log(prog)
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise CompileError(name, log, opts, _source_excerpt(source, log))
+            raise CompileError(name, log, opts, _source_excerpt(source, log, files=files))
         size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize", prog)
         cubin = b" " * size
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN", prog)
@@ -115,13 +117,16 @@ def compile_cubin(source: str, name: str, options, name_expressions, arch: str) 
 _LOC = re.compile(r"^(?P<file>[^\s(]+)\((?P<line>\d+)\): (?:error|warning)", re.M)
 
 
-def _source_excerpt(source: str, log: str, context: int = 3) -> str:
-    """Numbered lines around each error the log points at (the main source, or a cuda_src header)."""
+def _source_excerpt(source: str, log: str, context: int = 3, files=None) -> str:
+    """Numbered lines around each error the log points at (the main source, a named part of it, or a cuda_src
+    header)."""
     chunks = []
     for m in list(_LOC.finditer(log))[:5]:
         path, line = m.group("file"), int(m.group("line"))
         text = source
-        if not path.endswith(".cu") or os.path.exists(path):
+        if files and path in files:
+            text = files[path]
+        elif not path.endswith(".cu") or os.path.exists(path):
             cand = path if os.path.exists(path) else os.path.join(source_dir(), os.path.basename(path))
             if os.path.exists(cand):
                 with open(cand) as f:

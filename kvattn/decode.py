@@ -22,7 +22,7 @@ from ._binding import import_array
 from .memory import asarray
 from .opcore import AttentionOp, PagedKV
 from .stream import as_stream
-from .variants import Variant
+from .variants import Variant, choose as choose_variant
 
 DECODE_PARAMS = np.dtype([
     ("q", "u8"), ("k", "u8"), ("v", "u8"), ("o", "u8"), ("lse", "u8"), ("tmp_o", "u8"), ("tmp_lse", "u8"),
@@ -57,7 +57,8 @@ def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: in
     stages = stages or default_stages(head_dim)
     return KernelSpec("decode.cuh", f"kvattn::decode_kernel<{head_dim}, {mt}, {stages}, {variant.decode_type()}, "
                                     f"{_dtypes.to_ctype(dtype)}>",
-                      defines=(("KVATTN_L2_PREFETCH", int(l2_prefetch)), ("KVATTN_REFILL_FIRST", int(refill_first))))
+                      defines=(("KVATTN_L2_PREFETCH", int(l2_prefetch)), ("KVATTN_REFILL_FIRST", int(refill_first))),
+                      prelude=variant.prelude())
 
 
 def smem_bytes(head_dim: int, mt: int, stages: int | None = None) -> int:
@@ -92,8 +93,11 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
 
     # -- plan ------------------------------------------------------------------------------------
     def plan(self, page_table: PageTable, num_qo_heads, num_kv_heads, head_dim, *, q_dtype="bfloat16",
-             kv_dtype=None, sm_scale=None, window_left=-1, logits_soft_cap=0.0, stream=None):
+             kv_dtype=None, sm_scale=None, window_left=-1, logits_soft_cap=0.0, variant=None, stream=None):
         """Schedule the batch described by page_table (its host arrays are read now, not at run()).
+
+        variant: a user variant (kvattn.Variant.from_cuda); the keyword shortcuts window_left / logits_soft_cap
+        select the built-ins.
 
         The work lists reach the device by one async copy on `stream`. run() on another stream waits for that
         copy; but the next plan() rewrites the same device region, so runs on other streams must be done first.
@@ -109,15 +113,15 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
                 raise ValueError(f"page_table: batch size {batch} exceeds max_batch_size {self.max_batch_size}")
             if nnz > self.max_num_pages:
                 raise ValueError(f"page_table: {nnz} pages exceed max_num_pages {self.max_num_pages}")
+        variant = choose_variant(variant, logits_soft_cap > 0, window_left >= 0, False)
         self._bake(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, q_dtype=q_dtype,
                    page_size=page_table.page_size, sm_scale=sm_scale, window_left=window_left,
-                   logits_soft_cap=logits_soft_cap)
+                   logits_soft_cap=logits_soft_cap, variant=variant)
         num_sms = self.num_sms
         group = num_qo_heads // num_kv_heads
         tn = self.tuning
         mt = tn["m_tiles"]                  # 16-row MMA tiles per CTA; larger groups are sliced over CTAs
         zsplit = -(-group // (16 * mt))
-        variant = Variant(soft_cap=logits_soft_cap > 0, window=window_left >= 0)
         stages = tn["stages"] or default_stages(head_dim)
         smem = smem_bytes(head_dim, mt, stages)
         ctas_per_sm = tn["ctas_per_sm"] or max(1, min(3, (228 * 1024) // (smem + 1024)))

@@ -27,14 +27,18 @@ class KernelSpec:
     kernel: str                      # name expression, e.g. "kvattn::merge_states_kernel<float, 128>"
     defines: tuple = ()              # ((name, value), ...)
     options: tuple = ()              # extra NVRTC options
+    prelude: tuple = ("", "")        # (file name, source) compiled after the header: a user variant's struct
 
     def uri(self) -> str:
         d = ",".join(f"{k}={v}" for k, v in self.defines)
-        return f"{self.header}:{self.kernel}" + (f"[{d}]" if d else "")
+        p = f"+{self.prelude[0]}" if self.prelude[1] else ""
+        return f"{self.header}:{self.kernel}" + (f"[{d}]" if d else "") + p
 
     def source(self) -> str:
         lines = [f"#define {k} {v}" for k, v in self.defines]
         lines.append(f'#include "{self.header}"')
+        if self.prelude[1]:   # the snippet's errors point at its own lines
+            lines += [f'#line 1 "{self.prelude[0]}"', self.prelude[1]]
         return "\n".join(lines) + "\n"
 
     def all_options(self) -> tuple:
@@ -42,7 +46,8 @@ class KernelSpec:
 
     def compile(self, arch: str):
         """(Compiled, where): build or fetch the cubin for arch without touching the GPU."""
-        return cache.get_or_compile(self.source(), self.uri(), self.all_options(), [self.kernel], arch)
+        files = {self.prelude[0]: self.prelude[1]} if self.prelude[1] else None
+        return cache.get_or_compile(self.source(), self.uri(), self.all_options(), [self.kernel], arch, files)
 
 
 REGISTRY: dict[str, list] = {}   # op name -> [KernelSpec] of its documented default instantiations

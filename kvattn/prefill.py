@@ -40,7 +40,7 @@ from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
 from .memory import asarray
 from .opcore import AttentionOp, PagedKV, RaggedKV
 from .stream import as_stream
-from .variants import Variant
+from .variants import Variant, choose as choose_variant
 
 PREFILL_PARAMS = np.dtype([
     ("q", "u8"), ("k", "u8"), ("v", "u8"), ("o", "u8"), ("lse", "u8"), ("tmp_o", "u8"), ("tmp_lse", "u8"),
@@ -79,13 +79,14 @@ def prefill_spec(head_dim: int, cta_rows: int, variant: Variant, dtype: str) -> 
     """The mma.sync kernel (backend "sm80") of prefill.cuh."""
     wm, mt = CONFIGS[cta_rows]
     return KernelSpec("prefill.cuh", f"kvattn::prefill_kernel<{head_dim}, {wm}, {mt}, {variant.prefill_type()}, "
-                                     f"{_dtypes.to_ctype(dtype)}>", defines=tuple(TUNING.get(cta_rows, ())))
+                                     f"{_dtypes.to_ctype(dtype)}>", defines=tuple(TUNING.get(cta_rows, ())),
+                      prelude=variant.prelude())
 
 
 def sm90_spec(head_dim: int, variant: Variant, dtype: str) -> KernelSpec:
     """The wgmma kernel (backend "sm90") of prefill_sm90.cuh: 128-row query tiles, head_dim 64 or 128."""
     return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{head_dim}, {variant.prefill_type()}, "
-                                          f"{_dtypes.to_ctype(dtype)}>")
+                                          f"{_dtypes.to_ctype(dtype)}>", prelude=variant.prelude())
 
 
 def stages(head_dim: int, cta_rows: int) -> int:
@@ -176,7 +177,7 @@ class _BatchPrefill(AttentionOp):
     # -- plan ------------------------------------------------------------------------------------
     def _plan_common(self, qo_indptr, kv_lens, page_indptr, page_indices, page_size, page_shift, num_qo_heads,
                      num_kv_heads, head_dim, causal, custom_mask, mask_indptr, sm_scale, window_left,
-                     logits_soft_cap, q_dtype, kv_dtype, cta_rows, stream):
+                     logits_soft_cap, q_dtype, kv_dtype, cta_rows, stream, variant=None):
         hq, hkv, head_dim, q_dtype, window_left, cap = check_plan_args(
             num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, window_left, logits_soft_cap)
         scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else _v.as_float(sm_scale, "sm_scale")
@@ -206,10 +207,10 @@ class _BatchPrefill(AttentionOp):
             cta_rows = choose_cta_rows(packed, head_dim)
         elif cta_rows not in CONFIGS or (head_dim == 256 and cta_rows == 128):
             raise ValueError(f"cta_rows: expected one of {sorted(CONFIGS)} (not 128 with head_dim 256), got {cta_rows}")
-        variant = Variant(soft_cap=cap > 0, window=window_left >= 0, custom_mask=packed_mask is not None)
+        variant = choose_variant(variant, cap > 0, window_left >= 0, packed_mask is not None)
         self._bake(num_qo_heads=hq, num_kv_heads=hkv, head_dim=head_dim, q_dtype=q_dtype, page_size=page_size,
                    sm_scale=scale, causal=causal, window_left=window_left, logits_soft_cap=cap,
-                   custom_mask=packed_mask is not None, cta_rows=cta_rows)
+                   custom_mask=packed_mask is not None, cta_rows=cta_rows, variant=variant)
         cfg = launch_config(self.backend, head_dim, cta_rows, variant, q_dtype)
         kernel = get_kernel(cfg.spec)
         kernel._allow_smem(cfg.smem)   # now, not during a graph capture
@@ -337,13 +338,14 @@ class BatchPrefillWithPagedKVCache(_BatchPrefill):
 
     def plan(self, qo_indptr, page_table: PageTable, num_qo_heads, num_kv_heads, head_dim, *, causal=False,
              custom_mask=None, mask_indptr=None, sm_scale=None, window_left=-1, logits_soft_cap=0.0,
-             q_dtype="bfloat16", kv_dtype=None, cta_rows=None, stream=None):
+             q_dtype="bfloat16", kv_dtype=None, cta_rows=None, variant=None, stream=None):
         """Schedule the batch (host arrays are read now, not at run()).
 
         qo_indptr: int [B + 1] (query rows of request i are q[qo_indptr[i]:qo_indptr[i + 1]]); page_table: a
         kvattn.PageTable of B requests. custom_mask: bool (flat [sum(qo_i * kv_i)], row-major per request, or a
         list of [qo_i, kv_i]) or bit-packed uint8 with mask_indptr (byte offsets, [B + 1]); True = keep.
-        cta_rows: override the query tile (16, 64, 128; for tuning).
+        cta_rows: override the query tile (16, 64, 128; for tuning). variant: a user variant
+        (kvattn.Variant.from_cuda); the keyword shortcuts select the built-ins.
         """
         if not isinstance(page_table, PageTable):
             raise TypeError(f"page_table: expected a kvattn.PageTable, got {type(page_table).__name__}")
@@ -353,7 +355,7 @@ class BatchPrefillWithPagedKVCache(_BatchPrefill):
         return self._plan_common(qo_indptr, page_table.kv_lens.astype(np.int64), page_table.indptr,
                                  page_table.indices, ps, shift, num_qo_heads, num_kv_heads, head_dim, causal,
                                  custom_mask, mask_indptr, sm_scale, window_left, logits_soft_cap, q_dtype,
-                                 kv_dtype, cta_rows, stream)
+                                 kv_dtype, cta_rows, stream, variant)
 
     def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None):
         """q: [qo_indptr[-1], Hq, D]; caches [pages, page_size, Hkv, D] ("NHD") / [pages, Hkv, page_size, D]
@@ -379,7 +381,7 @@ class BatchPrefillWithRaggedKVCache(_BatchPrefill):
 
     def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, *, causal=False,
              custom_mask=None, mask_indptr=None, sm_scale=None, window_left=-1, logits_soft_cap=0.0,
-             q_dtype="bfloat16", kv_dtype=None, cta_rows=None, stream=None):
+             q_dtype="bfloat16", kv_dtype=None, cta_rows=None, variant=None, stream=None):
         """qo_indptr, kv_indptr: int [B + 1]. Other arguments as BatchPrefillWithPagedKVCache.plan."""
         qo_indptr = _v.as_indptr(qo_indptr, "qo_indptr")
         kv_indptr = _v.as_indptr(kv_indptr, "kv_indptr", length=qo_indptr.size)
@@ -390,7 +392,7 @@ class BatchPrefillWithRaggedKVCache(_BatchPrefill):
         return self._plan_common(qo_indptr, kv_lens, np.arange(b + 1, dtype=np.int32), kv_indptr[:-1],
                                  1 << RAGGED_PAGE_SHIFT, RAGGED_PAGE_SHIFT, num_qo_heads, num_kv_heads, head_dim,
                                  causal, custom_mask, mask_indptr, sm_scale, window_left, logits_soft_cap, q_dtype,
-                                 kv_dtype, cta_rows, stream)
+                                 kv_dtype, cta_rows, stream, variant)
 
     def run(self, q, k, v, out=None, lse=None, return_lse=False, stream=None):
         """q: [qo_indptr[-1], Hq, D]; k, v: [kv_indptr[-1], Hkv, D] ("NHD") or [Hkv, kv_indptr[-1], D] ("HND").

@@ -41,6 +41,11 @@ def specs():
                         out.append(pf.prefill_spec(d, rows, v, t))
             for d in pf.SM90_HEAD_DIMS:
                 out.append(pf.sm90_spec(d, v, t))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from _user_variants import EVEN_KEYS, HALF_LOGITS   # the GPU tests' user variants
+    for v in (HALF_LOGITS, EVEN_KEYS):
+        out += [decode.decode_spec(d, 1, v, "bfloat16") for d in (64, 128)]
+        out += [pf.prefill_spec(128, rows, v, "bfloat16") for rows in pf.CONFIGS] + [pf.sm90_spec(128, v, "bfloat16")]
     return list(dict.fromkeys(out))
 
 

@@ -1,0 +1,91 @@
+"""GPU tests of user variants (written through kvattn.Variant.from_cuda only) in decode and prefill (both backends),
+against the float64 reference: HalfLogits is the reference with sm_scale / 2, EvenKeys the reference with a
+custom mask of the even kv positions."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import kvattn
+from kvattn import _dtypes, reference
+from _gpu import assert_lse, poisoned, rel_l2, requires_gpu
+from _prefill_ref import allowed
+from _user_variants import EVEN_KEYS, HALF_LOGITS
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+GPU = settings(max_examples=50, deadline=None)
+BF = _dtypes.to_numpy("bfloat16")
+
+
+def _even(qo, kv):
+    return np.broadcast_to((np.arange(kv) % 2 == 0)[None, :], (qo, kv))
+
+
+@GPU
+@given(data=st.data(), seed=st.integers(0, 2**31))
+def test_decode_user_variants_match_reference(data, seed):
+    rng = np.random.default_rng(seed)
+    lens = data.draw(st.lists(st.integers(1, 3000), min_size=1, max_size=24), "kv_lens")
+    group = data.draw(st.sampled_from([1, 4, 8]), "group")
+    hkv, d = data.draw(st.sampled_from([1, 2, 4]), "hkv"), data.draw(st.sampled_from([64, 128]), "d")
+    which = data.draw(st.sampled_from(["half_logits", "even_keys"]), "variant")
+    hq, page = hkv * group, 16
+    pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), page, rng=rng)
+    shape = (pt.num_pages_used, page, hkv, d)
+    k, v = rng.standard_normal(shape).astype(BF), rng.standard_normal(shape).astype(BF)
+    q = rng.standard_normal((len(lens), hq, d)).astype(BF)
+    variant = HALF_LOGITS if which == "half_logits" else EVEN_KEYS
+    w = kvattn.BatchDecodeWithPagedKVCache()
+    w.plan(pt, hq, hkv, d, variant=variant)
+    out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
+    w.run(q, k, v, out=out, lse=lse)
+    ind = np.arange(len(lens) + 1)
+    if which == "half_logits":
+        ro, rl = reference.batch_attention_paged(q, k, v, ind, pt, sm_scale=0.5 / np.sqrt(d), return_lse=True)
+    else:
+        masks = [_even(1, n) for n in lens]
+        ro, rl = reference.batch_attention_paged(q, k, v, ind, pt, custom_mask=masks, return_lse=True)
+    got = out.numpy()
+    for i in range(len(lens)):
+        assert rel_l2(got[i], ro[i]) <= 1e-2, f"request {i}"
+    assert_lse(lse.numpy(), rl, 1e-2)
+
+
+@GPU
+@given(data=st.data(), seed=st.integers(0, 2**31))
+def test_prefill_user_variants_match_reference(data, seed):
+    rng = np.random.default_rng(seed)
+    b = data.draw(st.integers(1, 4), "batch")
+    qo = data.draw(st.lists(st.integers(1, 300), min_size=b, max_size=b), "qo")
+    extra = data.draw(st.lists(st.integers(0, 700), min_size=b, max_size=b), "prefix")
+    kv = [a + e for a, e in zip(qo, extra)]
+    backend = data.draw(st.sampled_from(["sm80", "sm90", "auto"]), "backend")
+    which = data.draw(st.sampled_from(["half_logits", "even_keys"]), "variant")
+    causal = data.draw(st.booleans(), "causal")
+    hkv, group, d = 2, 4, 128
+    hq = hkv * group
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)
+    q = rng.standard_normal((qo_indptr[-1], hq, d)).astype(BF)
+    k = rng.standard_normal((kv_indptr[-1], hkv, d)).astype(BF)
+    v = rng.standard_normal((kv_indptr[-1], hkv, d)).astype(BF)
+    variant = HALF_LOGITS if which == "half_logits" else EVEN_KEYS
+    w = kvattn.BatchPrefillWithRaggedKVCache(backend=backend)
+    cta_rows = 128 if backend == "sm90" else None
+    w.plan(qo_indptr, kv_indptr, hq, hkv, d, causal=causal, variant=variant, cta_rows=cta_rows)
+    out = poisoned(q.shape, "bfloat16")
+    lse = poisoned(q.shape[:2], "float32")
+    w.run(q, k, v, out=out, lse=lse)
+    got, got_lse = out.numpy(), lse.numpy()
+    for i in range(b):
+        qs, ks = slice(qo_indptr[i], qo_indptr[i + 1]), slice(kv_indptr[i], kv_indptr[i + 1])
+        rows = np.arange(qo[i])
+        mask = allowed(qo[i], kv[i], rows, causal, -1)
+        scale = 1 / np.sqrt(d)
+        if which == "half_logits":
+            scale *= 0.5
+        else:
+            mask &= _even(qo[i], kv[i])
+        ro, rl = reference.attention(q[qs].astype(np.float64), k[ks].astype(np.float64), v[ks].astype(np.float64),
+                                     sm_scale=scale, custom_mask=mask, return_lse=True)
+        assert rel_l2(got[qs], ro) <= 1e-2, f"request {i}"
+        assert_lse(got_lse[qs], rl, 1e-2)
