@@ -286,3 +286,42 @@ def test_cupy_inputs_float16():
     o = w.run(cp.asarray(q), cp.asarray(k), cp.asarray(v))
     got = cp.asarray(o).get()
     assert _rel_rows(got, ref) <= 2e-3
+
+
+def _framework_inputs(kind, q, k, v):
+    """(q, k, v) as CuPy or JAX bfloat16 arrays on the GPU (views of torch tensors holding the data)."""
+    tq, tk, tv = _torch(q), _torch(k), _torch(v)
+    torch.cuda.synchronize()
+    if kind == "cupy":
+        cp = pytest.importorskip("cupy", reason="CuPy is not installed")
+        return tuple(cp.from_dlpack(t) for t in (tq, tk, tv)), (tq, tk, tv)
+    jax_dlpack = pytest.importorskip("jax.dlpack", reason="JAX is not installed")
+    try:
+        arrays = tuple(jax_dlpack.from_dlpack(t) for t in (tq, tk, tv))
+    except Exception as exc:   # a JAX without a GPU backend
+        pytest.skip(f"JAX cannot view CUDA tensors here: {exc.__class__.__name__}: {exc}")
+    return arrays, (tq, tk, tv)
+
+
+@pytest.mark.parametrize("kind", ["cupy", "jax"])
+def test_decode_and_prefill_with_bfloat16_framework_arrays(kind):
+    """CuPy (bfloat16 through __cuda_array_interface__ and the array's numpy dtype) and JAX (computed arrays through
+    their buffer pointer) in, out=None, against the reference."""
+    rng = np.random.default_rng()
+    pt, q, k, v, ref = _decode_case(rng, [700, 33, 2048])
+    (fq, fk, fv), keep = _framework_inputs(kind, q, k, v)
+    w = kvattn.BatchDecodeWithPagedKVCache()
+    w.plan(pt, HQ, HKV, D)
+    assert _rel_rows(w.run(fq, fk, fv).numpy(), ref) <= 1e-2
+    qo = np.array([0, 40, 41], np.int32)
+    kvp = np.array([0, 300, 301], np.int32)
+    qp = rng.standard_normal((41, HQ, D)).astype(BF)
+    kp, vp = (rng.standard_normal((301, HKV, D)).astype(BF) for _ in range(2))
+    (fq, fk, fv), keep2 = _framework_inputs(kind, qp, kp, vp)
+    p = kvattn.BatchPrefillWithRaggedKVCache()
+    p.plan(qo, kvp, HQ, HKV, D, causal=True)
+    got = p.run(fq, fk, fv).numpy()
+    for i in range(2):
+        ro, _ = request_ref(qp[qo[i]:qo[i + 1]], kp[kvp[i]:kvp[i + 1]], vp[kvp[i]:kvp[i + 1]], np.arange(qo[i + 1] - qo[i]),
+                            True, -1, 0.0, 1 / np.sqrt(D))
+        assert rel_l2(got[qo[i]:qo[i + 1]], ro) <= 1e-2
