@@ -8,6 +8,7 @@ export KVATTN_CACHE_DIR=${KVATTN_CACHE_DIR:-.kvcache}
 python3 -m pytest tests -q -x -m gpu -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 python3 -m kvattn 2>&1 | tee "$OUT/main.log" | tail -12
 python3 scripts/example_transformers.py 2>&1 | tee "$OUT/example.log" | tail -6
+python3 scripts/example_variant.py 2>&1 | tee "$OUT/example_variant.log" | tail -6
 python3 scripts/bench_launch.py 2>&1 | tee "$OUT/launch.log" | tail -6
 python3 scripts/bench_merge.py 2>&1 | tee "$OUT/merge.log" | tail -5
 python3 scripts/bench_decode.py ${BENCH_ARGS:-} --json "$OUT/decode.jsonl" 2>&1 | tee "$OUT/decode.log" | tail -25
