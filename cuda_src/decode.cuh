@@ -37,6 +37,7 @@ struct DecodeParams {
   int window_left, z_split;
   float score_scale;           // log2(e) * sm_scale, or sm_scale / cap with a soft cap
   float cap_log2;              // log2(e) * cap (soft cap only)
+  const float* variant_data;   // the variant's parameters (ALiBi: slopes [Hq]), may be null
 };
 
 template <int D, int M_TILES, int STAGES_, class V, typename T>
@@ -170,7 +171,7 @@ struct DecodeKernel {
 
       if (cons.t0 == cons.begin) {  // a new item: reset the running state
         reset_state(o, m, l);
-        if (VariantTraits<V>::kMasks) {   // the row's diagonal (kv_len - 1) for the masks
+        if (VariantTraits<V>::kNeedsDiag) {   // the row's diagonal (kv_len - 1) for masks and positions
           const int np = p.page_indptr[cons.req + 1] - p.page_indptr[cons.req];
           kv_len = np == 0 ? 0 : (np - 1) * p.page_size + p.last_page_len[cons.req];
         }
@@ -205,6 +206,11 @@ struct DecodeKernel {
         Mma<T>::run(s[1], a, b[2], b[3]);
       }
       // Scores -> log2 domain, masks, online softmax over the thread's two rows (g, g+8).
+      float rc[2] = {0.f, 0.f};   // the variant's per-row constants (rows are query heads head0 + row)
+      if constexpr (V::kPositional) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) rc[r] = V::row_init(p, min(head0 + mt * 16 + lane / 4 + 8 * r, p.num_qo_heads - 1));
+      }
       float mx[2] = {KVATTN_NEG_INF, KVATTN_NEG_INF};
 #pragma unroll
       for (int nb = 0; nb < 2; ++nb)
@@ -212,6 +218,7 @@ struct DecodeKernel {
         for (int e = 0; e < 4; ++e) {
           const int tok = c.t0 + tw + nb * 8 + 2 * (lane % 4) + (e & 1);
           float x = V::logits(p, s[nb][e] * p.score_scale);
+          if constexpr (V::kPositional) x = V::logits_at(p, x, tok, kv_len - 1, rc[e >> 1]);
           bool ok = tok < c.end;
           if (V::kWindow) ok = ok && (p.window_left < 0 || tok >= kv_len - 1 - p.window_left);
           if (V::kKeep) ok = ok && V::keep(p, tok, kv_len - 1);

@@ -41,6 +41,7 @@ struct PrefillParams {
   int num_qo_heads, group_size, page_size, page_shift, causal, window_left;
   float score_scale;           // log2(e) * sm_scale, or sm_scale / cap with a soft cap
   float cap_log2;              // log2(e) * cap (soft cap only)
+  const float* variant_data;   // the variant's parameters (ALiBi: slopes [Hq]), may be null
 };
 
 template <int D, int WARPS_M, int MT, class V, typename T>
@@ -149,8 +150,10 @@ struct PrefillKernel {
 
   // Score of kv token j for a row of query token tok: log2 domain, soft cap, masks (-inf when masked).
   template <bool MASK, bool FOLD>
-  __device__ __forceinline__ static float score(const PrefillParams& p, const Item& it, float s, int j, int tok) {
+  __device__ __forceinline__ static float score(const PrefillParams& p, const Item& it, float s, int j, int tok,
+                                                float rc = 0.f) {
     float x = V::logits(p, FOLD ? s : s * p.score_scale);
+    if constexpr (V::kPositional) x = V::logits_at(p, x, j, it.delta + tok, rc);
     if (MASK) {
       const int lim = it.delta + tok;   // the diagonal of this row
       bool ok = j < it.ke;
@@ -168,6 +171,23 @@ struct PrefillKernel {
     return x;
   }
 
+  // The variant's per-row constants of this thread's rows (kPositional only): packed row pr is query head
+  // kvh * group + pr % group.
+  template <int NM>
+  __device__ __forceinline__ static void row_consts(const PrefillParams& p, const Item& it, int kvh, int first_row,
+                                                    int lane, float (&rc)[NM][2]) {
+#pragma unroll
+    for (int mt = 0; mt < NM; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        rc[mt][r] = 0.f;
+        if constexpr (V::kPositional) {
+          const int pr = it.row0 + min(first_row + mt * 16 + lane / 4 + 8 * r, it.nrows - 1);
+          rc[mt][r] = V::row_init(p, kvh * p.group_size + pr % p.group_size);
+        }
+      }
+  }
+
   // Whether the tile of `tile` tokens starting at kv index t0 needs the masked path for some row of the item.
   __device__ __forceinline__ static bool needs_mask(const PrefillParams& p, const Item& it, int t0, int tile) {
     bool need = V::kCustomMask || t0 + tile > it.ke;
@@ -180,7 +200,8 @@ struct PrefillKernel {
   // One 64-token tile (t0 = its first kv index) for this warp's rows and token slice.
   template <bool MASK, int STEP>
   __device__ __forceinline__ static void compute(const PrefillParams& p, const Item& it, const T* qs, const T* ks,
-                                                 int t0, const int (&tokr)[MT][2], const unsigned (&qf)[QF][4], int lane,
+                                                 int t0, const int (&tokr)[MT][2], const float (&rc)[MT][2],
+                                                 const unsigned (&qf)[QF][4], int lane,
                                                  int warp_m, int warp_n, float (&o)[MT][CHUNKS][4], float (&m)[MT][2],
                                                  float (&l)[MT][2]) {
     constexpr int NB = STEP / 8;
@@ -228,7 +249,7 @@ struct PrefillKernel {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float x = score<MASK, FOLD>(p, it, s[mt][nb][e], t0 + tw + nb * 8 + 2 * (lane % 4) + (e & 1),
-                                              tokr[mt][e >> 1]);
+                                              tokr[mt][e >> 1], rc[mt][e >> 1]);
             s[mt][nb][e] = x;
             mx[e >> 1] = fmaxf(mx[e >> 1], x);
           }
@@ -378,6 +399,8 @@ struct PrefillKernel {
         const int row = min((warp_m * MT + mt) * 16 + lane / 4 + 8 * r, it.nrows - 1);
         tokr[mt][r] = (it.row0 + row) / p.group_size;
       }
+    float rc[MT][2];
+    row_consts(p, it, kvh, warp_m * MT * 16, lane, rc);
     float o[MT][CHUNKS][4];
     float m[MT][2], l[MT][2];
     reset_state(o, m, l);
@@ -422,12 +445,12 @@ struct PrefillKernel {
 #pragma unroll
             for (int r = 0; r < 2; ++r)
               tk[mt][r] = (row0 + min((warp_m * MT + mt) * 16 + lane / 4 + 8 * r, nrows - 1)) / p.group_size;
-          compute<true, SUBN>(p, it, qs, ks, t0, tk, qf, lane, warp_m, warp_n, o, m, l);
+          compute<true, SUBN>(p, it, qs, ks, t0, tk, rc, qf, lane, warp_m, warp_n, o, m, l);
         } else {
-          compute<true, SUBN>(p, it, qs, ks, t0, tokr, qf, lane, warp_m, warp_n, o, m, l);
+          compute<true, SUBN>(p, it, qs, ks, t0, tokr, rc, qf, lane, warp_m, warp_n, o, m, l);
         }
       } else {
-        compute<false, SUBN_FAST>(p, it, qs, ks, t0, tokr, qf, lane, warp_m, warp_n, o, m, l);
+        compute<false, SUBN_FAST>(p, it, qs, ks, t0, tokr, rc, qf, lane, warp_m, warp_n, o, m, l);
       }
       if (pf_on) offs[((nt + 1) & 1) * TILE + tid] = pf;
     }

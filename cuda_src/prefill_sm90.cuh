@@ -94,15 +94,15 @@ struct PrefillSm90 {
   // `scale` is the factor O must be multiplied by.
   template <bool MASK>
   __device__ __forceinline__ static void softmax(const PrefillParams& p, const Item& it, float (&s)[SN], int t0,
-                                                 const int (&tok)[2], int lane, float (&m)[1][2], float (&l)[1][2],
-                                                 float (&scale)[2]) {
+                                                 const int (&tok)[2], const float (&rc)[2], int lane,
+                                                 float (&m)[1][2], float (&l)[1][2], float (&scale)[2]) {
     float mx[2] = {KVATTN_NEG_INF, KVATTN_NEG_INF};
 #pragma unroll
     for (int nb = 0; nb < N / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float x = Base::template score<MASK, false>(p, it, s[4 * nb + e], t0 + nb * 8 + 2 * (lane % 4) + (e & 1),
-                                                          tok[e >> 1]);
+                                                          tok[e >> 1], rc[e >> 1]);
         s[4 * nb + e] = x;
         mx[e >> 1] = fmaxf(mx[e >> 1], x);
       }
@@ -124,10 +124,10 @@ struct PrefillSm90 {
   }
 
   __device__ __forceinline__ static void softmax_tile(const PrefillParams& p, const Item& it, float (&s)[SN], int t0,
-                                                      const int (&tok)[2], int lane, float (&m)[1][2],
-                                                      float (&l)[1][2], float (&scale)[2]) {
-    if (Base::needs_mask(p, it, t0, N)) softmax<true>(p, it, s, t0, tok, lane, m, l, scale);
-    else softmax<false>(p, it, s, t0, tok, lane, m, l, scale);
+                                                      const int (&tok)[2], const float (&rc)[2], int lane,
+                                                      float (&m)[1][2], float (&l)[1][2], float (&scale)[2]) {
+    if (Base::needs_mask(p, it, t0, N)) softmax<true>(p, it, s, t0, tok, rc, lane, m, l, scale);
+    else softmax<false>(p, it, s, t0, tok, rc, lane, m, l, scale);
   }
 
   // P (the probabilities in s) as the A fragments of the k16 steps of P V.
@@ -168,6 +168,8 @@ struct PrefillSm90 {
     int tok[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) tok[r] = (it.row0 + min(cw * 16 + lane / 4 + 8 * r, it.nrows - 1)) / p.group_size;
+    float rc[1][2];   // the variant's per-row constants (kPositional)
+    Base::row_consts(p, it, kvh, cw * 16, lane, rc);
     float o[1][CHUNKS][4];
     float m[1][2], l[1][2];
     reset_state(o, m, l);
@@ -188,7 +190,7 @@ struct PrefillSm90 {
       their_turn(cwg);
       wgmma_wait<0>();
       fence_regs(s);
-      softmax_tile(p, it, s, it.kb, tok, lane, m, l, sc);
+      softmax_tile(p, it, s, it.kb, tok, rc[0], lane, m, l, sc);
 
       for (int ti = 0; ti + 1 < ntiles; ++ti) {
         const int nxt = ti + 1;
@@ -203,7 +205,7 @@ struct PrefillSm90 {
         their_turn(cwg);
         wgmma_wait<1>();
         fence_regs(s);
-        softmax_tile(p, it, s, it.kb + nxt * N, tok, lane, m, l, sc);
+        softmax_tile(p, it, s, it.kb + nxt * N, tok, rc[0], lane, m, l, sc);
         wgmma_wait<0>();
         fence_regs(acc);
         if (lane == 0) mbar_arrive(&empty[ti % STAGES]);   // this warp is done with tile ti's stage

@@ -22,7 +22,7 @@ from ._binding import import_array
 from .memory import asarray
 from .opcore import AttentionOp, PagedKV
 from .stream import as_stream
-from .variants import Variant, choose as choose_variant
+from .variants import Variant, check_alibi_slopes, choose as choose_variant
 
 DECODE_PARAMS = np.dtype([
     ("q", "u8"), ("k", "u8"), ("v", "u8"), ("o", "u8"), ("lse", "u8"), ("tmp_o", "u8"), ("tmp_lse", "u8"),
@@ -32,7 +32,7 @@ DECODE_PARAMS = np.dtype([
     ("off_chunk_indptr", "i4"), ("off_work_req", "i4"), ("off_work_begin", "i4"), ("off_work_end", "i4"),
     ("off_work_partial", "i4"),
     ("num_qo_heads", "i4"), ("group_size", "i4"), ("page_size", "i4"), ("page_shift", "i4"), ("window_left", "i4"),
-    ("z_split", "i4"), ("score_scale", "f4"), ("cap_log2", "f4"),
+    ("z_split", "i4"), ("score_scale", "f4"), ("cap_log2", "f4"), ("variant_data", "u8"),
 ], align=True)
 
 THREADS = 128
@@ -93,11 +93,13 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
 
     # -- plan ------------------------------------------------------------------------------------
     def plan(self, page_table: PageTable, num_qo_heads, num_kv_heads, head_dim, *, q_dtype="bfloat16",
-             kv_dtype=None, sm_scale=None, window_left=-1, logits_soft_cap=0.0, variant=None, stream=None):
+             kv_dtype=None, sm_scale=None, window_left=-1, logits_soft_cap=0.0, alibi_slopes=None, variant=None,
+             stream=None):
         """Schedule the batch described by page_table (its host arrays are read now, not at run()).
 
-        variant: a user variant (kvattn.Variant.from_cuda); the keyword shortcuts window_left / logits_soft_cap
-        select the built-ins.
+        alibi_slopes: float [num_qo_heads] (ALiBi: s += slope[h] * (j - (kv_len - 1)), natural-log units).
+        variant: a user variant (kvattn.Variant.from_cuda); the keyword shortcuts window_left / logits_soft_cap /
+        alibi_slopes select the built-ins.
 
         The work lists reach the device by one async copy on `stream`. run() on another stream waits for that
         copy; but the next plan() rewrites the same device region, so runs on other streams must be done first.
@@ -113,7 +115,8 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
                 raise ValueError(f"page_table: batch size {batch} exceeds max_batch_size {self.max_batch_size}")
             if nnz > self.max_num_pages:
                 raise ValueError(f"page_table: {nnz} pages exceed max_num_pages {self.max_num_pages}")
-        variant = choose_variant(variant, logits_soft_cap > 0, window_left >= 0, False)
+        slopes = check_alibi_slopes(alibi_slopes, num_qo_heads)
+        variant = choose_variant(variant, logits_soft_cap > 0, window_left >= 0, False, slopes is not None)
         self._bake(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, q_dtype=q_dtype,
                    page_size=page_table.page_size, sm_scale=sm_scale, window_left=window_left,
                    logits_soft_cap=logits_soft_cap, variant=variant)
@@ -140,7 +143,8 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         off_indptr = _round4(plan_cap)
         off_indices = off_indptr + _round4(cap_b + 1)
         off_last = off_indices + _round4(max(cap_p, 1))
-        total_i32 = off_last + _round4(max(cap_b, 1))
+        off_slopes = off_last + _round4(max(cap_b, 1))        # the variant's data (ALiBi slopes, float32)
+        total_i32 = off_slopes + (_round4(num_qo_heads) if slopes is not None else 0)
         host_bytes = self._stage(total_i32 * 4)
         host = host_bytes.view(np.int32)
         plan = scheduler.plan_decode(
@@ -151,6 +155,8 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         host[off_indptr:off_indptr + batch + 1] = page_table.indptr
         host[off_indices:off_indices + nnz] = page_table.indices
         host[off_last:off_last + batch] = page_table.last_page_len
+        if slopes is not None:
+            host[off_slopes:off_slopes + num_qo_heads] = slopes.view(np.int32)
 
         max_partial = (layout.max_work if layout else max(plan.num_partial_rows, 1))
         regions = {
@@ -173,7 +179,7 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
               page_shift=(page_size.bit_length() - 1) if page_size & (page_size - 1) == 0 else -1,
               window_left=window_left, z_split=zsplit,
               score_scale=(scale / logits_soft_cap) if logits_soft_cap > 0 else scale * LOG2E,
-              cap_log2=logits_soft_cap * LOG2E)
+              cap_log2=logits_soft_cap * LOG2E, variant_data=base + off_slopes * 4 if slopes is not None else 0)
         merge_rows = L.max_merge if self.use_cuda_graph else plan.num_merge
         merge, mp = self._merge_launch(merge_rows, dev["tmp_o"], dev["tmp_lse"], base, L.merge_indptr, L.merge_req,
                                        num_qo_heads, head_dim, plan.num_merge, q_dtype)

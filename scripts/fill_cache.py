@@ -41,6 +41,12 @@ def specs():
                         out.append(pf.prefill_spec(d, rows, v, t))
             for d in pf.SM90_HEAD_DIMS:
                 out.append(pf.sm90_spec(d, v, t))
+    for d in decode.HEAD_DIMS:   # ALiBi (the GPU tests and scripts/bench_variants.py)
+        for v in (Variant(alibi=True), Variant(window=True, alibi=True)):
+            out.append(decode.decode_spec(d, 1, v, "bfloat16"))
+    for d in (64, 128):
+        out += [pf.prefill_spec(d, rows, Variant(alibi=True), "bfloat16") for rows in pf.CONFIGS]
+        out.append(pf.sm90_spec(d, Variant(alibi=True), "bfloat16"))
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from _user_variants import EVEN_KEYS, HALF_LOGITS   # the GPU tests' user variants
     for v in (HALF_LOGITS, EVEN_KEYS):

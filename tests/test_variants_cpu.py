@@ -57,3 +57,29 @@ def test_graph_mode_bakes_the_variant():
         w._baked = w._pending_bake
     with pytest.raises(ValueError, match="in graph mode variant is baked"):
         w.plan(pt, 8, 2, 128, variant=EVEN_KEYS)
+
+
+def test_alibi_compiles_into_every_kernel_without_spills():
+    v = Variant(alibi=True)
+    assert v.decode_type() == "kvattn::Builtin<false, false, false, true>"
+    specs = [decode.decode_spec(d, 1, v, "bfloat16") for d in (64, 128, 256)]
+    specs += [prefill.sm90_spec(d, v, "bfloat16") for d in (64, 128)]
+    specs += [prefill.prefill_spec(128, r, v, "bfloat16") for r in (128, 64, 16)] + [prefill.prefill_spec(256, 64, v, "bfloat16")]
+    for spec in specs:
+        compiled, _ = spec.compile(ARCH)
+        for name, r in compiled.resources.items():
+            assert r.spills == 0 and r.stack_frame == 0, (spec.uri(), r)
+
+
+def test_alibi_slopes_are_validated_before_any_gpu_call():
+    import numpy as np
+    w = kvattn.BatchDecodeWithPagedKVCache(num_sms=132)
+    pt = kvattn.PageTable.from_kv_lens([30, 5], 16, rng=0)
+    with pytest.raises(ValueError, match=r"alibi_slopes: expected shape \(8,\)"):
+        w.plan(pt, 8, 2, 128, alibi_slopes=np.ones(4))
+    with pytest.raises(TypeError, match="alibi_slopes: expected a float array"):
+        w.plan(pt, 8, 2, 128, alibi_slopes=np.array(["a"] * 8))
+    with pytest.raises(ValueError, match="alibi_slopes: must be finite"):
+        w.plan(pt, 8, 2, 128, alibi_slopes=np.full(8, np.nan))
+    with pytest.raises(ValueError, match="cannot be combined with .* alibi_slopes"):
+        w.plan(pt, 8, 2, 128, alibi_slopes=np.ones(8), variant=HALF_LOGITS)

@@ -89,3 +89,67 @@ def test_prefill_user_variants_match_reference(data, seed):
                                      sm_scale=scale, custom_mask=mask, return_lse=True)
         assert rel_l2(got[qs], ro) <= 1e-2, f"request {i}"
         assert_lse(got_lse[qs], rl, 1e-2)
+
+
+def _slopes(hq):
+    """ALiBi's geometric slopes 2^(-8 (h + 1) / Hq)."""
+    return 2.0 ** (-8.0 * (np.arange(hq) + 1) / hq)
+
+
+@GPU
+@given(data=st.data(), seed=st.integers(0, 2**31))
+def test_decode_alibi_matches_reference(data, seed):
+    rng = np.random.default_rng(seed)
+    lens = data.draw(st.lists(st.integers(1, 3000), min_size=1, max_size=24), "kv_lens")
+    group = data.draw(st.sampled_from([1, 4, 8, 32]), "group")
+    hkv, d = data.draw(st.sampled_from([1, 2]), "hkv"), data.draw(st.sampled_from([64, 128, 256]), "d")
+    window = data.draw(st.sampled_from([-1, 100]), "window_left")
+    hq, page = hkv * group, 16
+    pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), page, rng=rng)
+    shape = (pt.num_pages_used, page, hkv, d)
+    k, v = rng.standard_normal(shape).astype(BF), rng.standard_normal(shape).astype(BF)
+    q = rng.standard_normal((len(lens), hq, d)).astype(BF)
+    slopes = _slopes(hq)
+    w = kvattn.BatchDecodeWithPagedKVCache()
+    w.plan(pt, hq, hkv, d, alibi_slopes=slopes, window_left=window)
+    out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
+    w.run(q, k, v, out=out, lse=lse)
+    ro, rl = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1), pt, alibi_slopes=slopes,
+                                             window_left=window, return_lse=True)
+    got = out.numpy()
+    for i in range(len(lens)):
+        assert rel_l2(got[i], ro[i]) <= 1e-2, f"request {i}"
+    assert_lse(lse.numpy(), rl, 1e-2)
+
+
+@GPU
+@given(data=st.data(), seed=st.integers(0, 2**31))
+def test_prefill_alibi_matches_reference(data, seed):
+    rng = np.random.default_rng(seed)
+    b = data.draw(st.integers(1, 4), "batch")
+    qo = data.draw(st.lists(st.integers(1, 300), min_size=b, max_size=b), "qo")
+    extra = data.draw(st.lists(st.integers(0, 700), min_size=b, max_size=b), "prefix")
+    kv = [a + e for a, e in zip(qo, extra)]
+    backend = data.draw(st.sampled_from(["sm80", "sm90", "auto"]), "backend")
+    causal = data.draw(st.booleans(), "causal")
+    d = data.draw(st.sampled_from([64, 128]), "d")
+    hkv, group = 2, data.draw(st.sampled_from([1, 4, 8]), "group")
+    hq = hkv * group
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)
+    q = rng.standard_normal((qo_indptr[-1], hq, d)).astype(BF)
+    k = rng.standard_normal((kv_indptr[-1], hkv, d)).astype(BF)
+    v = rng.standard_normal((kv_indptr[-1], hkv, d)).astype(BF)
+    slopes = _slopes(hq)
+    w = kvattn.BatchPrefillWithRaggedKVCache(backend=backend)
+    w.plan(qo_indptr, kv_indptr, hq, hkv, d, causal=causal, alibi_slopes=slopes,
+           cta_rows=128 if backend == "sm90" else None)
+    out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
+    w.run(q, k, v, out=out, lse=lse)
+    got, got_lse = out.numpy(), lse.numpy()
+    for i in range(b):
+        qs, ks = slice(qo_indptr[i], qo_indptr[i + 1]), slice(kv_indptr[i], kv_indptr[i + 1])
+        ro, rl = reference.attention(q[qs].astype(np.float64), k[ks].astype(np.float64), v[ks].astype(np.float64),
+                                     causal=causal, alibi_slopes=slopes, return_lse=True)
+        assert rel_l2(got[qs], ro) <= 1e-2, f"request {i}"
+        assert_lse(got_lse[qs], rl, 1e-2)
