@@ -93,6 +93,7 @@ __all__ = [
     "graph_layout",
     "plan_size_bound",
     "plan_decode",
+    "merge_lists",
 ]
 
 #: Fixed cost of one work item, in kv-token equivalents (query load, output or partial write,
@@ -383,6 +384,18 @@ def _iota(n: int) -> np.ndarray:
     return _IOTA[:n]
 
 
+def merge_lists(counts: np.ndarray, outputs: np.ndarray, out_indptr=None):
+    """The merge lists of a reduction of partial states (split-KV decode and prefill now; cascade levels and
+    context-parallel shards next): output row outputs[m] combines the counts[m] consecutive partial rows
+    [indptr[m], indptr[m + 1]). counts, outputs: int [M]. Returns (indptr int32 [M + 1], rows int32 [M]);
+    out_indptr: a caller's int32 [M + 1] view (e.g. the plan buffer) to write indptr into."""
+    m = len(counts)
+    indptr = np.empty(m + 1, np.int32) if out_indptr is None else out_indptr
+    indptr[0] = 0
+    np.cumsum(counts, out=indptr[1:])
+    return indptr, np.asarray(outputs, np.int32)
+
+
 def _ideal_cuts(total: int, C: int) -> np.ndarray:
     """``floor(k * total / C)`` for ``k = 1 .. C-1`` (int64, exact, no overflow)."""
     k = _iota(C)[1:]
@@ -435,9 +448,9 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
     #   C active chunks, W items; req / begin / end of the items (begin None = all zeros,
     #   starts/base set = begin is starts - base and end the next start - base);
     #   cuts = chunk_indptr[1:C] (None = 1..C-1, one item per chunk);
-    #   merge_req (None = every request), msum = merge_indptr[1:], rows, cnt (items per request
+    #   merge_req (None = every request), rows, cnt (items per request
     #   when some request has several, else None).
-    cnt = msum = starts = None
+    cnt = starts = None
     rows = 0
     if kv_max == 0:
         # Nothing to attend to: every request (if any) is an empty merge.
@@ -525,8 +538,7 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
                 cnt = np.bincount(req, minlength=B)
                 merge_req = (cnt != 1).nonzero()[0]
                 num_merge = merge_req.size
-                msum = cnt[merge_req].cumsum()
-                rows = int(msum[-1])
+                rows = int(cnt[merge_req].sum())
 
     # ---- packing into the int32 buffer ------------------------------------------------------
     graph = cfg.graph_layout is not None
@@ -580,7 +592,7 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
     elif num_merge:
         buf[layout.merge_req:layout.merge_req + num_merge] = merge_req
         if rows:
-            buf[o + 1:o + num_merge + 1] = msum
+            merge_lists(cnt[merge_req], merge_req, out_indptr=buf[o:o + num_merge + 1])
             buf[o + num_merge + 1:o + layout.max_merge + 1] = rows
     return DecodePlan(grid, W, num_merge, rows, rows > 0, B, C, cfg.gran, graph, layout, buf)
 
@@ -750,9 +762,7 @@ def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal
     mb = np.repeat(sblk, mt)
     mi = np.arange(int(mt.sum()), dtype=np.int64) - np.repeat(np.cumsum(mt) - mt, mt)
     qo_start = np.cumsum(qo) - qo
-    merge_rows = (qo_start[breq[mb]] + t0[mb] + mi).astype(np.int32)
-    merge_indptr = np.zeros(merge_rows.size + 1, np.int32)
-    np.cumsum(nchunk[mb], out=merge_indptr[1:])
+    merge_indptr, merge_rows = merge_lists(nchunk[mb], qo_start[breq[mb]] + t0[mb] + mi)
     return PrefillPlan(items, merge_indptr, merge_rows, num_partial, bool(sblk.size), int(L), tpb, nz)
 
 

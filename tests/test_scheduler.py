@@ -580,3 +580,15 @@ def test_batch_larger_than_preallocated_ranges():
 def test_decode_layout_rejects_negative():
     with pytest.raises(ValueError, match="max_work must be a non-negative int"):
         decode_layout(4, -1, 2)
+
+
+def test_merge_lists_is_the_cumulative_partial_count():
+    from kvattn.scheduler import merge_lists
+    indptr, rows = merge_lists(np.array([2, 3, 1, 4]), np.array([7, 0, 5, 9]))
+    assert indptr.dtype == np.int32 and rows.dtype == np.int32
+    assert list(indptr) == [0, 2, 5, 6, 10] and list(rows) == [7, 0, 5, 9]
+    buf = np.full(8, -5, np.int32)
+    merge_lists(np.array([1, 1]), np.array([3, 4]), out_indptr=buf[2:5])
+    assert list(buf) == [-5, -5, 0, 1, 2, -5, -5, -5]
+    empty, _ = merge_lists(np.zeros(0, np.int64), np.zeros(0, np.int64))
+    assert list(empty) == [0]
