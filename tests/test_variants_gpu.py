@@ -20,6 +20,35 @@ def _even(qo, kv):
     return np.broadcast_to((np.arange(kv) % 2 == 0)[None, :], (qo, kv))
 
 
+def _check_decode(out, lse, ro, rl):
+    got = out.numpy()
+    for i in range(ro.shape[0]):
+        assert rel_l2(got[i], ro[i]) <= 1e-2, f"request {i}"
+    assert_lse(lse.numpy(), rl, 1e-2)
+
+
+def _draw_prefill(data, rng, d, group):
+    """(qo, kv, qo_indptr, kv_indptr, q, k, v, backend, causal) of a random ragged batch (2 KV heads)."""
+    b = data.draw(st.integers(1, 4), "batch")
+    qo = data.draw(st.lists(st.integers(1, 300), min_size=b, max_size=b), "qo")
+    extra = data.draw(st.lists(st.integers(0, 700), min_size=b, max_size=b), "prefix")
+    kv = [a + e for a, e in zip(qo, extra)]
+    backend = data.draw(st.sampled_from(["sm80", "sm90", "auto"]), "backend")
+    causal = data.draw(st.booleans(), "causal")
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)
+    q = rng.standard_normal((qo_indptr[-1], 2 * group, d)).astype(BF)
+    k = rng.standard_normal((kv_indptr[-1], 2, d)).astype(BF)
+    v = rng.standard_normal((kv_indptr[-1], 2, d)).astype(BF)
+    return qo, kv, qo_indptr, kv_indptr, q, k, v, backend, causal
+
+
+def _run_prefill(w, q, k, v):
+    out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
+    w.run(q, k, v, out=out, lse=lse)
+    return out.numpy(), lse.numpy()
+
+
 @GPU
 @given(data=st.data(), seed=st.integers(0, 2**31))
 def test_decode_user_variants_match_reference(data, seed):
@@ -44,39 +73,22 @@ def test_decode_user_variants_match_reference(data, seed):
     else:
         masks = [_even(1, n) for n in lens]
         ro, rl = reference.batch_attention_paged(q, k, v, ind, pt, custom_mask=masks, return_lse=True)
-    got = out.numpy()
-    for i in range(len(lens)):
-        assert rel_l2(got[i], ro[i]) <= 1e-2, f"request {i}"
-    assert_lse(lse.numpy(), rl, 1e-2)
+    _check_decode(out, lse, ro, rl)
 
 
 @GPU
 @given(data=st.data(), seed=st.integers(0, 2**31))
 def test_prefill_user_variants_match_reference(data, seed):
     rng = np.random.default_rng(seed)
-    b = data.draw(st.integers(1, 4), "batch")
-    qo = data.draw(st.lists(st.integers(1, 300), min_size=b, max_size=b), "qo")
-    extra = data.draw(st.lists(st.integers(0, 700), min_size=b, max_size=b), "prefix")
-    kv = [a + e for a, e in zip(qo, extra)]
-    backend = data.draw(st.sampled_from(["sm80", "sm90", "auto"]), "backend")
+    d, group = 128, 4
+    qo, kv, qo_indptr, kv_indptr, q, k, v, backend, causal = _draw_prefill(data, rng, d, group)
     which = data.draw(st.sampled_from(["half_logits", "even_keys"]), "variant")
-    causal = data.draw(st.booleans(), "causal")
-    hkv, group, d = 2, 4, 128
-    hq = hkv * group
-    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
-    kv_indptr = np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)
-    q = rng.standard_normal((qo_indptr[-1], hq, d)).astype(BF)
-    k = rng.standard_normal((kv_indptr[-1], hkv, d)).astype(BF)
-    v = rng.standard_normal((kv_indptr[-1], hkv, d)).astype(BF)
     variant = HALF_LOGITS if which == "half_logits" else EVEN_KEYS
     w = kvattn.BatchPrefillWithRaggedKVCache(backend=backend)
-    cta_rows = 128 if backend == "sm90" else None
-    w.plan(qo_indptr, kv_indptr, hq, hkv, d, causal=causal, variant=variant, cta_rows=cta_rows)
-    out = poisoned(q.shape, "bfloat16")
-    lse = poisoned(q.shape[:2], "float32")
-    w.run(q, k, v, out=out, lse=lse)
-    got, got_lse = out.numpy(), lse.numpy()
-    for i in range(b):
+    w.plan(qo_indptr, kv_indptr, 2 * group, 2, d, causal=causal, variant=variant,
+           cta_rows=128 if backend == "sm90" else None)
+    got, got_lse = _run_prefill(w, q, k, v)
+    for i in range(len(qo)):
         qs, ks = slice(qo_indptr[i], qo_indptr[i + 1]), slice(kv_indptr[i], kv_indptr[i + 1])
         rows = np.arange(qo[i])
         mask = allowed(qo[i], kv[i], rows, causal, -1)
@@ -116,38 +128,22 @@ def test_decode_alibi_matches_reference(data, seed):
     w.run(q, k, v, out=out, lse=lse)
     ro, rl = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1), pt, alibi_slopes=slopes,
                                              window_left=window, return_lse=True)
-    got = out.numpy()
-    for i in range(len(lens)):
-        assert rel_l2(got[i], ro[i]) <= 1e-2, f"request {i}"
-    assert_lse(lse.numpy(), rl, 1e-2)
+    _check_decode(out, lse, ro, rl)
 
 
 @GPU
 @given(data=st.data(), seed=st.integers(0, 2**31))
 def test_prefill_alibi_matches_reference(data, seed):
     rng = np.random.default_rng(seed)
-    b = data.draw(st.integers(1, 4), "batch")
-    qo = data.draw(st.lists(st.integers(1, 300), min_size=b, max_size=b), "qo")
-    extra = data.draw(st.lists(st.integers(0, 700), min_size=b, max_size=b), "prefix")
-    kv = [a + e for a, e in zip(qo, extra)]
-    backend = data.draw(st.sampled_from(["sm80", "sm90", "auto"]), "backend")
-    causal = data.draw(st.booleans(), "causal")
     d = data.draw(st.sampled_from([64, 128]), "d")
-    hkv, group = 2, data.draw(st.sampled_from([1, 4, 8]), "group")
-    hq = hkv * group
-    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
-    kv_indptr = np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)
-    q = rng.standard_normal((qo_indptr[-1], hq, d)).astype(BF)
-    k = rng.standard_normal((kv_indptr[-1], hkv, d)).astype(BF)
-    v = rng.standard_normal((kv_indptr[-1], hkv, d)).astype(BF)
-    slopes = _slopes(hq)
+    group = data.draw(st.sampled_from([1, 4, 8]), "group")
+    qo, kv, qo_indptr, kv_indptr, q, k, v, backend, causal = _draw_prefill(data, rng, d, group)
+    slopes = _slopes(2 * group)
     w = kvattn.BatchPrefillWithRaggedKVCache(backend=backend)
-    w.plan(qo_indptr, kv_indptr, hq, hkv, d, causal=causal, alibi_slopes=slopes,
+    w.plan(qo_indptr, kv_indptr, 2 * group, 2, d, causal=causal, alibi_slopes=slopes,
            cta_rows=128 if backend == "sm90" else None)
-    out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
-    w.run(q, k, v, out=out, lse=lse)
-    got, got_lse = out.numpy(), lse.numpy()
-    for i in range(b):
+    got, got_lse = _run_prefill(w, q, k, v)
+    for i in range(len(qo)):
         qs, ks = slice(qo_indptr[i], qo_indptr[i + 1]), slice(kv_indptr[i], kv_indptr[i + 1])
         ro, rl = reference.attention(q[qs].astype(np.float64), k[ks].astype(np.float64), v[ks].astype(np.float64),
                                      causal=causal, alibi_slopes=slopes, return_lse=True)
