@@ -7,33 +7,6 @@ import struct
 K_DL_CUDA = 2
 
 
-class DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class DLManagedTensor(ctypes.Structure):
-    pass
-
-
-_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensor))
-DLManagedTensor._fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER)]
-
 # The destructor gets a raw PyObject* (refcount already 0): never turn it back into a Python object.
 _CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _api = ctypes.pythonapi
@@ -50,10 +23,13 @@ _raw_get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_
 # deleter, or the capsule dies unconsumed.
 _live: dict[int, tuple] = {}
 
-# One export is one ctypes buffer: the DLManagedTensor (DLTensor 48 bytes, manager_ctx, deleter), then the shape
-# and strides arrays it points to, packed with one struct call (ctypes Structure objects cost ~1 us each).
-_MANAGED = struct.Struct("<QiiiBBHQQQQQ")
-_SHAPES = [struct.Struct(f"<{2 * n}q") for n in range(9)]
+# A DLManagedTensor is its DLTensor (data, device type and id, ndim, dtype code / bits / lanes, shape pointer,
+# strides pointer, byte offset: 48 bytes), then manager_ctx and the deleter. Read and written with struct
+# (ctypes Structure objects cost ~1 us each); one export is one ctypes buffer holding it, then the shape and
+# strides arrays it points to.
+_DLTENSOR = struct.Struct("<QiiiBBHQQQ")
+_MANAGED = struct.Struct(_DLTENSOR.format + "QQ")   # + manager_ctx, deleter
+_I64 = [struct.Struct(f"<{n}q") for n in range(17)]
 
 
 @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -80,25 +56,13 @@ def export(ptr: int, shape, strides_elems, code: int, bits: int, owner, device_i
     dims = addr + _MANAGED.size
     _MANAGED.pack_into(buf, 0, ptr, K_DL_CUDA, device_id, ndim, code, bits, 1, dims, dims + 8 * ndim, 0, 0,
                        _DELETER_ADDR)
-    packer = _SHAPES[ndim] if ndim < len(_SHAPES) else struct.Struct(f"<{2 * ndim}q")
-    packer.pack_into(buf, _MANAGED.size, *shape, *strides_elems)
+    _int64s(2 * ndim).pack_into(buf, _MANAGED.size, *shape, *strides_elems)
     _live[addr] = (buf, owner)
     return _api.PyCapsule_New(addr, b"dltensor", _capsule_destructor)
 
 
-_raw_string_at = ctypes.string_at
-
-
-def capsule_pointer(capsule) -> int:
-    """The DLManagedTensor address held by an unconsumed 'dltensor' capsule (the capsule stays unconsumed)."""
-    if not _api.PyCapsule_IsValid(capsule, b"dltensor"):
-        raise TypeError("array: __dlpack__ did not return a 'dltensor' capsule")
-    return _api.PyCapsule_GetPointer(capsule, b"dltensor")
-
-
-def string_at(addr: int, nbytes: int) -> bytes:
-    """nbytes of host memory at addr (the DLTensor struct, its shape and strides arrays)."""
-    return _raw_string_at(addr, nbytes)
+def _int64s(n: int) -> struct.Struct:
+    return _I64[n] if n < len(_I64) else struct.Struct(f"<{n}q")
 
 
 def read(capsule):
@@ -110,8 +74,9 @@ def read(capsule):
     if not _api.PyCapsule_IsValid(capsule, b"dltensor"):
         raise TypeError("array: __dlpack__ did not return a 'dltensor' capsule")
     addr = _api.PyCapsule_GetPointer(capsule, b"dltensor")
-    t = DLManagedTensor.from_address(addr).dl_tensor
-    shape = tuple(t.shape[i] for i in range(t.ndim))
-    strides = tuple(t.strides[i] for i in range(t.ndim)) if t.strides else None
-    ptr = (t.data or 0) + t.byte_offset
-    return ptr, shape, strides, (t.dtype.code, t.dtype.bits, t.dtype.lanes), t.device.device_type, t.device.device_id
+    data, dev_type, dev_id, ndim, code, bits, lanes, shape_p, strides_p, offset = _DLTENSOR.unpack(
+        ctypes.string_at(addr, _DLTENSOR.size))
+    unpack = _int64s(ndim).unpack
+    shape = unpack(ctypes.string_at(shape_p, 8 * ndim)) if ndim else ()
+    strides = (unpack(ctypes.string_at(strides_p, 8 * ndim)) if ndim else ()) if strides_p else None
+    return (data or 0) + offset, shape, strides, (code, bits, lanes), dev_type, dev_id

@@ -40,6 +40,11 @@ def _call_unchecked_init(name: str, *args):
     return rest[0] if len(rest) == 1 else rest
 
 
+def fail(name: str, err):
+    """Raise the CudaError of a hot-path call that checked its own CUresult."""
+    raise CudaError(name, err, _error_string(err))
+
+
 def _error_string(err) -> str:
     drv = _driver_module()
     try:

@@ -18,7 +18,6 @@ caller has ordered its producers before the capture, as every framework's graph 
 """
 from __future__ import annotations
 
-import struct
 import sys
 
 import numpy as np
@@ -33,7 +32,7 @@ _strategy: dict = {}   # type -> "torch" | "cai" | "dlpack": how arrays of that 
 
 def import_array(x, stream: Stream, capturing: bool) -> DeviceArray:
     """A DeviceArray viewing x's device memory, ordered before `stream`'s next work (see the module docstring)."""
-    if type(x) is DeviceArray:
+    if type(x) is DeviceArray or isinstance(x, DeviceArray):
         w = x.stream
         if w is not None and w != stream.ptr and not capturing:
             order_after(w, stream)
@@ -58,10 +57,6 @@ def import_array(x, stream: Stream, capturing: bool) -> DeviceArray:
         _strategy[t] = "dlpack"   # e.g. bfloat16 reported as raw bytes: DLPack names the element type
     if how in ("cai", "dlpack") and hasattr(x, "__dlpack__"):
         return _from_dlpack(x, stream, capturing)
-    if isinstance(x, DeviceArray):   # a subclass
-        if x.stream is not None and x.stream != stream.ptr and not capturing:
-            order_after(x.stream, stream)
-        return x
     if isinstance(x, np.ndarray):
         if capturing:
             raise KvattnError("array: a numpy array is copied to the device, which a graph capture cannot record; "
@@ -78,7 +73,7 @@ def import_array(x, stream: Stream, capturing: bool) -> DeviceArray:
 def _choose(x) -> str:
     t = type(x)
     how = None
-    if isinstance(x, (DeviceArray, np.ndarray)):
+    if isinstance(x, np.ndarray):
         return "other"
     root = t.__module__.split(".", 1)[0]
     if root == "torch" and hasattr(x, "data_ptr") and hasattr(x, "stride"):
@@ -136,10 +131,6 @@ def _from_cai(x, cai, dtype, stream: Stream, capturing: bool) -> DeviceArray:
     return DeviceArray._make(cai["data"][0] or 0, shape, dtype, strides, x)
 
 
-def _contiguous(shape, itemsize):
-    return contiguous_strides(tuple(shape), itemsize)
-
-
 _numpy_dtypes: dict = {}
 
 
@@ -165,32 +156,21 @@ def _from_jax(x):
 
 
 # -- DLPack --------------------------------------------------------------------------------------------
-_DLTENSOR = struct.Struct("<QiiiBBHQQQ")   # data, device (type, id), ndim, dtype (code, bits, lanes), shape, strides, byte_offset
-_I64 = [struct.Struct(f"<{n}q") for n in range(9)]
-
-
 def _from_dlpack(x, stream: Stream, capturing: bool) -> DeviceArray:
     value = -1 if capturing else stream.dlpack
     try:
         capsule = x.__dlpack__(stream=value)
     except TypeError:   # producers without the stream keyword
         capsule = x.__dlpack__()
-    addr = _dlpack.capsule_pointer(capsule)
-    data, dev_type, _dev_id, ndim, code, bits, lanes, shape_p, strides_p, offset = _DLTENSOR.unpack(
-        _dlpack.string_at(addr, _DLTENSOR.size))
+    ptr, shape, strides, (code, bits, lanes), dev_type, _ = _dlpack.read(capsule)
     if dev_type != _dlpack.K_DL_CUDA:
         raise TypeError(f"array: DLPack device type {dev_type} is not CUDA ({_dlpack.K_DL_CUDA})")
     if lanes != 1:
         raise TypeError(f"array: DLPack vector lanes ({lanes}) are not supported")
     dtype = _dtypes.from_dlpack(code, bits)
-    unpack = _I64[ndim] if ndim < len(_I64) else struct.Struct(f"<{ndim}q")
-    shape = unpack.unpack(_dlpack.string_at(shape_p, 8 * ndim)) if ndim else ()
-    if strides_p:
-        it = dtype.itemsize
-        strides = tuple(s * it for s in unpack.unpack(_dlpack.string_at(strides_p, 8 * ndim)))
-    else:
-        strides = _contiguous(shape, dtype.itemsize)
-    return DeviceArray._make((data or 0) + offset, shape, dtype, strides, (x, capsule))
+    it = dtype.itemsize
+    strides = contiguous_strides(shape, it) if strides is None else tuple(s * it for s in strides)
+    return DeviceArray._make(ptr, shape, dtype, strides, (x, capsule))
 
 
 # -- torch.Tensor ----------------------------------------------------------------------------------------

@@ -20,6 +20,11 @@ PLAN_HEADER = np.dtype([
 HEADER_INT32 = PLAN_HEADER.itemsize // 4
 
 
+def align4(n: int) -> int:
+    """n int32 elements rounded up to a multiple of 4 (16 bytes): where every region of a plan buffer starts."""
+    return (n + 3) & ~3
+
+
 def index(name: str) -> int:
     """The int32 index of a header field in the plan buffer."""
     return PLAN_HEADER.fields[name][1] // 4

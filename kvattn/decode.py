@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from . import _dtypes, scheduler
+from .contract import align4
 from ._attn_args import DTYPES, HEAD_DIMS, check_plan_args
 from .formats import PageTable
 from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
@@ -140,11 +141,11 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
             cap_b, cap_p = batch, nnz
         plan_cap = layout.size if layout else scheduler.plan_size_bound(
             batch, num_kv_heads * zsplit, num_sms=num_sms, ctas_per_sm=ctas_per_sm)
-        off_indptr = _round4(plan_cap)
-        off_indices = off_indptr + _round4(cap_b + 1)
-        off_last = off_indices + _round4(max(cap_p, 1))
-        off_slopes = off_last + _round4(max(cap_b, 1))        # the variant's data (ALiBi slopes, float32)
-        total_i32 = off_slopes + (_round4(num_qo_heads) if slopes is not None else 0)
+        off_indptr = align4(plan_cap)
+        off_indices = off_indptr + align4(cap_b + 1)
+        off_last = off_indices + align4(max(cap_p, 1))
+        off_slopes = off_last + align4(max(cap_b, 1))        # the variant's data (ALiBi slopes, float32)
+        total_i32 = off_slopes + (align4(num_qo_heads) if slopes is not None else 0)
         host_bytes = self._stage(total_i32 * 4)
         host = host_bytes.view(np.int32)
         plan = scheduler.plan_decode(
@@ -211,9 +212,6 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         k, v, kv_strides = p.kv.bind(k_cache, v_cache, s, capturing)
         return self._execute(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse)
 
-
-def _round4(n: int) -> int:
-    return (n + 3) // 4 * 4
 
 
 def single_decode(q, k, v, *, kv_layout="NHD", sm_scale=None, window_left=-1, logits_soft_cap=0.0,

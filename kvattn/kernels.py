@@ -95,15 +95,11 @@ class ParamBuffer:
         """A function f(*values) that packs these fields, adjacent in the struct, with one pack_into (run()'s hot
         path sets its pointers and strides this way)."""
         fields = self.dtype.fields
-        order = sorted(fields, key=lambda n: fields[n][1])
-        i = order.index(names[0])
-        if list(names) != order[i:i + len(names)]:
-            raise ValueError(f"setter: {names} are not adjacent fields of the struct in its order")
-        fmt = "<" + "".join(_FORMATS[f"{fields[n][0].kind}{fields[n][0].itemsize}"][1] for n in names)
-        st = struct.Struct(fmt)
-        for n in names:   # no padding inside the run: each field starts where the previous one ended
-            if fields[n][1] - fields[names[0]][1] != struct.calcsize("<" + fmt[1:][:names.index(n)]):
-                raise ValueError(f"setter: padding before field {n}")
+        for a, b in zip(names, names[1:]):
+            if fields[b][1] != fields[a][1] + fields[a][0].itemsize:
+                raise ValueError(f"setter: {names} are not adjacent fields of the struct (each must start where "
+                                 f"the previous one ends)")
+        st = struct.Struct("<" + "".join(_FORMATS[f"{fields[n][0].kind}{fields[n][0].itemsize}"][1] for n in names))
         pack, raw, off = st.pack_into, self.raw, fields[names[0]][1]
 
         def set_fields(*values):

@@ -23,13 +23,12 @@ from . import _driver
 if TYPE_CHECKING:
     from .memory import DeviceArray
 
-_state: dict = {}
 _deferred: list = []   # blocks whose free failed (e.g. inside another stream's graph capture): retried later
 _hot: list = [None, None, None]   # [pool handle, cuMemAllocFromPoolAsync, cuMemFreeAsync] once the pool exists
 
 
 def _pool():
-    pool = _state.get("pool")
+    pool = _hot[0]
     if pool is None:
         drv = _driver.driver()
         props = drv.CUmemPoolProps()
@@ -39,7 +38,6 @@ def _pool():
         pool = _driver.call("cuMemPoolCreate", props)
         _driver.call("cuMemPoolSetAttribute", pool, drv.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
                      drv.cuuint64_t(2 ** 64 - 1))
-        _state["pool"] = pool
         _hot[:] = [pool, drv.cuMemAllocFromPoolAsync, drv.cuMemFreeAsync]
     return pool
 
@@ -102,21 +100,14 @@ def _retry_deferred():
             _deferred.append(item)
 
 
-_strides: dict = {}
-
-
 def pool_empty(shape: tuple, dtype: np.dtype, stream) -> "DeviceArray":
     """A contiguous uninitialised array from the pool, ordered on `stream` (a kvattn Stream). shape: a tuple of
     ints; dtype: a numpy dtype. The returned array's `stream` is that stream's handle."""
-    from .memory import DeviceArray, _contiguous_strides
-    key = (shape, dtype.itemsize)
-    strides = _strides.get(key)
-    if strides is None:
-        if len(_strides) > 1024:
-            _strides.clear()
-        strides = _strides[key] = (_contiguous_strides(shape, dtype.itemsize), math.prod(shape) * dtype.itemsize)
+    from .memory import DeviceArray, contiguous_strides
+    itemsize = dtype.itemsize
+    strides = contiguous_strides(shape, itemsize)
     h = stream.ptr
-    nbytes = strides[1] or 1
+    nbytes = math.prod(shape) * itemsize or 1
     lst = _free_lists.get((nbytes, h))
     if lst:
         ptr = lst.pop()
@@ -129,11 +120,11 @@ def pool_empty(shape: tuple, dtype: np.dtype, stream) -> "DeviceArray":
             _retry_deferred()
         err, ptr = alloc(nbytes, pool, h)
         if err:
-            _driver.call("cuMemAllocFromPoolAsync", nbytes, pool, h)   # raises, naming the error
+            _driver.fail("cuMemAllocFromPoolAsync", err)
         ptr = int(ptr)
     block = PoolBlock.__new__(PoolBlock)
     block.ptr, block.nbytes, block.stream, block.used_on = ptr, nbytes, h, None
-    return DeviceArray._make(ptr, shape, dtype, strides[0], block, h)
+    return DeviceArray._make(ptr, shape, dtype, strides, block, h)
 
 
 def note_use(array, consumer: int):

@@ -33,7 +33,7 @@ import numpy as np
 from . import _driver, _dtypes, _validate as _v, scheduler
 from ._attn_args import check_plan_args
 from ._binding import import_array
-from .contract import HEADER_INT32, write_header
+from .contract import HEADER_INT32, align4, write_header
 from .decode import LOG2E, THREADS
 from .formats import PageTable, pack_mask
 from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
@@ -58,7 +58,6 @@ DEFAULT_WORKSPACE = 256 << 20
 RAGGED_PAGE_SHIFT = 30
 #: query tile (packed rows per CTA) -> (WARPS_M, MT) of prefill_kernel
 CONFIGS = {128: (4, 2), 64: (4, 1), 16: (1, 1)}
-HEADER = HEADER_INT32
 
 
 def choose_cta_rows(packed_len: float, head_dim: int) -> int:
@@ -154,9 +153,6 @@ register("prefill", [prefill_spec(128, r, Variant(), "bfloat16") for r in (128, 
          + [sm90_spec(128, Variant(custom_mask=True), "bfloat16")])
 
 
-def _round4(n: int) -> int:
-    return (n + 3) // 4 * 4
-
 
 class _BatchPrefill(AttentionOp):
     """What the paged and ragged wrappers share: the schedule, the packing, the variants (on the plan/run core)."""
@@ -231,12 +227,12 @@ class _BatchPrefill(AttentionOp):
         if plan.num_items > cap_w or plan.num_partial_rows > cap_part or plan.num_merge > cap_m:
             raise AssertionError("prefill plan exceeds its graph-mode bounds")  # prefill_bounds guarantees it
         off = {}
-        pos = HEADER
+        pos = HEADER_INT32
         for name, n in (("qo_indptr", cap_b + 1), ("kv_len", cap_b), ("page_indptr", cap_b + 1),
                         ("mask_indptr", cap_b), ("items", 8 * cap_w), ("merge_indptr", cap_m + 1),
                         ("merge_rows", cap_m), ("page_indices", cap_p), ("slopes", hq if slopes is not None else 0)):
             off[name] = pos
-            pos += _round4(max(n, 1))
+            pos += align4(max(n, 1))
         total_i32 = pos
         mask_bytes = packed_mask.size if packed_mask is not None else 0
         host = self._stage((total_i32 * 4 + mask_bytes + 15) // 16 * 16)

@@ -77,7 +77,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .contract import HEADER_INT32, write_header
+from .contract import HEADER_INT32, align4, write_header
 
 __all__ = [
     "ITEM_OVERHEAD_TOKENS",
@@ -109,11 +109,6 @@ NO_SPLIT_BALANCE = 1.1
 HEADER_SIZE = HEADER_INT32
 
 _INT32_MAX = 2**31 - 1
-_ALIGN = 4  # int32 elements = 16 bytes
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) & ~(_ALIGN - 1)
 
 
 def cut_granularity(page_size: int) -> int:
@@ -151,19 +146,19 @@ def decode_layout(max_chunks: int, max_work: int, max_merge: int) -> DecodeLayou
             raise ValueError(f"{name} must be a non-negative int, got {v!r}")
     off = HEADER_SIZE
     chunk = off
-    off += _align(max_chunks + 1)
+    off += align4(max_chunks + 1)
     wreq = off
-    off += _align(max_work)
+    off += align4(max_work)
     wbeg = off
-    off += _align(max_work)
+    off += align4(max_work)
     wend = off
-    off += _align(max_work)
+    off += align4(max_work)
     wpart = off
-    off += _align(max_work)
+    off += align4(max_work)
     mind = off
-    off += _align(max_merge + 1)
+    off += align4(max_merge + 1)
     mreq = off
-    off += _align(max_merge)
+    off += align4(max_merge)
     return DecodeLayout(max_chunks, max_work, max_merge, 0, chunk, wreq, wbeg, wend, wpart,
                         mind, mreq, off)
 

@@ -24,7 +24,7 @@ class Stream:
     """A CUDA stream. `Stream()` creates a non-blocking stream owned by kvattn (capturable); special and
     borrowed handles (see `as_stream`) are wrapped, never destroyed."""
 
-    __slots__ = ("handle", "ptr", "dlpack", "_finalizer", "__weakref__")
+    __slots__ = ("handle", "ptr", "_finalizer", "__weakref__")
 
     def __init__(self, *, _handle=None):
         drv = _driver.driver()
@@ -35,8 +35,12 @@ class Stream:
             self.handle = drv.CUstream(int(_handle))
             self._finalizer = None
         self.ptr = int(self.handle)
-        # The value a DLPack producer is given for this stream: 1 legacy, 2 per-thread, else the handle.
-        self.dlpack = self.ptr
+
+    @property
+    def dlpack(self) -> int:
+        """The value a DLPack producer is given for this stream: 1 legacy, 2 per-thread, else the handle (the
+        driver's special handles are DLPack's numbers, and handle 0 is normalised to 1 by as_stream)."""
+        return self.ptr
 
     @property
     def is_legacy(self) -> bool:
@@ -202,7 +206,7 @@ def order_after(producer: int, consumer: Stream):
     ev = _sync_event[0].handle
     err, = drv.cuEventRecord(ev, producer)
     if err:
-        _driver.call("cuEventRecord", ev, producer)   # raises with the symbolic error
+        _driver.fail("cuEventRecord", err)
     err, = drv.cuStreamWaitEvent(consumer.handle, ev, 0)
     if err:
-        _driver.call("cuStreamWaitEvent", consumer.handle, ev, 0)
+        _driver.fail("cuStreamWaitEvent", err)

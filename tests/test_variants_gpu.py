@@ -27,8 +27,9 @@ def _check_decode(out, lse, ro, rl):
     assert_lse(lse.numpy(), rl, 1e-2)
 
 
-def _draw_prefill(data, rng, d, group):
-    """(qo, kv, qo_indptr, kv_indptr, q, k, v, backend, causal) of a random ragged batch (2 KV heads)."""
+def _prefill_case(data, rng, d, group, **plan_kw):
+    """A random ragged batch (2 KV heads) run on a drawn backend with plan_kw: (qo, kv, qo_indptr, kv_indptr, q, k,
+    v, causal, out, lse) with out / lse as numpy arrays."""
     b = data.draw(st.integers(1, 4), "batch")
     qo = data.draw(st.lists(st.integers(1, 300), min_size=b, max_size=b), "qo")
     extra = data.draw(st.lists(st.integers(0, 700), min_size=b, max_size=b), "prefix")
@@ -40,13 +41,12 @@ def _draw_prefill(data, rng, d, group):
     q = rng.standard_normal((qo_indptr[-1], 2 * group, d)).astype(BF)
     k = rng.standard_normal((kv_indptr[-1], 2, d)).astype(BF)
     v = rng.standard_normal((kv_indptr[-1], 2, d)).astype(BF)
-    return qo, kv, qo_indptr, kv_indptr, q, k, v, backend, causal
-
-
-def _run_prefill(w, q, k, v):
+    w = kvattn.BatchPrefillWithRaggedKVCache(backend=backend)
+    w.plan(qo_indptr, kv_indptr, 2 * group, 2, d, causal=causal, cta_rows=128 if backend == "sm90" else None,
+           **plan_kw)
     out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
     w.run(q, k, v, out=out, lse=lse)
-    return out.numpy(), lse.numpy()
+    return qo, kv, qo_indptr, kv_indptr, q, k, v, causal, out.numpy(), lse.numpy()
 
 
 @GPU
@@ -81,13 +81,9 @@ def test_decode_user_variants_match_reference(data, seed):
 def test_prefill_user_variants_match_reference(data, seed):
     rng = np.random.default_rng(seed)
     d, group = 128, 4
-    qo, kv, qo_indptr, kv_indptr, q, k, v, backend, causal = _draw_prefill(data, rng, d, group)
     which = data.draw(st.sampled_from(["half_logits", "even_keys"]), "variant")
     variant = HALF_LOGITS if which == "half_logits" else EVEN_KEYS
-    w = kvattn.BatchPrefillWithRaggedKVCache(backend=backend)
-    w.plan(qo_indptr, kv_indptr, 2 * group, 2, d, causal=causal, variant=variant,
-           cta_rows=128 if backend == "sm90" else None)
-    got, got_lse = _run_prefill(w, q, k, v)
+    qo, kv, qo_indptr, kv_indptr, q, k, v, causal, got, got_lse = _prefill_case(data, rng, d, group, variant=variant)
     for i in range(len(qo)):
         qs, ks = slice(qo_indptr[i], qo_indptr[i + 1]), slice(kv_indptr[i], kv_indptr[i + 1])
         rows = np.arange(qo[i])
@@ -137,12 +133,9 @@ def test_prefill_alibi_matches_reference(data, seed):
     rng = np.random.default_rng(seed)
     d = data.draw(st.sampled_from([64, 128]), "d")
     group = data.draw(st.sampled_from([1, 4, 8]), "group")
-    qo, kv, qo_indptr, kv_indptr, q, k, v, backend, causal = _draw_prefill(data, rng, d, group)
     slopes = _slopes(2 * group)
-    w = kvattn.BatchPrefillWithRaggedKVCache(backend=backend)
-    w.plan(qo_indptr, kv_indptr, 2 * group, 2, d, causal=causal, alibi_slopes=slopes,
-           cta_rows=128 if backend == "sm90" else None)
-    got, got_lse = _run_prefill(w, q, k, v)
+    qo, kv, qo_indptr, kv_indptr, q, k, v, causal, got, got_lse = _prefill_case(data, rng, d, group,
+                                                                                alibi_slopes=slopes)
     for i in range(len(qo)):
         qs, ks = slice(qo_indptr[i], qo_indptr[i + 1]), slice(kv_indptr[i], kv_indptr[i + 1])
         ro, rl = reference.attention(q[qs].astype(np.float64), k[ks].astype(np.float64), v[ks].astype(np.float64),
