@@ -209,7 +209,8 @@ struct DecodeKernel {
       float rc[2] = {0.f, 0.f};   // the variant's per-row constants (rows are query heads head0 + row)
       if constexpr (V::kPositional) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) rc[r] = V::row_init(p, min(head0 + mt * 16 + lane / 4 + 8 * r, p.num_qo_heads - 1));
+        for (int r = 0; r < 2; ++r)
+          rc[r] = V::row_init(p, min(head0 + mt * 16 + lane / 4 + 8 * r, p.num_qo_heads - 1), c.req);
       }
       float mx[2] = {KVATTN_NEG_INF, KVATTN_NEG_INF};
 #pragma unroll
@@ -229,20 +230,34 @@ struct DecodeKernel {
       unsigned pa[4];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float base;
-        const float scale = online_max(m[mt][r], mx[r], base);
-        float sum = 0.f;
+        if constexpr (V::kSoftmax) {
+          float base;
+          const float scale = online_max(m[mt][r], mx[r], base);
+          float sum = 0.f;
 #pragma unroll
-        for (int nb = 0; nb < 2; ++nb)
+          for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
-          for (int e2 = 0; e2 < 2; ++e2) {
-            float& x = s[nb][2 * r + e2];
-            x = fast_exp2(x - base);
-            sum += x;
-          }
-        l[mt][r] = l[mt][r] * scale + sum;
+            for (int e2 = 0; e2 < 2; ++e2) {
+              float& x = s[nb][2 * r + e2];
+              x = fast_exp2(x - base);
+              sum += x;
+            }
+          l[mt][r] = l[mt][r] * scale + sum;
 #pragma unroll
-        for (int dn = 0; dn < CHUNKS; ++dn) { o[mt][dn][2 * r] *= scale; o[mt][dn][2 * r + 1] *= scale; }
+          for (int dn = 0; dn < CHUNKS; ++dn) { o[mt][dn][2 * r] *= scale; o[mt][dn][2 * r + 1] *= scale; }
+        } else {   // weights, never rescaled: m is 0 once the warp saw a tile
+          float sum = 0.f;
+#pragma unroll
+          for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+            for (int e2 = 0; e2 < 2; ++e2) {
+              float& x = s[nb][2 * r + e2];
+              x = variant_prob<V>(p, x);
+              sum += x;
+            }
+          m[mt][r] = 0.f;
+          l[mt][r] += sum;
+        }
       }
       a_from_c<T>(&s[0][0], pa);
 #pragma unroll
@@ -259,7 +274,7 @@ struct DecodeKernel {
   // Merge the 4 warps' states of this item through the stage's shared memory and write o / lse.
   __device__ void epilogue(T* stage, const Cursor& c, int lane, int warp, float (&o)[M_TILES][CHUNKS][4],
                            float (&m)[M_TILES][2], float (&l)[M_TILES][2]) const {
-    const WarpMerge<D, WARPS> wm(stage);
+    const WarpMerge<D, WARPS, V::kSoftmax> wm(stage);
     const int partial = p.plan[p.off_work_partial + c.w];
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
@@ -270,9 +285,14 @@ struct DecodeKernel {
       for (int i = threadIdx.x; i < rows * CHUNKS; i += THREADS) {
         const int row = i / CHUNKS, ch = i % CHUNKS;
         float acc[8];
-        const float lse = wm.merge(row, ch, acc);
+        float lse = wm.merge(row, ch, acc);
         const int head = head0 + mt * 16 + row;
         if (partial < 0) {
+          if constexpr (V::kOutput) {
+            const float f = V::output(p, head, lse);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] *= f;
+          }
           Vec8<T>::store(static_cast<T*>(p.o) + c.req * p.o_stride_n + head * p.o_stride_h + ch * 8, acc);
           if (p.lse && ch == 0) p.lse[c.req * p.lse_stride_n + head] = lse;
         } else {

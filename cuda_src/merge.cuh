@@ -1,7 +1,7 @@
 // Merge of attention states (o, lse): the associative operator that split-KV, cascade and sequence
 // parallelism reduce with. lse is the natural log; a state with lse = -inf is empty and never read.
 #pragma once
-#include "common.cuh"
+#include "variant.cuh"
 
 namespace kvattn {
 
@@ -19,10 +19,12 @@ struct MergeParams {
   long long l_row, l_n, l_h;
   long long so_row, so_h, lo_row, lo_h;
   int num_rows, n, num_heads, head_dim;
+  const float* variant_data;   // the attention variant's data, read by its output hook (V::kOutput)
 };
 
 // One thread merges 8 consecutive elements of one (row, head); head_dim / 8 threads per (row, head).
-template <typename TIn, typename TOut>
+// V: the attention variant whose output hook finishes each merged row (VariantBase: none).
+template <typename TIn, typename TOut, class V = VariantBase>
 __global__ void __launch_bounds__(256) merge_states_kernel(const __grid_constant__ MergeParams p) {
   // 32-bit index math (64-bit division costs ~100 instructions per thread; launches keep rows*heads*D/8 < 2^31).
   const unsigned tpp = unsigned(p.head_dim) >> 3;
@@ -85,8 +87,14 @@ __global__ void __launch_bounds__(256) merge_states_kernel(const __grid_constant
 #pragma unroll
     for (int k = 0; k < 8; ++k) acc[k] *= inv;
   }
+  float lse_row = mx == KVATTN_NEG_INF ? KVATTN_NEG_INF : mx + __logf(sum);
+  if constexpr (V::kOutput) {
+    const float f = V::output(p, h, lse_row);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[k] *= f;
+  }
   Vec8<TOut>::store(static_cast<TOut*>(p.o_out) + orow * p.so_row + h * p.so_h + d, acc);
-  if (p.lse_out && d == 0) p.lse_out[orow * p.lo_row + h * p.lo_h] = mx == KVATTN_NEG_INF ? KVATTN_NEG_INF : mx + __logf(sum);
+  if (p.lse_out && d == 0) p.lse_out[orow * p.lo_row + h * p.lo_h] = lse_row;
 }
 
 }  // namespace kvattn

@@ -183,7 +183,7 @@ struct PrefillKernel {
         rc[mt][r] = 0.f;
         if constexpr (V::kPositional) {
           const int pr = it.row0 + min(first_row + mt * 16 + lane / 4 + 8 * r, it.nrows - 1);
-          rc[mt][r] = V::row_init(p, kvh * p.group_size + pr % p.group_size);
+          rc[mt][r] = V::row_init(p, kvh * p.group_size + pr % p.group_size, it.req);
         }
       }
   }
@@ -205,7 +205,7 @@ struct PrefillKernel {
                                                  int warp_m, int warp_n, float (&o)[MT][CHUNKS][4], float (&m)[MT][2],
                                                  float (&l)[MT][2]) {
     constexpr int NB = STEP / 8;
-    constexpr bool FOLD = KVATTN_PF_FOLD && !MASK && !V::kLogits;
+    constexpr bool FOLD = KVATTN_PF_FOLD && !MASK && !V::kLogits && V::kSoftmax;
     const T* vs = ks + KV_ELEMS;
     const int j8 = lane / 8;
 #pragma unroll
@@ -253,6 +253,23 @@ struct PrefillKernel {
             s[mt][nb][e] = x;
             mx[e >> 1] = fmaxf(mx[e >> 1], x);
           }
+        if constexpr (!V::kSoftmax) {   // weights, never rescaled: m is 0 once the warp saw a tile
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float sum = 0.f;
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+              for (int e2 = 0; e2 < 2; ++e2) {
+                float& x = s[mt][nb][2 * r + e2];
+                x = variant_prob<V>(p, x);
+                sum += x;
+              }
+            m[mt][r] = 0.f;
+            l[mt][r] += sum;
+          }
+          continue;
+        }
         float scale[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -324,11 +341,13 @@ struct PrefillKernel {
         if (row < it.nrows) {
           int tq, head;
           row_dest(p, it, row, kvh, tq, head);
-          const bool empty = m[mt][r] == KVATTN_NEG_INF;
-          const float inv = empty ? 0.f : 1.f / lr;
-          const float lse = empty ? KVATTN_NEG_INF : (m[mt][r] + __log2f(lr)) * kLn2;
+          // a non-softmax row is empty when its weights sum to 0 (its m is 0 once it saw a tile)
+          const bool empty = V::kSoftmax ? m[mt][r] == KVATTN_NEG_INF : !(lr > 0.f);
+          float inv = empty ? 0.f : 1.f / lr;
+          float lse = empty ? KVATTN_NEG_INF : (m[mt][r] + __log2f(lr)) * kLn2;
           const int col = 2 * (lane % 4);
           if (it.partial < 0) {
+            if constexpr (V::kOutput) inv *= V::output(p, head, lse);
             T* dst = static_cast<T*>(p.o) + (long long)(it.qo_start + tq) * p.o_stride_n + (long long)head * p.o_stride_h + col;
 #pragma unroll
             for (int dn = 0; dn < CHUNKS; ++dn)
@@ -462,16 +481,21 @@ struct PrefillKernel {
     } else {
       // Merge the warps' states (each saw a quarter of every tile) through the K/V stages' shared memory.
       __syncthreads();
-      const WarpMerge<D, WARPS> wm(kvs);
+      const WarpMerge<D, WARPS, V::kSoftmax> wm(kvs);
       wm.stash(warp, lane, o[0], m[0], l[0]);
       __syncthreads();
       for (int i = tid; i < it.nrows * CHUNKS; i += THREADS) {
         const int row = i / CHUNKS, ch = i % CHUNKS;
         float acc[8];
-        const float lse = wm.merge(row, ch, acc);
+        float lse = wm.merge(row, ch, acc);
         int tq, head;
         row_dest(p, it, row, kvh, tq, head);
         if (it.partial < 0) {
+          if constexpr (V::kOutput) {
+            const float f = V::output(p, head, lse);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] *= f;
+          }
           Vec8<T>::store(static_cast<T*>(p.o) + (long long)(it.qo_start + tq) * p.o_stride_n + (long long)head * p.o_stride_h + ch * 8, acc);
           if (p.lse && ch == 0) p.lse[(long long)(it.qo_start + tq) * p.lse_stride_n + head] = lse;
         } else {

@@ -106,6 +106,24 @@ struct PrefillSm90 {
         s[4 * nb + e] = x;
         mx[e >> 1] = fmaxf(mx[e >> 1], x);
       }
+    if constexpr (!V::kSoftmax) {   // weights, never rescaled: m is 0 once the warp saw a tile
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float sum = 0.f;
+#pragma unroll
+        for (int nb = 0; nb < N / 8; ++nb)
+#pragma unroll
+          for (int e2 = 0; e2 < 2; ++e2) {
+            float& x = s[4 * nb + 2 * r + e2];
+            x = variant_prob<V>(p, x);
+            sum += x;
+          }
+        m[0][r] = 0.f;
+        l[0][r] += sum;
+        scale[r] = 1.f;
+      }
+      return;
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float base;

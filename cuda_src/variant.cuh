@@ -2,9 +2,10 @@
 // its mainloop; VariantBase's hooks are the identity (scores untouched, every pair kept), so a variant that does
 // not override a hook costs nothing (the calls inline away). NVRTC-safe: no host headers.
 //
-// Hooks (P: the kernel's parameter struct: DecodeParams or PrefillParams):
+// Hooks (P: the kernel's parameter struct: DecodeParams or PrefillParams; MergeParams for output()):
 //   V::logits(p, x)                  x: a score in the log2 domain (q.k * p.score_scale) -> the transformed score
-//   V::row_init(p, head)             (kPositional) a per-row constant, computed once per query row (e.g. a slope)
+//   V::row_init(p, head, req)        (kPositional) a per-row constant, computed once per query row (e.g. a slope);
+//                                    req: the row's request
 //   V::logits_at(p, x, j, diag, rc)  (kPositional) a position-dependent transform of the score of kv index j for
 //                                    the row whose diagonal is diag; rc: that row's row_init
 //   V::keep(p, j, diag)              whether the variant keeps kv index j for the query row whose diagonal
@@ -12,12 +13,24 @@
 //                                    with the kernel's own tests (ok = ok && V::keep(...))
 //   V::tile_may_mask(p, t0, diag_hi) whether a kv tile starting at t0 may hold a pair keep() rejects for rows
 //                                    whose diagonals are at most diag_hi (prefill's unmasked fast path)
+//   V::prob(p, x)                    (!kSoftmax) the weight of a kept score x (log2 domain) instead of softmax's
+//                                    exp(x - max): the kernel accumulates o = sum_j w_j v_j and l = sum_j w_j and
+//                                    writes the state (o / l, lse = log l), so split-KV merges stay exact; masked
+//                                    pairs weigh 0, and a row whose weights sum to 0 is empty (o = 0, lse = -inf)
+//   V::output(p, head, lse)          (kOutput) runs once per finished output row (after every split of the row is
+//                                    merged: in the attention kernel, or in the merge kernel, where p is a
+//                                    MergeParams): returns the factor the row's normalised o is multiplied by and
+//                                    may change lse (natural log, -inf for an empty row) in place. It may read
+//                                    p.variant_data only (the one field every parameter struct has).
+// Parameters: p.variant_data points at the plan's float32 variant data; user variants read their declared
+// parameters through param_f32 / param_i32 / param_ptr (kvattn.Variant generates named accessors).
 // Mask modes the kernels implement themselves, switched on by traits (the mask data or bounds are plan
 // parameters, and in-kernel code keeps their machine code exactly as tuned): kWindow (sliding window:
 // j >= diag - p.window_left when p.window_left >= 0) and kCustomMask (the plan's bit-packed mask; every tile takes
 // the masked path). Causal is a run-time flag of the prefill kernel.
 // Traits: kLogits (logits is not the identity), kPositional (row_init / logits_at are used), kKeep (keep can
-//   reject), kWindow, kCustomMask; VariantTraits: kMasks (kKeep || kWindow || kCustomMask), kAny.
+//   reject), kWindow, kCustomMask, kSoftmax (false: prob() weights), kOutput (output() is not the identity);
+//   VariantTraits: kMasks (kKeep || kWindow || kCustomMask), kAny.
 #pragma once
 #include "common.cuh"
 
@@ -29,8 +42,12 @@ struct VariantBase {
   static constexpr bool kKeep = false;
   static constexpr bool kWindow = false;
   static constexpr bool kCustomMask = false;
+  static constexpr bool kSoftmax = true;
+  static constexpr bool kOutput = false;
   template <class P> __device__ __forceinline__ static float logits(const P&, float x) { return x; }
-  template <class P> __device__ __forceinline__ static float row_init(const P&, int /*head*/) { return 0.f; }
+  template <class P> __device__ __forceinline__ static float row_init(const P&, int /*head*/, int /*req*/) {
+    return 0.f;
+  }
   template <class P>
   __device__ __forceinline__ static float logits_at(const P&, float x, int /*j*/, int /*diag*/, float /*rc*/) {
     return x;
@@ -38,7 +55,26 @@ struct VariantBase {
   template <class P> __device__ __forceinline__ static bool keep(const P&, int, int) { return true; }
   // A variant with a keep() hook sends every tile down the masked path unless it says which tiles are safe.
   template <class P> __device__ __forceinline__ static bool tile_may_mask(const P&, int, int) { return true; }
+  template <class P> __device__ __forceinline__ static float prob(const P&, float x) { return fast_exp2(x); }
+  template <class P> __device__ __forceinline__ static float output(const P&, int /*head*/, float& /*lse*/) {
+    return 1.f;
+  }
 };
+
+// A user variant's declared parameters: entry i of the plan's variant data is scalar i itself, or (an array)
+// the float32-word offset of its data from p.variant_data.
+template <class P> __device__ __forceinline__ float param_f32(const P& p, int i) { return __ldg(p.variant_data + i); }
+template <class P> __device__ __forceinline__ int param_i32(const P& p, int i) {
+  return __float_as_int(__ldg(p.variant_data + i));
+}
+template <class T, class P> __device__ __forceinline__ const T* param_ptr(const P& p, int i) {
+  return reinterpret_cast<const T*>(p.variant_data + param_i32(p, i));
+}
+
+// The weight of score x (log2 domain, -inf when masked) of a non-softmax variant: masked pairs weigh 0.
+template <class V, class P> __device__ __forceinline__ float variant_prob(const P& p, float x) {
+  return x == KVATTN_NEG_INF ? 0.f : V::prob(p, x);
+}
 
 // The mask traits every kernel reads.
 template <class V> struct VariantTraits {
@@ -47,26 +83,38 @@ template <class V> struct VariantTraits {
   static constexpr bool kAny = V::kLogits || V::kPositional || kMasks;
 };
 
-// The built-in variants: logits soft cap (s = cap * tanh(s / cap)), ALiBi (s += slope[head] * (j - diag), the
-// slopes in p.variant_data, natural-log units), sliding window and a bit-packed custom mask (prefill), each
-// selected at compile time.
-template <bool SOFT_CAP, bool WINDOW, bool CUSTOM, bool ALIBI = false>
+// The built-in variants: logits soft cap (s = cap * tanh(s / cap)), ALiBi (s += slope[head] * (j - diag),
+// natural-log units), attention sinks (one logit per head, sink[head], added to the softmax's denominator:
+// o *= 1 / (1 + exp(sink - lse)), lse = logaddexp(lse, sink)), sliding window and a bit-packed custom mask
+// (prefill), each selected at compile time. p.variant_data: sinks [Hq] (SINK), then slopes [Hq] (ALIBI).
+template <bool SOFT_CAP, bool WINDOW, bool CUSTOM, bool ALIBI = false, bool SINK = false>
 struct Builtin : VariantBase {
   static constexpr bool kLogits = SOFT_CAP;
   static constexpr bool kPositional = ALIBI;
   static constexpr bool kWindow = WINDOW;
   static constexpr bool kCustomMask = CUSTOM;
+  static constexpr bool kOutput = SINK;
 
   template <class P> __device__ __forceinline__ static float logits(const P& p, float x) {
     if (SOFT_CAP) x = p.cap_log2 * tanhf(x);
     return x;
   }
-  template <class P> __device__ __forceinline__ static float row_init(const P& p, int head) {
-    return ALIBI ? __ldg(p.variant_data + head) * kLog2e : 0.f;   // the row's slope, in log2 units
+  template <class P> __device__ __forceinline__ static float row_init(const P& p, int head, int /*req*/) {
+    // the row's slope, in log2 units
+    return ALIBI ? __ldg(p.variant_data + (SINK ? p.num_qo_heads : 0) + head) * kLog2e : 0.f;
   }
   template <class P>
   __device__ __forceinline__ static float logits_at(const P&, float x, int j, int diag, float rc) {
     return ALIBI ? fmaf(rc, (float)(j - diag), x) : x;
+  }
+  template <class P> __device__ __forceinline__ static float output(const P& p, int head, float& lse) {
+    if (!SINK) return 1.f;
+    const float sink = __ldg(p.variant_data + head);
+    // once per row: the accurate functions; lse may be -inf (an empty row: o = 0, lse = sink)
+    const float total = fmaxf(lse, sink) + log1pf(expf(fminf(lse, sink) - fmaxf(lse, sink)));
+    const float f = expf(lse - total);
+    lse = total;
+    return f;
   }
 };
 

@@ -19,7 +19,9 @@ __device__ __forceinline__ void reset_state(float (&o)[MT][CHUNKS][4], float (&m
   }
 }
 
-template <int D, int WARPS> struct WarpMerge {
+// SOFTMAX false (a non-softmax variant's states: m is 0 once a warp saw a tile): a row whose weights sum to 0 is
+// empty.
+template <int D, int WARPS, bool SOFTMAX = true> struct WarpMerge {
   static constexpr int OSTRIDE = D + 4;
   static constexpr int CHUNKS = D / 8;
   static constexpr int BYTES = (WARPS * 16 * OSTRIDE + 2 * WARPS * 16) * 4;
@@ -65,6 +67,7 @@ template <int D, int WARPS> struct WarpMerge {
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[e] = fmaf(f, src[e], acc[e]);
     }
+    if (!SOFTMAX && !(lsum > 0.f)) return KVATTN_NEG_INF;   // acc is 0: every weight was 0
     const float inv = 1.f / lsum;
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] *= inv;

@@ -23,7 +23,7 @@ from ._binding import import_array
 from .memory import asarray
 from .opcore import AttentionOp, PagedKV
 from .stream import as_stream
-from .variants import Variant, check_alibi_slopes, choose as choose_variant
+from .variants import Variant, plan_variant
 
 DECODE_PARAMS = np.dtype([
     ("q", "u8"), ("k", "u8"), ("v", "u8"), ("o", "u8"), ("lse", "u8"), ("tmp_o", "u8"), ("tmp_lse", "u8"),
@@ -94,13 +94,16 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
 
     # -- plan ------------------------------------------------------------------------------------
     def plan(self, page_table: PageTable, num_qo_heads, num_kv_heads, head_dim, *, q_dtype="bfloat16",
-             kv_dtype=None, sm_scale=None, window_left=-1, logits_soft_cap=0.0, alibi_slopes=None, variant=None,
-             stream=None):
+             kv_dtype=None, sm_scale=None, window_left=-1, logits_soft_cap=0.0, alibi_slopes=None, sinks=None,
+             variant=None, variant_params=None, stream=None):
         """Schedule the batch described by page_table (its host arrays are read now, not at run()).
 
         alibi_slopes: float [num_qo_heads] (ALiBi: s += slope[h] * (j - (kv_len - 1)), natural-log units).
-        variant: a user variant (kvattn.Variant.from_cuda); the keyword shortcuts window_left / logits_soft_cap /
-        alibi_slopes select the built-ins.
+        sinks: float [num_qo_heads] (attention sinks: one logit per head in the softmax's denominator, in the
+        units of the scaled scores, as GPT-OSS). variant: a user variant (kvattn.Variant.from_cuda), with its
+        declared parameters in variant_params ({name: value}); the keyword shortcuts window_left /
+        logits_soft_cap / alibi_slopes / sinks select the built-ins. Slopes, sinks and variant parameters are
+        data of the plan: in graph mode a later plan() may change their values.
 
         The work lists reach the device by one async copy on `stream`. run() on another stream waits for that
         copy; but the next plan() rewrites the same device region, so runs on other streams must be done first.
@@ -116,8 +119,8 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
                 raise ValueError(f"page_table: batch size {batch} exceeds max_batch_size {self.max_batch_size}")
             if nnz > self.max_num_pages:
                 raise ValueError(f"page_table: {nnz} pages exceed max_num_pages {self.max_num_pages}")
-        slopes = check_alibi_slopes(alibi_slopes, num_qo_heads)
-        variant = choose_variant(variant, logits_soft_cap > 0, window_left >= 0, False, slopes is not None)
+        variant, vvals = plan_variant(variant, num_qo_heads, batch, logits_soft_cap > 0, window_left >= 0, False,
+                                      alibi_slopes, sinks, variant_params)
         self._bake(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, q_dtype=q_dtype,
                    page_size=page_table.page_size, sm_scale=sm_scale, window_left=window_left,
                    logits_soft_cap=logits_soft_cap, variant=variant)
@@ -144,8 +147,9 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         off_indptr = align4(plan_cap)
         off_indices = off_indptr + align4(cap_b + 1)
         off_last = off_indices + align4(max(cap_p, 1))
-        off_slopes = off_last + align4(max(cap_b, 1))        # the variant's data (ALiBi slopes, float32)
-        total_i32 = off_slopes + (align4(num_qo_heads) if slopes is not None else 0)
+        off_variant = off_last + align4(max(cap_b, 1))       # the variant's data (float32 words)
+        vdata = variant.data(num_qo_heads, batch, cap_b, **vvals)
+        total_i32 = off_variant + (align4(vdata.size) if vdata is not None else 0)
         host_bytes = self._stage(total_i32 * 4)
         host = host_bytes.view(np.int32)
         plan = scheduler.plan_decode(
@@ -156,8 +160,8 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         host[off_indptr:off_indptr + batch + 1] = page_table.indptr
         host[off_indices:off_indices + nnz] = page_table.indices
         host[off_last:off_last + batch] = page_table.last_page_len
-        if slopes is not None:
-            host[off_slopes:off_slopes + num_qo_heads] = slopes.view(np.int32)
+        if vdata is not None:
+            host[off_variant:off_variant + vdata.size] = vdata.view(np.int32)
 
         max_partial = (layout.max_work if layout else max(plan.num_partial_rows, 1))
         regions = {
@@ -171,6 +175,7 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         L = plan.layout
         page_size = page_table.page_size
         scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
+        variant_ptr = base + off_variant * 4 if vdata is not None else 0
         p = ParamBuffer(DECODE_PARAMS)
         p.set(tmp_o=dev["tmp_o"].ptr, tmp_lse=dev["tmp_lse"].ptr, plan=base,
               page_indptr=base + off_indptr * 4, page_indices=base + off_indices * 4, last_page_len=base + off_last * 4,
@@ -180,10 +185,10 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
               page_shift=(page_size.bit_length() - 1) if page_size & (page_size - 1) == 0 else -1,
               window_left=window_left, z_split=zsplit,
               score_scale=(scale / logits_soft_cap) if logits_soft_cap > 0 else scale * LOG2E,
-              cap_log2=logits_soft_cap * LOG2E, variant_data=base + off_slopes * 4 if slopes is not None else 0)
+              cap_log2=logits_soft_cap * LOG2E, variant_data=variant_ptr)
         merge_rows = L.max_merge if self.use_cuda_graph else plan.num_merge
         merge, mp = self._merge_launch(merge_rows, dev["tmp_o"], dev["tmp_lse"], base, L.merge_indptr, L.merge_req,
-                                       num_qo_heads, head_dim, plan.num_merge, q_dtype)
+                                       num_qo_heads, head_dim, plan.num_merge, q_dtype, variant, variant_ptr)
         kernel = get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"], tn["refill_first"]))
         grid = (plan.num_chunks * zsplit, num_kv_heads, 1)
         kv = PagedKV(self.kv_layout, page_size, num_kv_heads, head_dim, _dtypes.to_numpy(q_dtype),

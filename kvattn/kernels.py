@@ -27,7 +27,8 @@ class KernelSpec:
     kernel: str                      # name expression, e.g. "kvattn::merge_states_kernel<float, 128>"
     defines: tuple = ()              # ((name, value), ...)
     options: tuple = ()              # extra NVRTC options
-    prelude: tuple = ("", "")        # (file name, source) compiled after the header: a user variant's struct
+    prelude: tuple = ("", "", "")    # (file name, source, generated code) compiled after the header: a user
+                                     # variant's struct and its parameter accessors
 
     def uri(self) -> str:
         d = ",".join(f"{k}={v}" for k, v in self.defines)
@@ -38,6 +39,8 @@ class KernelSpec:
         lines = [f"#define {k} {v}" for k, v in self.defines]
         lines.append(f'#include "{self.header}"')
         if self.prelude[1]:   # the snippet's errors point at its own lines
+            if self.prelude[2]:
+                lines += [f'#line 1 "{self.prelude[0]}_params"', self.prelude[2]]
             lines += [f'#line 1 "{self.prelude[0]}"', self.prelude[1]]
         return "\n".join(lines) + "\n"
 
@@ -46,7 +49,8 @@ class KernelSpec:
 
     def compile(self, arch: str):
         """(Compiled, where): build or fetch the cubin for arch without touching the GPU."""
-        files = {self.prelude[0]: self.prelude[1]} if self.prelude[1] else None
+        files = ({self.prelude[0]: self.prelude[1], f"{self.prelude[0]}_params": self.prelude[2]}
+                 if self.prelude[1] else None)
         return cache.get_or_compile(self.source(), self.uri(), self.all_options(), [self.kernel], arch, files)
 
 

@@ -19,16 +19,20 @@ MERGE_PARAMS = np.dtype([
     ("s_row", "i8"), ("s_n", "i8"), ("s_h", "i8"),
     ("l_row", "i8"), ("l_n", "i8"), ("l_h", "i8"),
     ("so_row", "i8"), ("so_h", "i8"), ("lo_row", "i8"), ("lo_h", "i8"),
-    ("num_rows", "i4"), ("n", "i4"), ("num_heads", "i4"), ("head_dim", "i4"),
+    ("num_rows", "i4"), ("n", "i4"), ("num_heads", "i4"), ("head_dim", "i4"), ("variant_data", "u8"),
 ], align=True)
 
 THREADS = 256
 STATE_DTYPES = ("float16", "bfloat16", "float32")
 
 
-def merge_spec(in_dtype: str, out_dtype: str) -> KernelSpec:
-    return KernelSpec("merge.cuh", f"kvattn::merge_states_kernel<{_dtypes.to_ctype(in_dtype)}, "
-                                   f"{_dtypes.to_ctype(out_dtype)}>")
+def merge_spec(in_dtype: str, out_dtype: str, variant=None) -> KernelSpec:
+    """The merge of (o, lse) states; variant: an attention Variant whose output hook finishes each merged row
+    (split-KV merges of a plan), or None."""
+    vt = variant.merge_type() if variant is not None else None
+    args = f"{_dtypes.to_ctype(in_dtype)}, {_dtypes.to_ctype(out_dtype)}" + (f", {vt}" if vt else "")
+    return KernelSpec("merge.cuh", f"kvattn::merge_states_kernel<{args}>",
+                      prelude=variant.prelude() if vt else ("", "", ""))
 
 
 register("merge", [merge_spec(t, t) for t in STATE_DTYPES]

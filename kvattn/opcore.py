@@ -210,18 +210,19 @@ class AttentionOp:
 
     @staticmethod
     def _merge_launch(rows: int, tmp_o: DeviceArray, tmp_lse: DeviceArray, base: int, indptr_off: int,
-                      rows_off: int, hq: int, d: int, num_merge: int, dtype: str):
+                      rows_off: int, hq: int, d: int, num_merge: int, dtype: str, variant, variant_data: int):
         """(merge Launch or None, its ParamBuffer): the merge of float32 partial states into out / lse, its row
-        list at base + 4 * indptr_off / rows_off (int32 offsets), its row count in the plan header in graph mode.
-        rows: the rows the grid covers (graph mode: the bound)."""
+        list at base + 4 * indptr_off / rows_off (int32 offsets), its row count in the plan header in graph mode;
+        the variant's output hook finishes the merged rows. rows: the rows the grid covers (graph mode: the
+        bound)."""
         mp = ParamBuffer(MERGE_PARAMS)
         mp.set(o_in=tmp_o.ptr, lse_in=tmp_lse.ptr, indptr=base + indptr_off * 4, out_rows=base + rows_off * 4,
                num_rows_dev=base + NUM_MERGE * 4, s_row=hq * d, s_n=hq * d, s_h=d, l_row=hq, l_n=hq, l_h=1,
-               num_rows=num_merge, n=0, num_heads=hq, head_dim=d)
+               num_rows=num_merge, n=0, num_heads=hq, head_dim=d, variant_data=variant_data)
         if not rows:
             return None, mp
         grid = -(-rows * hq * (d // 8) // 256)
-        return Launch(get_kernel(merge_spec("float32", dtype)), grid, 256, 0, mp), mp
+        return Launch(get_kernel(merge_spec("float32", dtype, variant)), grid, 256, 0, mp), mp
 
     def _finish_plan(self, *, rows, max_rows, hq, d, dtype, kv, launch, params, merge, merge_params, s, copy_done,
                      **info):

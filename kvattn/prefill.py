@@ -40,7 +40,7 @@ from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
 from .memory import asarray
 from .opcore import AttentionOp, PagedKV, RaggedKV
 from .stream import as_stream
-from .variants import Variant, check_alibi_slopes, choose as choose_variant
+from .variants import Variant, plan_variant
 
 PREFILL_PARAMS = np.dtype([
     ("q", "u8"), ("k", "u8"), ("v", "u8"), ("o", "u8"), ("lse", "u8"), ("tmp_o", "u8"), ("tmp_lse", "u8"),
@@ -173,7 +173,8 @@ class _BatchPrefill(AttentionOp):
     # -- plan ------------------------------------------------------------------------------------
     def _plan_common(self, qo_indptr, kv_lens, page_indptr, page_indices, page_size, page_shift, num_qo_heads,
                      num_kv_heads, head_dim, causal, custom_mask, mask_indptr, sm_scale, window_left,
-                     logits_soft_cap, q_dtype, kv_dtype, cta_rows, stream, variant=None, alibi_slopes=None):
+                     logits_soft_cap, q_dtype, kv_dtype, cta_rows, stream, variant=None, alibi_slopes=None,
+                     sinks=None, variant_params=None):
         hq, hkv, head_dim, q_dtype, window_left, cap = check_plan_args(
             num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, window_left, logits_soft_cap)
         scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else _v.as_float(sm_scale, "sm_scale")
@@ -203,8 +204,8 @@ class _BatchPrefill(AttentionOp):
             cta_rows = choose_cta_rows(packed, head_dim)
         elif cta_rows not in CONFIGS or (head_dim == 256 and cta_rows == 128):
             raise ValueError(f"cta_rows: expected one of {sorted(CONFIGS)} (not 128 with head_dim 256), got {cta_rows}")
-        slopes = check_alibi_slopes(alibi_slopes, hq)
-        variant = choose_variant(variant, cap > 0, window_left >= 0, packed_mask is not None, slopes is not None)
+        variant, vvals = plan_variant(variant, hq, batch, cap > 0, window_left >= 0, packed_mask is not None,
+                                      alibi_slopes, sinks, variant_params)
         self._bake(num_qo_heads=hq, num_kv_heads=hkv, head_dim=head_dim, q_dtype=q_dtype, page_size=page_size,
                    sm_scale=scale, causal=causal, window_left=window_left, logits_soft_cap=cap,
                    custom_mask=packed_mask is not None, cta_rows=cta_rows, variant=variant)
@@ -226,11 +227,12 @@ class _BatchPrefill(AttentionOp):
             cap_p = page_indices.size
         if plan.num_items > cap_w or plan.num_partial_rows > cap_part or plan.num_merge > cap_m:
             raise AssertionError("prefill plan exceeds its graph-mode bounds")  # prefill_bounds guarantees it
+        vdata = variant.data(hq, batch, cap_b, **vvals)
         off = {}
         pos = HEADER_INT32
         for name, n in (("qo_indptr", cap_b + 1), ("kv_len", cap_b), ("page_indptr", cap_b + 1),
                         ("mask_indptr", cap_b), ("items", 8 * cap_w), ("merge_indptr", cap_m + 1),
-                        ("merge_rows", cap_m), ("page_indices", cap_p), ("slopes", hq if slopes is not None else 0)):
+                        ("merge_rows", cap_m), ("page_indices", cap_p), ("variant", vdata.size if vdata is not None else 0)):
             off[name] = pos
             pos += align4(max(n, 1))
         total_i32 = pos
@@ -251,8 +253,8 @@ class _BatchPrefill(AttentionOp):
         h[mi + plan.num_merge + 1:mi + cap_m + 1] = plan.merge_indptr[-1]
         h[off["merge_rows"]:off["merge_rows"] + plan.num_merge] = plan.merge_rows
         h[off["page_indices"]:off["page_indices"] + page_indices.size] = page_indices
-        if slopes is not None:
-            h[off["slopes"]:off["slopes"] + hq] = slopes.view(np.int32)
+        if vdata is not None:
+            h[off["variant"]:off["variant"] + vdata.size] = vdata.view(np.int32)
         if mask_bytes:
             host[total_i32 * 4:total_i32 * 4 + mask_bytes] = packed_mask
 
@@ -266,6 +268,7 @@ class _BatchPrefill(AttentionOp):
                                          regions, stream)
 
         base = dev["plan"].ptr
+        variant_ptr = base + off["variant"] * 4 if vdata is not None else 0
         p = ParamBuffer(PREFILL_PARAMS)
         p.set(tmp_o=dev["tmp_o"].ptr, tmp_lse=dev["tmp_lse"].ptr, plan=base,
               mask=dev["mask"].ptr if mask_bytes else 0,
@@ -274,10 +277,10 @@ class _BatchPrefill(AttentionOp):
               num_qo_heads=hq, group_size=group, page_size=page_size, page_shift=page_shift, causal=int(causal),
               window_left=window_left,
               score_scale=(scale / cap) if cap > 0 else scale * LOG2E, cap_log2=cap * LOG2E,
-              variant_data=base + off["slopes"] * 4 if slopes is not None else 0)
+              variant_data=variant_ptr)
         merge_rows = cap_m if self.use_cuda_graph else plan.num_merge
         merge, mp = self._merge_launch(merge_rows, dev["tmp_o"], dev["tmp_lse"], base, mi, off["merge_rows"], hq,
-                                       head_dim, plan.num_merge, q_dtype)
+                                       head_dim, plan.num_merge, q_dtype, variant, variant_ptr)
         npdtype = _dtypes.to_numpy(q_dtype)
         kv = (PagedKV(self.kv_layout, page_size, hkv, head_dim, npdtype, int(page_indices.max(initial=-1)) + 1)
               if self._paged else RaggedKV(self.kv_layout, int(kv_lens.sum()), hkv, head_dim, npdtype))
@@ -338,15 +341,18 @@ class BatchPrefillWithPagedKVCache(_BatchPrefill):
 
     def plan(self, qo_indptr, page_table: PageTable, num_qo_heads, num_kv_heads, head_dim, *, causal=False,
              custom_mask=None, mask_indptr=None, sm_scale=None, window_left=-1, logits_soft_cap=0.0,
-             q_dtype="bfloat16", kv_dtype=None, cta_rows=None, alibi_slopes=None, variant=None, stream=None):
+             q_dtype="bfloat16", kv_dtype=None, cta_rows=None, alibi_slopes=None, sinks=None, variant=None,
+             variant_params=None, stream=None):
         """Schedule the batch (host arrays are read now, not at run()).
 
         qo_indptr: int [B + 1] (query rows of request i are q[qo_indptr[i]:qo_indptr[i + 1]]); page_table: a
         kvattn.PageTable of B requests. custom_mask: bool (flat [sum(qo_i * kv_i)], row-major per request, or a
         list of [qo_i, kv_i]) or bit-packed uint8 with mask_indptr (byte offsets, [B + 1]); True = keep.
         cta_rows: override the query tile (16, 64, 128; for tuning). alibi_slopes: float [num_qo_heads] (ALiBi:
-        s += slope[h] * (j - (kv - qo + r)), natural-log units). variant: a user variant
-        (kvattn.Variant.from_cuda); the keyword shortcuts select the built-ins.
+        s += slope[h] * (j - (kv - qo + r)), natural-log units). sinks: float [num_qo_heads] (one logit per head
+        in the softmax's denominator). variant: a user variant (kvattn.Variant.from_cuda) with its declared
+        parameters in variant_params; the keyword shortcuts select the built-ins. Slopes, sinks and variant
+        parameters are plan data (graph mode: a later plan() may change their values).
         """
         if not isinstance(page_table, PageTable):
             raise TypeError(f"page_table: expected a kvattn.PageTable, got {type(page_table).__name__}")
@@ -356,7 +362,7 @@ class BatchPrefillWithPagedKVCache(_BatchPrefill):
         return self._plan_common(qo_indptr, page_table.kv_lens.astype(np.int64), page_table.indptr,
                                  page_table.indices, ps, shift, num_qo_heads, num_kv_heads, head_dim, causal,
                                  custom_mask, mask_indptr, sm_scale, window_left, logits_soft_cap, q_dtype,
-                                 kv_dtype, cta_rows, stream, variant, alibi_slopes)
+                                 kv_dtype, cta_rows, stream, variant, alibi_slopes, sinks, variant_params)
 
     def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None):
         """q: [qo_indptr[-1], Hq, D]; caches [pages, page_size, Hkv, D] ("NHD") / [pages, Hkv, page_size, D]
@@ -382,7 +388,8 @@ class BatchPrefillWithRaggedKVCache(_BatchPrefill):
 
     def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, *, causal=False,
              custom_mask=None, mask_indptr=None, sm_scale=None, window_left=-1, logits_soft_cap=0.0,
-             q_dtype="bfloat16", kv_dtype=None, cta_rows=None, alibi_slopes=None, variant=None, stream=None):
+             q_dtype="bfloat16", kv_dtype=None, cta_rows=None, alibi_slopes=None, sinks=None, variant=None,
+             variant_params=None, stream=None):
         """qo_indptr, kv_indptr: int [B + 1]. Other arguments as BatchPrefillWithPagedKVCache.plan."""
         qo_indptr = _v.as_indptr(qo_indptr, "qo_indptr")
         kv_indptr = _v.as_indptr(kv_indptr, "kv_indptr", length=qo_indptr.size)
@@ -393,7 +400,7 @@ class BatchPrefillWithRaggedKVCache(_BatchPrefill):
         return self._plan_common(qo_indptr, kv_lens, np.arange(b + 1, dtype=np.int32), kv_indptr[:-1],
                                  1 << RAGGED_PAGE_SHIFT, RAGGED_PAGE_SHIFT, num_qo_heads, num_kv_heads, head_dim,
                                  causal, custom_mask, mask_indptr, sm_scale, window_left, logits_soft_cap, q_dtype,
-                                 kv_dtype, cta_rows, stream, variant, alibi_slopes)
+                                 kv_dtype, cta_rows, stream, variant, alibi_slopes, sinks, variant_params)
 
     def run(self, q, k, v, out=None, lse=None, return_lse=False, stream=None):
         """q: [qo_indptr[-1], Hq, D]; k, v: [kv_indptr[-1], Hkv, D] ("NHD") or [Hkv, kv_indptr[-1], D] ("HND").

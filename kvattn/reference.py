@@ -101,7 +101,7 @@ def _check_heads(qs, ks, vs, qname="q", kname="k", vname="v"):
         raise ValueError(f"{vname}: num_kv_heads must equal {kname}'s {hkv}, got {vs[-2]}")
 
 
-def _opts(hq, d, sm_scale, window_left, logits_soft_cap, alibi_slopes):
+def _opts(hq, d, sm_scale, window_left, logits_soft_cap, alibi_slopes, sinks=None):
     sm_scale = _v.as_float(sm_scale, "sm_scale", allow_none=True)
     if sm_scale is None:
         sm_scale = 1.0 / np.sqrt(d) if d else 1.0
@@ -111,16 +111,21 @@ def _opts(hq, d, sm_scale, window_left, logits_soft_cap, alibi_slopes):
         alibi_slopes = _v.as_float64(alibi_slopes, "alibi_slopes", ndim=1)
         if alibi_slopes.shape[0] != hq:
             raise ValueError(f"alibi_slopes: expected {hq} slopes (one per query head), got {alibi_slopes.shape[0]}")
-    return dict(sm_scale=sm_scale, window_left=window_left, cap=cap, alibi=alibi_slopes)
+    if sinks is not None:
+        sinks = _v.as_float64(sinks, "sinks", ndim=1)
+        if sinks.shape[0] != hq:
+            raise ValueError(f"sinks: expected {hq} sink logits (one per query head), got {sinks.shape[0]}")
+    return dict(sm_scale=sm_scale, window_left=window_left, cap=cap, alibi=alibi_slopes, sinks=sinks)
 
 
-def _attend(q, k, v, causal, mask, sm_scale, window_left, cap, alibi):
+def _attend(q, k, v, causal, mask, sm_scale, window_left, cap, alibi, sinks=None):
     """Unchecked core.  q [qo,Hq,D], k [kv,Hkv,D], v [kv,Hkv,Dv] float64;
-    mask: bool [qo, kv] or None.  Returns (o [qo,Hq,Dv], lse [qo,Hq])."""
+    mask: bool [qo, kv] or None; sinks: [Hq] or None.  Returns (o [qo,Hq,Dv], lse [qo,Hq])."""
     qo, hq, d = q.shape
     kv, hkv, dv = v.shape
     if qo == 0 or kv == 0:
-        return np.zeros((qo, hq, dv)), np.full((qo, hq), _NEG_INF)
+        lse = np.full((qo, hq), _NEG_INF) if sinks is None else np.broadcast_to(sinks, (qo, hq)).copy()
+        return np.zeros((qo, hq, dv)), lse
     g = hq // hkv
     qg = q.reshape(qo, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, qo * g, d)
     kh = np.ascontiguousarray(k.transpose(1, 0, 2))  # [Hkv, kv, D]: BLAS-friendly batches
@@ -141,6 +146,8 @@ def _attend(q, k, v, causal, mask, sm_scale, window_left, cap, alibi):
         m_safe = np.where(np.isneginf(m), 0.0, m)
         p = np.exp(s - m_safe)
         den = np.sum(p, axis=-1, keepdims=True)
+        if sinks is not None:   # one more logit per head in the denominator (it has no value row)
+            den = den + np.exp(sinks.reshape(hkv, 1, g, 1) - m_safe)
         lse = (m_safe + np.log(den))[..., 0]
         o = np.matmul(p.reshape(hkv, qo * g, kv), np.ascontiguousarray(v.transpose(1, 0, 2)))
         o = o.reshape(hkv, qo, g, dv)
@@ -163,7 +170,7 @@ def _ret(o, lse, return_lse):
 
 
 def attention(q, k, v, *, causal=False, sm_scale=None, window_left=-1, logits_soft_cap=0.0,
-              alibi_slopes=None, custom_mask=None, return_lse=False):
+              alibi_slopes=None, sinks=None, custom_mask=None, return_lse=False):
     """Attention for one request (GQA: query head h uses kv head h // (Hq // Hkv)).
 
     q: [qo, Hq, D]; k: [kv, Hkv, D]; v: [kv, Hkv, Dv]; alibi_slopes: [Hq];
@@ -171,11 +178,13 @@ def attention(q, k, v, *, causal=False, sm_scale=None, window_left=-1, logits_so
     Score s = (q . k) * sm_scale (default 1/sqrt(D)); soft cap
     cap * tanh(s / cap) when logits_soft_cap > 0; ALiBi s += slope[h] * (j - (kv - qo + r));
     then causal (bottom-right: j <= kv - qo + r), sliding window (j >= kv - qo + r - window_left
-    when window_left >= 0) and custom masks.  Returns o float64 [qo, Hq, Dv]
+    when window_left >= 0) and custom masks.  sinks: [Hq] attention sinks, one logit per head
+    added to the softmax's denominator (o = sum_j e^{s_j} v_j / (e^{sink} + sum_j e^{s_j}); the lse
+    includes it; a row with no kept key has o = 0, lse = sink).  Returns o float64 [qo, Hq, Dv]
     (and lse float64 [qo, Hq], natural log, when return_lse).
     """
     q, k, v = _check_qkv(q, k, v)
-    opt = _opts(q.shape[1], q.shape[2], sm_scale, window_left, logits_soft_cap, alibi_slopes)
+    opt = _opts(q.shape[1], q.shape[2], sm_scale, window_left, logits_soft_cap, alibi_slopes, sinks)
     qo, kv = q.shape[0], k.shape[0]
     if causal and kv < qo:
         raise ValueError(f"causal: requires kv_len >= qo_len, got qo_len {qo} > kv_len {kv}")
@@ -229,7 +238,7 @@ def _batch(q, qo_indptr, kv_lens, fetch, dv, opt, causal, custom_mask, return_ls
 
 
 def batch_attention_ragged(q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_scale=None, window_left=-1,
-                           logits_soft_cap=0.0, alibi_slopes=None, custom_mask=None, return_lse=False):
+                           logits_soft_cap=0.0, alibi_slopes=None, sinks=None, custom_mask=None, return_lse=False):
     """Batched attention over ragged q / k / v.
 
     q: [qo_indptr[-1], Hq, D]; k: [kv_indptr[-1], Hkv, D]; v: [kv_indptr[-1], Hkv, Dv];
@@ -240,7 +249,7 @@ def batch_attention_ragged(q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_sc
     q, k, v = _check_qkv(q, k, v)
     qo_indptr = _v.as_indptr(qo_indptr, "qo_indptr", total=q.shape[0])
     kv_indptr = _v.as_indptr(kv_indptr, "kv_indptr", length=qo_indptr.size, total=k.shape[0])
-    opt = _opts(q.shape[1], q.shape[2], sm_scale, window_left, logits_soft_cap, alibi_slopes)
+    opt = _opts(q.shape[1], q.shape[2], sm_scale, window_left, logits_soft_cap, alibi_slopes, sinks)
 
     def fetch(i):
         s = slice(kv_indptr[i], kv_indptr[i + 1])
@@ -284,7 +293,7 @@ def _fetch_paged(k4, v4, page_table):
 
 
 def batch_attention_paged(q, k_cache, v_cache, qo_indptr, page_table, *, kv_layout="NHD", causal=False,
-                          sm_scale=None, window_left=-1, logits_soft_cap=0.0, alibi_slopes=None,
+                          sm_scale=None, window_left=-1, logits_soft_cap=0.0, alibi_slopes=None, sinks=None,
                           custom_mask=None, return_lse=False):
     """Batched attention with a paged KV cache (decode: every qo_len is 1).
 
@@ -300,7 +309,7 @@ def batch_attention_paged(q, k_cache, v_cache, qo_indptr, page_table, *, kv_layo
     k4, v4 = _paged_kv(k_cache, v_cache, page_table, kv_layout)
     _check_heads(q.shape, k4.shape, v4.shape, "q", "k_cache", "v_cache")
     qo_indptr = _v.as_indptr(qo_indptr, "qo_indptr", length=page_table.indptr.size, total=q.shape[0])
-    opt = _opts(q.shape[1], q.shape[2], sm_scale, window_left, logits_soft_cap, alibi_slopes)
+    opt = _opts(q.shape[1], q.shape[2], sm_scale, window_left, logits_soft_cap, alibi_slopes, sinks)
     return _batch(q, qo_indptr, page_table.kv_lens, _fetch_paged(k4, v4, page_table), v4.shape[3], opt, bool(causal),
                   custom_mask, return_lse)
 

@@ -3,7 +3,8 @@
     PYTHONPATH=. python3 scripts/bench_variants.py
 
 Decode: bf16 Hq32/Hkv8/D128, page 16, scattered pages (us, fraction of the plain kernel's time). Prefill: causal
-ragged b1 x 8192 (TFLOP/s). Variants: ALiBi (built-in, per-head slopes), and a user variant through
+ragged b1 x 8192 (TFLOP/s). Variants: ALiBi (built-in, per-head slopes), attention sinks (built-in, per-head
+logits), and a user variant through
 kvattn.Variant.from_cuda (HalfLogits, a logits hook). Every case is checked against the float64 reference on a
 sample of requests / rows in the same run.
 """
@@ -22,11 +23,14 @@ from kvattn.timing import time_us  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 SLOPES = 2.0 ** (-8.0 * (np.arange(HQ) + 1) / HQ)
-VARIANTS = {"plain": {}, "alibi": dict(alibi_slopes=SLOPES), "user HalfLogits": dict(variant=HALF_LOGITS)}
+SINKS = np.linspace(-2.0, 4.0, HQ)
+VARIANTS = {"plain": {}, "alibi": dict(alibi_slopes=SLOPES), "sinks": dict(sinks=SINKS),
+            "user HalfLogits": dict(variant=HALF_LOGITS)}
 
 
 def ref_kwargs(name):
-    return {"plain": {}, "alibi": dict(alibi_slopes=SLOPES), "user HalfLogits": dict(sm_scale=0.5 / np.sqrt(D))}[name]
+    return {"plain": {}, "alibi": dict(alibi_slopes=SLOPES), "sinks": dict(sinks=SINKS),
+            "user HalfLogits": dict(sm_scale=0.5 / np.sqrt(D))}[name]
 
 
 def decode_rows(rng):

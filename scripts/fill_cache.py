@@ -47,11 +47,20 @@ def specs():
     for d in (64, 128):
         out += [pf.prefill_spec(d, rows, Variant(alibi=True), "bfloat16") for rows in pf.CONFIGS]
         out.append(pf.sm90_spec(d, Variant(alibi=True), "bfloat16"))
+    from kvattn.merge import merge_spec
+    sinks = (Variant(sink=True), Variant(alibi=True, sink=True))   # attention sinks (tests, bench_variants)
+    for v in sinks:
+        out += [decode.decode_spec(d, 1, v, "bfloat16") for d in decode.HEAD_DIMS]
+        out.append(merge_spec("float32", "bfloat16", v))
+    for d in (64, 128):
+        for v in (Variant(sink=True), Variant(window=True, sink=True)):
+            out += [pf.prefill_spec(d, rows, v, "bfloat16") for rows in pf.CONFIGS] + [pf.sm90_spec(d, v, "bfloat16")]
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-    from _user_variants import EVEN_KEYS, HALF_LOGITS   # the GPU tests' user variants
-    for v in (HALF_LOGITS, EVEN_KEYS):
+    from _user_variants import EVEN_KEYS, HALF_LOGITS, HEAD_SCALE, SIGMOID   # the GPU tests' user variants
+    for v in (HALF_LOGITS, EVEN_KEYS, SIGMOID, HEAD_SCALE):
         out += [decode.decode_spec(d, 1, v, "bfloat16") for d in (64, 128)]
         out += [pf.prefill_spec(128, rows, v, "bfloat16") for rows in pf.CONFIGS] + [pf.sm90_spec(128, v, "bfloat16")]
+        out.append(merge_spec("float32", "bfloat16", v))
     return list(dict.fromkeys(out))
 
 

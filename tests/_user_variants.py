@@ -1,4 +1,7 @@
 """Two user variants written only through the public API (kvattn.Variant.from_cuda), for the tests."""
+import os
+import sys
+
 import kvattn
 
 # Logits at half the scale: the same as sm_scale / 2 (a logits hook).
@@ -16,3 +19,9 @@ struct EvenKeys : kvattn::VariantBase {
   template <class P> __device__ __forceinline__ static bool keep(const P&, int j, int) { return (j & 1) == 0; }
 };
 """)
+
+
+# Sigmoid attention and a per-head logits scale (user variants with declared parameters): the ones
+# scripts/example_variant.py shows, so the tests check the example's own code.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+from example_variant import HEAD_SCALE, SIGMOID, sigmoid_reference  # noqa: E402,F401

@@ -15,7 +15,7 @@ def rand(rng, *shape):
     return rng.standard_normal(shape)
 
 
-def naive(q, k, v, causal=False, sm_scale=None, window_left=-1, cap=0.0, alibi=None, mask=None):
+def naive(q, k, v, causal=False, sm_scale=None, window_left=-1, cap=0.0, alibi=None, mask=None, sinks=None):
     """Scalar loops straight from DESIGN.md section 3 (tiny sizes only)."""
     qo, hq, d = q.shape
     kv, hkv, dv = v.shape
@@ -37,11 +37,13 @@ def naive(q, k, v, causal=False, sm_scale=None, window_left=-1, cap=0.0, alibi=N
                 if ok:
                     s.append(x)
                     keep.append(j)
-            if keep:
+            if sinks is not None:   # the sink: one more logit whose value row is zero
+                s.append(float(sinks[h]))
+            if s:
                 m = max(s)
                 w = np.exp(np.array(s) - m)
                 lse[r, h] = m + math.log(w.sum())
-                o[r, h] = (w[:, None] * v[keep, kh]).sum(0) / w.sum()
+                o[r, h] = (w[:len(keep), None] * v[keep, kh]).sum(0) / w.sum() if keep else 0.0
     return o, lse
 
 
@@ -62,6 +64,20 @@ def test_attention_matches_direct_formula(seed, qo, kv, hkv, g, d, causal, windo
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(else_))
     np.testing.assert_allclose(lse, else_, rtol=1e-10, atol=1e-12)
     assert not np.isnan(o).any() and not np.isnan(lse).any()
+
+
+@given(seeds, st.integers(0, 5), st.integers(0, 7), st.booleans(), st.integers(-1, 3), st.booleans())
+def test_sinks_match_direct_formula(seed, qo, kv, causal, window, use_mask):
+    rng = np.random.default_rng(seed)
+    causal = causal and kv >= qo
+    q, k, v = rand(rng, qo, 4, 8), rand(rng, kv, 2, 8), rand(rng, kv, 2, 8)
+    sinks = rng.standard_normal(4) * 3
+    mask = rng.random((qo, kv)) < 0.5 if use_mask else None
+    o, lse = ref.attention(q, k, v, causal=causal, window_left=window, custom_mask=mask, sinks=sinks,
+                           return_lse=True)
+    eo, el = naive(q, k, v, causal, None, window, mask=mask, sinks=sinks)
+    np.testing.assert_allclose(o, eo, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(lse, el, rtol=1e-10, atol=1e-12)   # a row with no kept key: o = 0, lse = sink
 
 
 @given(seeds, st.integers(1, 6), st.integers(0, 4))

@@ -9,7 +9,7 @@ import kvattn
 from kvattn import _dtypes, reference
 from _gpu import assert_lse, poisoned, rel_l2, requires_gpu
 from _prefill_ref import allowed
-from _user_variants import EVEN_KEYS, HALF_LOGITS
+from _user_variants import EVEN_KEYS, HALF_LOGITS, HEAD_SCALE, SIGMOID, sigmoid_reference
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 GPU = settings(max_examples=50, deadline=None)
@@ -140,5 +140,142 @@ def test_prefill_alibi_matches_reference(data, seed):
         qs, ks = slice(qo_indptr[i], qo_indptr[i + 1]), slice(kv_indptr[i], kv_indptr[i + 1])
         ro, rl = reference.attention(q[qs].astype(np.float64), k[ks].astype(np.float64), v[ks].astype(np.float64),
                                      causal=causal, alibi_slopes=slopes, return_lse=True)
+        assert rel_l2(got[qs], ro) <= 1e-2, f"request {i}"
+        assert_lse(got_lse[qs], rl, 1e-2)
+
+
+# -- attention sinks (built in) -------------------------------------------------------------------------------
+@GPU
+@given(data=st.data(), seed=st.integers(0, 2**31))
+def test_decode_sinks_match_reference(data, seed):
+    """Long and short requests (split-KV rows take the sink in the merge kernel, the others in the epilogue)."""
+    rng = np.random.default_rng(seed)
+    lens = data.draw(st.lists(st.integers(1, 6000), min_size=1, max_size=12), "kv_lens")
+    group = data.draw(st.sampled_from([1, 4, 8]), "group")
+    hkv, d = data.draw(st.sampled_from([1, 2]), "hkv"), data.draw(st.sampled_from([64, 128, 256]), "d")
+    alibi = data.draw(st.booleans(), "alibi")
+    hq, page = hkv * group, 16
+    pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), page, rng=rng)
+    shape = (pt.num_pages_used, page, hkv, d)
+    k, v = rng.standard_normal(shape).astype(BF), rng.standard_normal(shape).astype(BF)
+    q = rng.standard_normal((len(lens), hq, d)).astype(BF)
+    sinks = rng.standard_normal(hq) * 3
+    slopes = _slopes(hq) if alibi else None
+    w = kvattn.BatchDecodeWithPagedKVCache()
+    w.plan(pt, hq, hkv, d, sinks=sinks, alibi_slopes=slopes)
+    out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
+    w.run(q, k, v, out=out, lse=lse)
+    ro, rl = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1), pt, sinks=sinks,
+                                             alibi_slopes=slopes, return_lse=True)
+    _check_decode(out, lse, ro, rl)
+
+
+@GPU
+@given(data=st.data(), seed=st.integers(0, 2**31))
+def test_prefill_sinks_match_reference(data, seed):
+    rng = np.random.default_rng(seed)
+    d = data.draw(st.sampled_from([64, 128]), "d")
+    group = data.draw(st.sampled_from([1, 4, 8]), "group")
+    window = data.draw(st.sampled_from([-1, 50]), "window_left")
+    sinks = rng.standard_normal(2 * group) * 3
+    qo, kv, qo_indptr, kv_indptr, q, k, v, causal, got, got_lse = _prefill_case(data, rng, d, group, sinks=sinks,
+                                                                                window_left=window)
+    for i in range(len(qo)):
+        qs, ks = slice(qo_indptr[i], qo_indptr[i + 1]), slice(kv_indptr[i], kv_indptr[i + 1])
+        ro, rl = reference.attention(q[qs].astype(np.float64), k[ks].astype(np.float64), v[ks].astype(np.float64),
+                                     causal=causal, window_left=window, sinks=sinks, return_lse=True)
+        assert rel_l2(got[qs], ro) <= 1e-2, f"request {i}"
+        assert_lse(got_lse[qs], rl, 1e-2)
+
+
+def test_graph_replay_with_new_sinks_and_batch():
+    """Sinks are plan data: a replayed graph uses the latest plan()'s values and batch."""
+    rng = np.random.default_rng()
+    hq, hkv, d, page, max_b, max_pages = 16, 2, 128, 16, 8, 1024
+    k = kvattn.from_numpy(rng.standard_normal((max_pages, page, hkv, d)).astype(BF))
+    v = kvattn.from_numpy(rng.standard_normal((max_pages, page, hkv, d)).astype(BF))
+    q, out = kvattn.empty((max_b, hq, d), "bfloat16"), kvattn.empty((max_b, hq, d), "bfloat16")
+    lse = kvattn.empty((max_b, hq), "float32")
+    w = kvattn.BatchDecodeWithPagedKVCache(use_cuda_graph=True, max_batch_size=max_b, max_num_pages=max_pages)
+    s, graph = kvattn.Stream(), None
+    for step, batch in enumerate([8, 3, 5]):
+        lens = rng.integers(1, 1500, batch)
+        lens[0] = 6000
+        pt = kvattn.PageTable.from_kv_lens(lens, page, num_pages=max_pages, rng=rng)
+        sinks = rng.standard_normal(hq) * 3
+        w.plan(pt, hq, hkv, d, sinks=sinks, stream=s)
+        qh = rng.standard_normal((max_b, hq, d)).astype(BF)
+        q.copy_from_host(qh, s)
+        out.fill_bytes(0xFF, s)
+        if graph is None:
+            with kvattn.graphs.capture(s) as cap:
+                w.run(q, k, v, out=out, lse=lse, stream=s)
+            graph = cap.graph
+        graph.replay(s)
+        ro, rl = reference.batch_attention_paged(qh[:batch], k.numpy(), v.numpy(), np.arange(batch + 1), pt,
+                                                 sinks=sinks, return_lse=True)
+        assert rel_l2(out.numpy(s)[:batch], ro) <= 1e-2, f"step {step}"
+        assert_lse(lse.numpy(s)[:batch], rl, 1e-2)
+
+
+# -- the two user variants with parameters (scripts/example_variant.py): sigmoid attention, a per-head logits scale
+@GPU
+@given(data=st.data(), seed=st.integers(0, 2**31))
+def test_decode_sigmoid_and_head_scale_match_reference(data, seed):
+    rng = np.random.default_rng(seed)
+    lens = data.draw(st.lists(st.integers(1, 5000), min_size=1, max_size=12), "kv_lens")
+    group = data.draw(st.sampled_from([1, 4, 8]), "group")
+    hkv, d = data.draw(st.sampled_from([1, 2]), "hkv"), data.draw(st.sampled_from([64, 128]), "d")
+    which = data.draw(st.sampled_from(["sigmoid", "head_scale"]), "variant")
+    hq, page = hkv * group, 16
+    pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), page, rng=rng)
+    shape = (pt.num_pages_used, page, hkv, d)
+    k, v = rng.standard_normal(shape).astype(BF), rng.standard_normal(shape).astype(BF)
+    q = rng.standard_normal((len(lens), hq, d)).astype(BF)
+    w = kvattn.BatchDecodeWithPagedKVCache()
+    out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
+    scale = 1 / np.sqrt(d)
+    if which == "sigmoid":
+        bias = float(rng.uniform(-3, 1))
+        w.plan(pt, hq, hkv, d, variant=SIGMOID, variant_params={"bias": bias})
+        w.run(q, k, v, out=out, lse=lse)
+        got, got_lse = out.numpy(), lse.numpy()
+        for i, n in enumerate(lens):
+            kk = k[pt.pages(i)].reshape(-1, hkv, d)[:n]
+            vv = v[pt.pages(i)].reshape(-1, hkv, d)[:n]
+            ro, rl = sigmoid_reference(q[i:i + 1], kk, vv, scale, bias, np.ones((1, n), bool))
+            assert rel_l2(got[i], ro[0]) <= 1e-2, f"request {i}"
+            assert_lse(got_lse[i:i + 1], rl, 1e-2)
+    else:
+        hs = rng.uniform(0.2, 2.0, hq)
+        w.plan(pt, hq, hkv, d, variant=HEAD_SCALE, variant_params={"head_scale": hs})
+        w.run(q, k, v, out=out, lse=lse)
+        qs = q.astype(np.float64) * hs[None, :, None]   # the same scores: (q * hs[h]) . k * scale
+        ro, rl = reference.batch_attention_paged(qs, k, v, np.arange(len(lens) + 1), pt, sm_scale=scale,
+                                                 return_lse=True)
+        _check_decode(out, lse, ro, rl)
+
+
+@GPU
+@given(data=st.data(), seed=st.integers(0, 2**31))
+def test_prefill_sigmoid_and_head_scale_match_reference(data, seed):
+    rng = np.random.default_rng(seed)
+    d, group = 128, 4
+    which = data.draw(st.sampled_from(["sigmoid", "head_scale"]), "variant")
+    bias = float(rng.uniform(-3, 1))
+    hs = rng.uniform(0.2, 2.0, 2 * group)
+    kw = (dict(variant=SIGMOID, variant_params={"bias": bias}) if which == "sigmoid" else
+          dict(variant=HEAD_SCALE, variant_params={"head_scale": hs}))
+    qo, kv, qo_indptr, kv_indptr, q, k, v, causal, got, got_lse = _prefill_case(data, rng, d, group, **kw)
+    scale = 1 / np.sqrt(d)
+    for i in range(len(qo)):
+        qs, ks = slice(qo_indptr[i], qo_indptr[i + 1]), slice(kv_indptr[i], kv_indptr[i + 1])
+        mask = allowed(qo[i], kv[i], np.arange(qo[i]), causal, -1)
+        if which == "sigmoid":
+            ro, rl = sigmoid_reference(q[qs], k[ks], v[ks], scale, bias, mask)
+        else:
+            ro, rl = reference.attention(q[qs].astype(np.float64) * hs[None, :, None], k[ks].astype(np.float64),
+                                         v[ks].astype(np.float64), sm_scale=scale, custom_mask=mask,
+                                         return_lse=True)
         assert rel_l2(got[qs], ro) <= 1e-2, f"request {i}"
         assert_lse(got_lse[qs], rl, 1e-2)
