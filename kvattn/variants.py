@@ -156,7 +156,7 @@ class Variant:
         words = [np.zeros(len(self.params), np.float32)]
         pos = len(self.params)
         for i, p in enumerate(self.params):
-            v = values[p.name]
+            v = values[p.name].reshape(-1)
             if p.kind == "scalar":
                 words[0][i:i + 1] = v.view(np.float32)
                 continue
@@ -170,8 +170,8 @@ class Variant:
 
 
 def check_params(variant: Variant, values, num_qo_heads: int, batch: int) -> dict:
-    """{name: numpy array of the declared dtype and shape} for plan(variant_params=...); errors name the
-    parameter."""
+    """{name: numpy array of the declared dtype and shape} for plan(variant_params=...) (idempotent: checked
+    values pass again); errors name the parameter."""
     import numpy as np
     values = {} if values is None else values
     if not isinstance(values, dict):
@@ -199,12 +199,12 @@ def check_params(variant: Variant, values, num_qo_heads: int, batch: int) -> dic
                 raise TypeError(f"{key}: expected integers (int32), got fractional values")
             if a.size and (a.min() < -2**31 or a.max() >= 2**31):
                 raise ValueError(f"{key}: out of the int32 range")
-            out[p.name] = np.ascontiguousarray(a, np.int32).reshape(-1)
+            out[p.name] = a.astype(np.int32)   # (ascontiguousarray would make a scalar 1-d)
         else:
             f = a.astype(np.float32)
             if not np.isfinite(f).all():
                 raise ValueError(f"{key}: must be finite (float32)")
-            out[p.name] = np.ascontiguousarray(f).reshape(-1)
+            out[p.name] = f
     return out
 
 

@@ -80,6 +80,8 @@ def twin(mod, a):
 def decode_runner(mod, pt, arrays):
     q, k, v = (twin(mod, x) for x in arrays) if mod is not kvattn else arrays
     out = mod.empty(q.shape, "bfloat16")
+    if mod is not kvattn:   # the package's own PageTable type
+        pt = mod.PageTable(pt.indptr, pt.indices, pt.last_page_len, pt.page_size)
     w = mod.BatchDecodeWithPagedKVCache()
     w.plan(pt, HQ, HKV, D)
     return lambda: w.run(q, k, v, out=out)

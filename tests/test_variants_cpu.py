@@ -160,6 +160,10 @@ def test_variant_data_layout():
     assert d[4:7].tolist() == [1, 2, 3] and ints[7:12].tolist() == [7, 8, 0, 0, 0]
     with pytest.raises(TypeError, match=r"variant_params\['r'\]: expected integers"):
         u.data(3, 2, 5, values={"b": 0.5, "h": [1, 2, 3], "r": [7.5, 8], "n": 9})
+    # plan()'s path: plan_variant checks the values, then data() packs them (and checks them again)
+    v2, vals = variants.plan_variant(u, 3, 2, False, False, False, None, None,
+                                     {"b": 0.5, "h": [1, 2, 3], "r": [7, 8], "n": 9})
+    assert v2 is u and np.array_equal(u.data(3, 2, 5, **vals), d)
     gen = u.prelude()[2]
     assert "struct FooParams" in gen and "static const int* r(const P& p)" in gen and "static float b(" in gen
 
