@@ -23,6 +23,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench import kvattn, random_device, table  # noqa: E402
 from bench_decode import MAIN as DECODE_CASES  # noqa: E402
+from kvattn import timing  # noqa: E402,F401  (kvattn.timing below)
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 PREFILL_CASES = {"causal b1_S8192": (1, 8192, "auto"), "causal b8_S2048": (8, 2048, "auto"),
@@ -48,6 +49,7 @@ def _key(kernel: str) -> str:
 
 def registers(mod):
     """{kernel name expression: (registers, spill bytes)} of a package's registered default instances."""
+    importlib.import_module(mod.__name__ + ".timing")
     importlib.import_module(mod.__name__ + ".decode")
     importlib.import_module(mod.__name__ + ".prefill")
     out = {}
@@ -96,12 +98,13 @@ def prefill_runner(mod, b, s, backend, arrays):
     return lambda: w.run(q, k, v, out=out)
 
 
-def ab(name, fa, fb, unit):
-    from kvattn.timing import time_us
+def ab(name, old, fa, fb, unit):
+    """Each side timed by its own package on its own default stream (older trees run stream=None on a stream of
+    their own), alternating, so clock and thermal drift hit both sides alike."""
     ta, tb = [], []
-    for _ in range(3):   # alternate, so clock and thermal drift hit both sides alike
-        ta.append(time_us(fa, reps=30))
-        tb.append(time_us(fb, reps=30))
+    for _ in range(3):
+        ta.append(old.timing.time_us(fa, reps=30))
+        tb.append(kvattn.timing.time_us(fb, reps=30))
     a, b = float(np.median(ta)), float(np.median(tb))
     return dict(case=name, old=unit(a), new=unit(b), **{"old/new": f"{a / b:.3f}"})
 
@@ -127,13 +130,13 @@ def main():
         shape = (pt.num_pages_used, PAGE, HKV, D)
         arrays = (random_device((len(lens), HQ, D), "bfloat16", rng), random_device(shape, "bfloat16", rng),
                   random_device(shape, "bfloat16", rng))
-        rows.append(ab(f"decode {name}", decode_runner(old, pt, arrays), decode_runner(kvattn, pt, arrays), us))
+        rows.append(ab(f"decode {name}", old, decode_runner(old, pt, arrays), decode_runner(kvattn, pt, arrays), us))
         del arrays
     for name, (b, s, backend) in PREFILL_CASES.items():
         arrays = (random_device((b * s, HQ, D), "bfloat16", rng), random_device((b * s, HKV, D), "bfloat16", rng),
                   random_device((b * s, HKV, D), "bfloat16", rng))
         flops = 2 * b * HQ * s * s * D   # causal: half of the full 4 b H s^2 D
-        rows.append(ab(f"prefill {name}", prefill_runner(old, b, s, backend, arrays),
+        rows.append(ab(f"prefill {name}", old, prefill_runner(old, b, s, backend, arrays),
                        prefill_runner(kvattn, b, s, backend, arrays), lambda t: f"{flops / t / 1e6:.0f} TFLOP/s"))
     print("\nA/B: the older tree's kernels vs this checkout's (median of 3 rounds of median-of-30; old/new > 1: new "
           "is faster)")
