@@ -175,6 +175,11 @@ struct DecodeKernel {
           const int np = p.page_indptr[cons.req + 1] - p.page_indptr[cons.req];
           kv_len = np == 0 ? 0 : (np - 1) * p.page_size + p.last_page_len[cons.req];
         }
+        if constexpr (V::kQK) {   // the item's query rows (landed with its first tile), at the row's diagonal
+          transform_rows<V, D>(p, q_slot(cons, smem), 0, nrows, threadIdx.x, THREADS, cons.req, false,
+                               [&](int) { return kv_len - 1; });
+          __syncthreads();
+        }
       }
       compute_tile(stage, q_slot(cons, smem), cons, kv_len, lane, warp, o, m, l);
       if (cons.t0 + TILE >= cons.end) epilogue(stage, cons, lane, warp, o, m, l);
@@ -189,6 +194,10 @@ struct DecodeKernel {
     const T* ks = stage;
     const T* vs = stage + KV_ELEMS;
     const int tw = warp * 16;  // this warp's first token in the tile
+    if constexpr (V::kQK) {   // this warp's 16 key rows, at their kv positions (only this warp reads them)
+      transform_rows<V, D>(p, const_cast<T*>(stage), tw, 16, lane, 32, c.req, true, [&](int r) { return c.t0 + r; });
+      __syncwarp();
+    }
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
       float s[2][4];

@@ -438,6 +438,15 @@ struct PrefillKernel {
       long long pf = 0;
       if (pf_on) pf = tok_offset(p, it.pages, min(it.kb + (nt + 1) * TILE + tid, it.ke - 1));
 
+      if constexpr (V::kQK) {   // rotate Q (with tile 0) and this tile's keys in place; every warp reads them
+        if (ti == 0)
+          transform_rows<V, D>(p, qs, 0, it.nrows, tid, THREADS, it.req, false,
+                               [&](int r) { return it.delta + (it.row0 + r) / p.group_size; });
+        const int t0 = it.kb + ti * TILE;
+        transform_rows<V, D>(p, kvs + (ti % STAGES) * 2 * KV_ELEMS, 0, min(TILE, it.ke - t0), tid, THREADS, it.req,
+                             true, [&](int r) { return t0 + r; });
+        __syncthreads();
+      }
       if constexpr (QREGS) {
         if (ti == 0) {   // Q arrived with tile 0: its A fragments stay in registers for the whole item
 #pragma unroll

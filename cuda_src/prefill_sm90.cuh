@@ -44,6 +44,7 @@ struct PrefillSm90 {
   static constexpr int SN = N / 2;                    // S accumulators per thread
   static constexpr int ON = D / 2;                    // O accumulators per thread
   static_assert(D == 64 || D == 128, "the sm90 mainloop covers head_dim 64 and 128");
+  static_assert(!V::kQK, "the sm90 kernel has no query/key transform (fused RoPE) yet: use backend='sm80'");
 
   // Element offset of 16-byte chunk c of row r in a [R][D] tile: 64-column blocks of R rows of 128 bytes.
   template <int R> __device__ __forceinline__ static int sw(int r, int c) {

@@ -17,6 +17,11 @@
 //                                    exp(x - max): the kernel accumulates o = sum_j w_j v_j and l = sum_j w_j and
 //                                    writes the state (o / l, lse = log l), so split-KV merges stay exact; masked
 //                                    pairs weigh 0, and a row whose weights sum to 0 is empty (o = 0, lse = -inf)
+//   V::qk<D>(p, lo, hi, d0, pos, req, key)
+//                                    (kQK) transforms a query (key = false) or key (key = true) row before the
+//                                    dot product, 16 dims at a time: lo = dims [d0, d0 + 8), hi = dims
+//                                    [d0 + D/2, d0 + D/2 + 8) (the pairs of NeoX RoPE); pos: the row's position
+//                                    (a key: its kv index j; a query: its diagonal kv - qo + r), req: its request
 //   V::output(p, head, lse)          (kOutput) runs once per finished output row (after every split of the row is
 //                                    merged: in the attention kernel, or in the merge kernel, where p is a
 //                                    MergeParams): returns the factor the row's normalised o is multiplied by and
@@ -29,10 +34,11 @@
 // j >= diag - p.window_left when p.window_left >= 0) and kCustomMask (the plan's bit-packed mask; every tile takes
 // the masked path). Causal is a run-time flag of the prefill kernel.
 // Traits: kLogits (logits is not the identity), kPositional (row_init / logits_at are used), kKeep (keep can
-//   reject), kWindow, kCustomMask, kSoftmax (false: prob() weights), kOutput (output() is not the identity);
+//   reject), kWindow, kCustomMask, kSoftmax (false: prob() weights), kOutput (output() is not the identity),
+//   kQK (qk() is not the identity; the kernels rotate their shared-memory tiles in place);
 //   VariantTraits: kMasks (kKeep || kWindow || kCustomMask), kAny.
 #pragma once
-#include "common.cuh"
+#include "mma.cuh"
 
 namespace kvattn {
 
@@ -44,7 +50,10 @@ struct VariantBase {
   static constexpr bool kCustomMask = false;
   static constexpr bool kSoftmax = true;
   static constexpr bool kOutput = false;
+  static constexpr bool kQK = false;
   template <class P> __device__ __forceinline__ static float logits(const P&, float x) { return x; }
+  template <int D, class P>
+  __device__ __forceinline__ static void qk(const P&, float (&)[8], float (&)[8], int, int, int, bool) {}
   template <class P> __device__ __forceinline__ static float row_init(const P&, int /*head*/, int /*req*/) {
     return 0.f;
   }
@@ -71,6 +80,67 @@ template <class T, class P> __device__ __forceinline__ const T* param_ptr(const 
   return reinterpret_cast<const T*>(p.variant_data + param_i32(p, i));
 }
 
+// Rotary embedding of 16 dims (lo: [d0, d0 + 8), hi: the same dims + D/2) of a row at position pos: angle_i =
+// pos * rcp_scale * theta^(-2 i / D) (log2_theta = log2(theta)), as kvattn.reference.apply_rope. NeoX: pair
+// (i, i + D/2); INTERLEAVE (GPT-J): pairs (2i, 2i + 1) inside lo and inside hi. The angle is reduced to
+// [-pi, pi] by a two-constant 2 pi before the fast sine / cosine (their error is ~4e-7 there).
+__device__ __forceinline__ void rope_sincos(float angle, float& s, float& c) {
+  const float k = rintf(angle * 0.15915494309189535f);
+  float r = fmaf(-k, 6.28318548202514648f, angle);
+  r = fmaf(k, 1.7484555314695172e-7f, r);   // 2 pi = 6.28318548202514648 - 1.748e-7
+  __sincosf(r, &s, &c);
+}
+
+template <bool INTERLEAVE, int D>
+__device__ __forceinline__ void rope_rotate(float (&lo)[8], float (&hi)[8], int d0, float pos, float log2_theta) {
+  if (!INTERLEAVE) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      float sn, cs;
+      rope_sincos(pos * exp2f(-(float)(d0 + e) * (2.f / D) * log2_theta), sn, cs);
+      const float a = lo[e], b = hi[e];
+      lo[e] = a * cs - b * sn;
+      hi[e] = b * cs + a * sn;
+    }
+  } else {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float (&x)[8] = half ? hi : lo;
+#pragma unroll
+      for (int e = 0; e < 8; e += 2) {
+        float sn, cs;
+        const int i = (d0 + half * (D / 2) + e) / 2;   // the pair's index
+        rope_sincos(pos * exp2f(-(float)i * (2.f / D) * log2_theta), sn, cs);
+        const float a = x[e], b = x[e + 1];
+        x[e] = a * cs - b * sn;
+        x[e + 1] = b * cs + a * sn;
+      }
+    }
+  }
+}
+
+// V's query / key transform over rows of a [rows][D] shared-memory tile (swizzle: swz<D>), each row's position
+// pos_of(row): the calling threads (t of nt) split the rows' 16-dim groups between them.
+template <class V, int D, typename T, class P, class Pos>
+__device__ __forceinline__ void transform_rows(const P& p, T* tile, int r0, int n, int t, int nt, int req, bool key,
+                                               Pos pos_of) {
+  constexpr int HC = D / 16;   // chunk pairs per row
+  for (int i = t; i < n * HC; i += nt) {
+    const int r = r0 + i / HC, c = i - (i / HC) * HC;
+    T* a = tile + swz<D>(r, c);
+    T* b = tile + swz<D>(r, c + HC);
+    Raw8<T> ra, rb;
+    ra.w[0] = *reinterpret_cast<const uint4*>(a);
+    rb.w[0] = *reinterpret_cast<const uint4*>(b);
+    float lo[8], hi[8];
+    ra.to_float(lo);
+    rb.to_float(hi);
+    V::template qk<D>(p, lo, hi, c * 8, pos_of(r), req, key);
+    Vec8<T>::store(a, lo);
+    Vec8<T>::store(b, hi);
+  }
+}
+
 // The weight of score x (log2 domain, -inf when masked) of a non-softmax variant: masked pairs weigh 0.
 template <class V, class P> __device__ __forceinline__ float variant_prob(const P& p, float x) {
   return x == KVATTN_NEG_INF ? 0.f : V::prob(p, x);
@@ -79,21 +149,24 @@ template <class V, class P> __device__ __forceinline__ float variant_prob(const 
 // The mask traits every kernel reads.
 template <class V> struct VariantTraits {
   static constexpr bool kMasks = V::kKeep || V::kWindow || V::kCustomMask;
-  static constexpr bool kNeedsDiag = kMasks || V::kPositional;   // decode computes the row's diagonal
+  static constexpr bool kNeedsDiag = kMasks || V::kPositional || V::kQK;   // decode computes the row's diagonal
   static constexpr bool kAny = V::kLogits || V::kPositional || kMasks;
 };
 
 // The built-in variants: logits soft cap (s = cap * tanh(s / cap)), ALiBi (s += slope[head] * (j - diag),
 // natural-log units), attention sinks (one logit per head, sink[head], added to the softmax's denominator:
 // o *= 1 / (1 + exp(sink - lse)), lse = logaddexp(lse, sink)), sliding window and a bit-packed custom mask
-// (prefill), each selected at compile time. p.variant_data: sinks [Hq] (SINK), then slopes [Hq] (ALIBI).
-template <bool SOFT_CAP, bool WINDOW, bool CUSTOM, bool ALIBI = false, bool SINK = false>
+// (prefill), and fused RoPE on q and k (ROPE 1: NeoX halves, 2: GPT-J interleaved pairs; positions offset by
+// a per-request offset), each selected at compile time. p.variant_data: sinks [Hq] (SINK), then slopes [Hq]
+// (ALIBI), then RoPE's log2(theta), 1 / scale and the per-request offsets (int32 [batch]).
+template <bool SOFT_CAP, bool WINDOW, bool CUSTOM, bool ALIBI = false, bool SINK = false, int ROPE = 0>
 struct Builtin : VariantBase {
   static constexpr bool kLogits = SOFT_CAP;
   static constexpr bool kPositional = ALIBI;
   static constexpr bool kWindow = WINDOW;
   static constexpr bool kCustomMask = CUSTOM;
   static constexpr bool kOutput = SINK;
+  static constexpr bool kQK = ROPE != 0;
 
   template <class P> __device__ __forceinline__ static float logits(const P& p, float x) {
     if (SOFT_CAP) x = p.cap_log2 * tanhf(x);
@@ -106,6 +179,14 @@ struct Builtin : VariantBase {
   template <class P>
   __device__ __forceinline__ static float logits_at(const P&, float x, int j, int diag, float rc) {
     return ALIBI ? fmaf(rc, (float)(j - diag), x) : x;
+  }
+  template <int D, class P>
+  __device__ __forceinline__ static void qk(const P& p, float (&lo)[8], float (&hi)[8], int d0, int pos, int req,
+                                            bool /*key*/) {
+    if (ROPE == 0) return;
+    const float* r = p.variant_data + (SINK ? p.num_qo_heads : 0) + (ALIBI ? p.num_qo_heads : 0);
+    const float fpos = (float)(pos + __float_as_int(__ldg(r + 2 + req))) * __ldg(r + 1);
+    rope_rotate<ROPE == 2, D>(lo, hi, d0, fpos, __ldg(r));
   }
   template <class P> __device__ __forceinline__ static float output(const P& p, int head, float& lse) {
     if (!SINK) return 1.f;

@@ -7,7 +7,7 @@ from .formats import BlockSparse, CascadeLevels, PagedKVLayout, PageTable, Ragge
 from .merge import merge_state, merge_state_in_place, merge_states
 from .decode import BatchDecodeWithPagedKVCache, single_decode
 from .prefill import BatchPrefillWithPagedKVCache, BatchPrefillWithRaggedKVCache, single_prefill
-from .variants import Variant
+from .variants import RoPE, Variant
 from . import graphs, reference, scheduler
 
 __version__ = "0.1.0"

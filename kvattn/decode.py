@@ -95,12 +95,13 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
     # -- plan ------------------------------------------------------------------------------------
     def plan(self, page_table: PageTable, num_qo_heads, num_kv_heads, head_dim, *, q_dtype="bfloat16",
              kv_dtype=None, sm_scale=None, window_left=-1, logits_soft_cap=0.0, alibi_slopes=None, sinks=None,
-             variant=None, variant_params=None, stream=None):
+             rope=None, rope_offsets=None, variant=None, variant_params=None, stream=None):
         """Schedule the batch described by page_table (its host arrays are read now, not at run()).
 
         alibi_slopes: float [num_qo_heads] (ALiBi: s += slope[h] * (j - (kv_len - 1)), natural-log units).
         sinks: float [num_qo_heads] (attention sinks: one logit per head in the softmax's denominator, in the
-        units of the scaled scores, as GPT-OSS). variant: a user variant (kvattn.Variant.from_cuda), with its
+        units of the scaled scores, as GPT-OSS). rope: kvattn.RoPE(theta, scale, interleave) rotates q (at
+        kv_len - 1 + offset) and k (at j + offset) inside the kernel; rope_offsets: int [batch] or None (0). variant: a user variant (kvattn.Variant.from_cuda), with its
         declared parameters in variant_params ({name: value}); the keyword shortcuts window_left /
         logits_soft_cap / alibi_slopes / sinks select the built-ins. Slopes, sinks and variant parameters are
         data of the plan: in graph mode a later plan() may change their values.
@@ -120,7 +121,8 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
             if nnz > self.max_num_pages:
                 raise ValueError(f"page_table: {nnz} pages exceed max_num_pages {self.max_num_pages}")
         variant, vvals = plan_variant(variant, num_qo_heads, batch, logits_soft_cap > 0, window_left >= 0, False,
-                                      alibi_slopes, sinks, variant_params)
+                                      alibi_slopes, sinks, variant_params, rope, rope_offsets,
+                                      int(page_table.kv_lens.max(initial=0)))
         self._bake(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, q_dtype=q_dtype,
                    page_size=page_table.page_size, sm_scale=sm_scale, window_left=window_left,
                    logits_soft_cap=logits_soft_cap, variant=variant)

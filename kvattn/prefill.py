@@ -128,8 +128,12 @@ class LaunchConfig:
 
 def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, dtype: str) -> LaunchConfig:
     """backend "sm90" (the wgmma kernel) takes 128-row tiles of head_dim 64/128 on sm_90 GPUs; "auto" takes it
-    there unless its ptxas report shows spills (the all-variants head_dim 128 instance), else "sm80"."""
-    sm90_ok = cta_rows == 128 and head_dim in SM90_HEAD_DIMS and _driver.arch() == "sm_90a"
+    there unless its ptxas report shows spills (the all-variants head_dim 128 instance), else "sm80". Fused RoPE
+    runs on "sm80" only (not built in the wgmma kernel yet)."""
+    if variant.rope and backend == "sm90":
+        raise ValueError("backend: the sm90 kernel has no fused RoPE yet; use backend='auto' or 'sm80' with rope")
+    sm90_ok = (cta_rows == 128 and head_dim in SM90_HEAD_DIMS and _driver.arch() == "sm_90a"
+               and not variant.rope)
     if backend == "sm90" and not sm90_ok:
         raise ValueError(f"backend: 'sm90' needs an sm_90 GPU, head_dim in {SM90_HEAD_DIMS} and cta_rows 128 "
                          f"(got {_driver.arch()}, head_dim {head_dim}, cta_rows {cta_rows})")
@@ -174,7 +178,7 @@ class _BatchPrefill(AttentionOp):
     def _plan_common(self, qo_indptr, kv_lens, page_indptr, page_indices, page_size, page_shift, num_qo_heads,
                      num_kv_heads, head_dim, causal, custom_mask, mask_indptr, sm_scale, window_left,
                      logits_soft_cap, q_dtype, kv_dtype, cta_rows, stream, variant=None, alibi_slopes=None,
-                     sinks=None, variant_params=None):
+                     sinks=None, variant_params=None, rope=None, rope_offsets=None):
         hq, hkv, head_dim, q_dtype, window_left, cap = check_plan_args(
             num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, window_left, logits_soft_cap)
         scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else _v.as_float(sm_scale, "sm_scale")
@@ -195,6 +199,7 @@ class _BatchPrefill(AttentionOp):
                 raise ValueError(f"page_table: {page_indices.size} pages exceed max_num_pages {self.max_num_pages}")
         packed_mask, mask_offsets = self._mask(custom_mask, mask_indptr, qo_lens, kv_lens)
         group = hq // hkv
+        auto_rows = cta_rows is None
         if cta_rows is None:
             if self.use_cuda_graph:
                 packed = self.max_total_qo * group / self.max_batch_size
@@ -205,7 +210,10 @@ class _BatchPrefill(AttentionOp):
         elif cta_rows not in CONFIGS or (head_dim == 256 and cta_rows == 128):
             raise ValueError(f"cta_rows: expected one of {sorted(CONFIGS)} (not 128 with head_dim 256), got {cta_rows}")
         variant, vvals = plan_variant(variant, hq, batch, cap > 0, window_left >= 0, packed_mask is not None,
-                                      alibi_slopes, sinks, variant_params)
+                                      alibi_slopes, sinks, variant_params, rope, rope_offsets,
+                                      int(kv_lens.max(initial=0)))
+        if variant.rope and auto_rows and cta_rows == 128:
+            cta_rows = 64   # the 128-row mma.sync tile has no registers left for the rotation (ptxas spills)
         self._bake(num_qo_heads=hq, num_kv_heads=hkv, head_dim=head_dim, q_dtype=q_dtype, page_size=page_size,
                    sm_scale=scale, causal=causal, window_left=window_left, logits_soft_cap=cap,
                    custom_mask=packed_mask is not None, cta_rows=cta_rows, variant=variant)
@@ -341,8 +349,8 @@ class BatchPrefillWithPagedKVCache(_BatchPrefill):
 
     def plan(self, qo_indptr, page_table: PageTable, num_qo_heads, num_kv_heads, head_dim, *, causal=False,
              custom_mask=None, mask_indptr=None, sm_scale=None, window_left=-1, logits_soft_cap=0.0,
-             q_dtype="bfloat16", kv_dtype=None, cta_rows=None, alibi_slopes=None, sinks=None, variant=None,
-             variant_params=None, stream=None):
+             q_dtype="bfloat16", kv_dtype=None, cta_rows=None, alibi_slopes=None, sinks=None, rope=None,
+             rope_offsets=None, variant=None, variant_params=None, stream=None):
         """Schedule the batch (host arrays are read now, not at run()).
 
         qo_indptr: int [B + 1] (query rows of request i are q[qo_indptr[i]:qo_indptr[i + 1]]); page_table: a
@@ -352,7 +360,9 @@ class BatchPrefillWithPagedKVCache(_BatchPrefill):
         s += slope[h] * (j - (kv - qo + r)), natural-log units). sinks: float [num_qo_heads] (one logit per head
         in the softmax's denominator). variant: a user variant (kvattn.Variant.from_cuda) with its declared
         parameters in variant_params; the keyword shortcuts select the built-ins. Slopes, sinks and variant
-        parameters are plan data (graph mode: a later plan() may change their values).
+        parameters are plan data (graph mode: a later plan() may change their values). rope:
+        kvattn.RoPE(theta, scale, interleave) rotates q (at kv - qo + r + offset) and k (at j + offset) inside the
+        kernel (backend sm80); rope_offsets: int [B] or None (0).
         """
         if not isinstance(page_table, PageTable):
             raise TypeError(f"page_table: expected a kvattn.PageTable, got {type(page_table).__name__}")
@@ -362,7 +372,8 @@ class BatchPrefillWithPagedKVCache(_BatchPrefill):
         return self._plan_common(qo_indptr, page_table.kv_lens.astype(np.int64), page_table.indptr,
                                  page_table.indices, ps, shift, num_qo_heads, num_kv_heads, head_dim, causal,
                                  custom_mask, mask_indptr, sm_scale, window_left, logits_soft_cap, q_dtype,
-                                 kv_dtype, cta_rows, stream, variant, alibi_slopes, sinks, variant_params)
+                                 kv_dtype, cta_rows, stream, variant, alibi_slopes, sinks, variant_params, rope,
+                                 rope_offsets)
 
     def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None):
         """q: [qo_indptr[-1], Hq, D]; caches [pages, page_size, Hkv, D] ("NHD") / [pages, Hkv, page_size, D]
@@ -388,8 +399,8 @@ class BatchPrefillWithRaggedKVCache(_BatchPrefill):
 
     def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, *, causal=False,
              custom_mask=None, mask_indptr=None, sm_scale=None, window_left=-1, logits_soft_cap=0.0,
-             q_dtype="bfloat16", kv_dtype=None, cta_rows=None, alibi_slopes=None, sinks=None, variant=None,
-             variant_params=None, stream=None):
+             q_dtype="bfloat16", kv_dtype=None, cta_rows=None, alibi_slopes=None, sinks=None, rope=None,
+             rope_offsets=None, variant=None, variant_params=None, stream=None):
         """qo_indptr, kv_indptr: int [B + 1]. Other arguments as BatchPrefillWithPagedKVCache.plan."""
         qo_indptr = _v.as_indptr(qo_indptr, "qo_indptr")
         kv_indptr = _v.as_indptr(kv_indptr, "kv_indptr", length=qo_indptr.size)
@@ -400,7 +411,8 @@ class BatchPrefillWithRaggedKVCache(_BatchPrefill):
         return self._plan_common(qo_indptr, kv_lens, np.arange(b + 1, dtype=np.int32), kv_indptr[:-1],
                                  1 << RAGGED_PAGE_SHIFT, RAGGED_PAGE_SHIFT, num_qo_heads, num_kv_heads, head_dim,
                                  causal, custom_mask, mask_indptr, sm_scale, window_left, logits_soft_cap, q_dtype,
-                                 kv_dtype, cta_rows, stream, variant, alibi_slopes, sinks, variant_params)
+                                 kv_dtype, cta_rows, stream, variant, alibi_slopes, sinks, variant_params, rope,
+                                 rope_offsets)
 
     def run(self, q, k, v, out=None, lse=None, return_lse=False, stream=None):
         """q: [qo_indptr[-1], Hq, D]; k, v: [kv_indptr[-1], Hkv, D] ("NHD") or [Hkv, kv_indptr[-1], D] ("HND").

@@ -69,6 +69,24 @@ def _as_params(params) -> tuple:
 
 
 @dataclasses.dataclass(frozen=True)
+class RoPE:
+    """Fused rotary embedding of q and k inside the kernels (plan(rope=RoPE(...))): angle_i = pos / scale *
+    theta^(-2 i / head_dim) over the whole head dim, NeoX halves (i, i + D/2) or, with interleave, GPT-J pairs
+    (2i, 2i + 1), as kvattn.reference.apply_rope. Positions: key j of a request is at j + offset, its query row r
+    at kv_len - qo_len + r + offset (decode: kv_len - 1 + offset); offsets: plan(rope_offsets=[batch]) or 0."""
+    theta: float = 1e4
+    scale: float = 1.0
+    interleave: bool = False
+
+    def __post_init__(self):
+        import math
+        for name in ("theta", "scale"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"rope.{name}: expected a finite number > 0, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Variant:
     """A kernel variant: the built-ins (flags) or a user-written CUDA struct (name + source + parameters).
 
@@ -84,6 +102,7 @@ class Variant:
     custom_mask: bool = False   # keep kv index j where the request's bit-packed mask bit (r, j) is set (prefill)
     alibi: bool = False         # s += slope[h] * (j - (kv - qo + r)), the slopes a plan() argument
     sink: bool = False          # one logit per head added to the softmax denominator, a plan() argument
+    rope: int = 0               # fused RoPE on q and k: 0 off, 1 NeoX halves, 2 GPT-J interleaved pairs
     name: str = ""              # a user variant's struct name
     source: str = ""            # its CUDA source
     params: tuple = ()          # its declared parameters (VariantParam)
@@ -106,10 +125,12 @@ class Variant:
 
     def _builtin(self, custom: bool) -> str:
         args = [_b(self.soft_cap), _b(self.window), _b(custom)]
-        if self.alibi or self.sink:
+        if self.alibi or self.sink or self.rope:
             args.append(_b(self.alibi))
-        if self.sink:
-            args.append("true")
+        if self.sink or self.rope:
+            args.append(_b(self.sink))
+        if self.rope:
+            args.append(str(self.rope))
         return f"kvattn::Builtin<{', '.join(args)}>"
 
     def decode_type(self) -> str:
@@ -142,13 +163,19 @@ class Variant:
         return (f"variant_{self.name}", self.source, gen)
 
     # -- the plan's variant data (float32 words at p.variant_data) --------------------------------------
-    def data(self, num_qo_heads: int, batch: int, cap_batch: int, sinks=None, slopes=None, values=None):
+    def data(self, num_qo_heads: int, batch: int, cap_batch: int, sinks=None, slopes=None, values=None,
+             rope=None, rope_offsets=None):
         """The float32 words of the plan's variant data, or None when the kernels read none. Built-ins: sinks
-        [Hq] then slopes [Hq]. User variants: one word per declared parameter (a scalar's value, an array's
+        [Hq], slopes [Hq], then RoPE's log2(theta), 1 / scale and int32 offsets [cap_batch]. User variants: one word per declared parameter (a scalar's value, an array's
         word offset), then each array (per-request arrays sized cap_batch, the graph-mode bound)."""
         import numpy as np
         if not self.is_user:
             parts = [a for a in (sinks if self.sink else None, slopes if self.alibi else None) if a is not None]
+            if self.rope:
+                offs = np.zeros(cap_batch, np.int32)
+                if rope_offsets is not None:
+                    offs[:batch] = rope_offsets
+                parts += [np.array([np.log2(rope.theta), 1.0 / rope.scale], np.float32), offs.view(np.float32)]
             return np.concatenate(parts).astype(np.float32) if parts else None
         if not self.params:
             return None
@@ -209,18 +236,18 @@ def check_params(variant: Variant, values, num_qo_heads: int, batch: int) -> dic
 
 
 def choose(variant, soft_cap: bool, window: bool, custom_mask: bool, alibi: bool = False, sink: bool = False,
-           variant_params=None) -> Variant:
+           variant_params=None, rope: int = 0) -> Variant:
     """The plan's variant: a user variant (variant=...) or the built-ins the keyword arguments select; both at
     once is refused (combining them is not built yet)."""
     if variant is None:
         if variant_params is not None:
             raise ValueError("variant_params: given without a user variant (variant=kvattn.Variant.from_cuda(...))")
-        return Variant(soft_cap=soft_cap, window=window, custom_mask=custom_mask, alibi=alibi, sink=sink)
+        return Variant(soft_cap=soft_cap, window=window, custom_mask=custom_mask, alibi=alibi, sink=sink, rope=rope)
     if not isinstance(variant, Variant):
         raise TypeError(f"variant: expected a kvattn.Variant (Variant.from_cuda(...)), got {type(variant).__name__}")
-    if variant.is_user and (soft_cap or window or custom_mask or alibi or sink):
+    if variant.is_user and (soft_cap or window or custom_mask or alibi or sink or rope):
         raise ValueError("variant: a user variant cannot be combined with logits_soft_cap, window_left, "
-                         "custom_mask, alibi_slopes or sinks yet; write them into the variant's hooks")
+                         "custom_mask, alibi_slopes, sinks or rope yet; write them into the variant's hooks")
     if not variant.is_user and variant_params is not None:
         raise ValueError("variant_params: only a user variant declares parameters")
     return variant
@@ -242,12 +269,40 @@ def check_per_head(values, num_qo_heads: int, name: str, what: str):
     return a
 
 
+def check_rope(rope, rope_offsets, batch: int, max_position: int):
+    """(RoPE or None, int32 offsets [batch] or None); errors name the argument. max_position: the largest
+    position before offsets (positions stay below 2^24, exact in float32)."""
+    import numpy as np
+    if rope is None:
+        if rope_offsets is not None:
+            raise ValueError("rope_offsets: given without rope (plan(rope=kvattn.RoPE(...)))")
+        return None, None
+    if not isinstance(rope, RoPE):
+        raise TypeError(f"rope: expected a kvattn.RoPE(theta=..., scale=..., interleave=...), got {type(rope).__name__}")
+    offs = None
+    if rope_offsets is not None:
+        a = np.asarray(rope_offsets)
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"rope_offsets: expected an integer array [batch], got dtype {a.dtype}")
+        if a.shape != (batch,):
+            raise ValueError(f"rope_offsets: expected shape ({batch},) (one offset per request), got {a.shape}")
+        if a.size and a.min() < 0:
+            raise ValueError(f"rope_offsets: must be >= 0, got {int(a.min())}")
+        offs = a.astype(np.int64)
+    top = max_position + (int(offs.max()) if offs is not None and offs.size else 0)
+    if top >= 1 << 24:
+        raise ValueError(f"rope_offsets: positions reach {top}; fused RoPE needs positions < 2^24 (exact in float32)")
+    return rope, (offs.astype(np.int32) if offs is not None else None)
+
+
 def plan_variant(variant, num_qo_heads: int, batch: int, soft_cap: bool, window: bool, custom_mask: bool,
-                 alibi_slopes, sinks, variant_params):
+                 alibi_slopes, sinks, variant_params, rope=None, rope_offsets=None, max_position: int = 0):
     """(Variant, checked values for Variant.data) from a plan()'s arguments, before any GPU work; errors name the
     argument."""
     slopes = check_per_head(alibi_slopes, num_qo_heads, "alibi_slopes", "slope")
     sinks = check_per_head(sinks, num_qo_heads, "sinks", "sink logit")
-    v = choose(variant, soft_cap, window, custom_mask, slopes is not None, sinks is not None, variant_params)
+    rope, offs = check_rope(rope, rope_offsets, batch, max_position)
+    v = choose(variant, soft_cap, window, custom_mask, slopes is not None, sinks is not None, variant_params,
+               0 if rope is None else (2 if rope.interleave else 1))
     values = check_params(v, variant_params, num_qo_heads, batch) if v.params else None
-    return v, dict(sinks=sinks, slopes=slopes, values=values)
+    return v, dict(sinks=sinks, slopes=slopes, values=values, rope=rope, rope_offsets=offs)

@@ -4,7 +4,7 @@
 
 Decode: bf16 Hq32/Hkv8/D128, page 16, scattered pages (us, fraction of the plain kernel's time). Prefill: causal
 ragged b1 x 8192 (TFLOP/s). Variants: ALiBi (built-in, per-head slopes), attention sinks (built-in, per-head
-logits), and a user variant through
+logits), fused RoPE (built-in, NeoX, theta 5e5; prefill runs it on the sm80 kernel) and a user variant through
 kvattn.Variant.from_cuda (HalfLogits, a logits hook). Every case is checked against the float64 reference on a
 sample of requests / rows in the same run.
 """
@@ -24,13 +24,21 @@ from kvattn.timing import time_us  # noqa: E402
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 SLOPES = 2.0 ** (-8.0 * (np.arange(HQ) + 1) / HQ)
 SINKS = np.linspace(-2.0, 4.0, HQ)
-VARIANTS = {"plain": {}, "alibi": dict(alibi_slopes=SLOPES), "sinks": dict(sinks=SINKS),
+ROPE = kvattn.RoPE(theta=5e5)
+VARIANTS = {"plain": {}, "alibi": dict(alibi_slopes=SLOPES), "sinks": dict(sinks=SINKS), "rope": dict(rope=ROPE),
             "user HalfLogits": dict(variant=HALF_LOGITS)}
 
 
-def ref_kwargs(name):
-    return {"plain": {}, "alibi": dict(alibi_slopes=SLOPES), "sinks": dict(sinks=SINKS),
-            "user HalfLogits": dict(sm_scale=0.5 / np.sqrt(D))}[name]
+def expected(name, q, k, v, causal=False):
+    """float64 reference of variant `name` for one request: q [qo, Hq, D], k / v [kv, Hkv, D] (host arrays)."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    kw = {"plain": {}, "alibi": dict(alibi_slopes=SLOPES), "sinks": dict(sinks=SINKS), "rope": {},
+          "user HalfLogits": dict(sm_scale=0.5 / np.sqrt(D))}[name]
+    if name == "rope":   # rotated at their positions: keys at j, query row r at kv - qo + r
+        kv, qo = k.shape[0], q.shape[0]
+        q = reference.apply_rope(q, kv - qo + np.arange(qo), rope_theta=ROPE.theta)
+        k = reference.apply_rope(k, np.arange(kv), rope_theta=ROPE.theta)
+    return reference.attention(q, k, v, causal=causal, **kw)
 
 
 def decode_rows(rng):
@@ -52,8 +60,7 @@ def decode_rows(rng):
             pages = pt.pages(i)
             kk = np.concatenate([k[int(pg)].numpy() for pg in pages])[:lens[i]]
             vv = np.concatenate([v[int(pg)].numpy() for pg in pages])[:lens[i]]
-            ro = reference.attention(q[i:i + 1].numpy().astype(np.float64), kk.astype(np.float64),
-                                     vv.astype(np.float64), **ref_kwargs(name))
+            ro = expected(name, q[i:i + 1].numpy(), kk, vv)
             err = float(np.linalg.norm(out[i:i + 1].numpy() - ro) / np.linalg.norm(ro))
             row[name] = f"{us:.1f}us {base / us:.3f} err {err:.0e}"
         rows.append(row)
@@ -78,10 +85,9 @@ def prefill_rows(rng):
         base = base or us
         # the last 64 query rows against the whole prefix: bottom-right causal alignment and ALiBi's (j - diag)
         # are those of the full request
-        ro = reference.attention(qh[-64:].astype(np.float64), kh.astype(np.float64), vh.astype(np.float64),
-                                 causal=True, **ref_kwargs(name))
+        ro = expected(name, qh[-64:], kh, vh, causal=True)
         err = float(np.linalg.norm(out.numpy()[-64:] - ro) / np.linalg.norm(ro))
-        row[name] = f"{flops / us / 1e6:.0f} TFLOP/s {base / us:.3f} err {err:.0e}"
+        row[name] = f"{flops / us / 1e6:.0f} TFLOP/s {base / us:.3f} err {err:.0e} {w.last_plan.info['backend']}"
     return [row]
 
 

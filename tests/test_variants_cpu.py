@@ -191,3 +191,48 @@ def test_graph_mode_lets_variant_data_change_but_not_the_variant():
         w.plan(pt, 8, 2, 128, sinks=np.zeros(8))
     except kvattn.CudaUnavailableError:
         pass
+
+
+def test_rope_compiles_into_decode_and_sm80_prefill_without_spills():
+    assert Variant(rope=2).decode_type() == "kvattn::Builtin<false, false, false, false, false, 2>"
+    for v in (Variant(rope=1), Variant(rope=2), Variant(rope=1, sink=True, alibi=True, window=True)):
+        specs = [decode.decode_spec(d, 1, v, "bfloat16") for d in (64, 128, 256)]
+        specs += [prefill.prefill_spec(128, r, v, "bfloat16") for r in (64, 16)] + [prefill.prefill_spec(256, 64, v, "bfloat16")]
+        for spec in specs:
+            compiled, _ = spec.compile(ARCH)
+            for name, r in compiled.resources.items():
+                assert r.spills == 0 and r.stack_frame == 0, (spec.uri(), r)
+
+
+def test_rope_arguments_are_validated_before_any_gpu_call():
+    w = kvattn.BatchDecodeWithPagedKVCache(num_sms=132)
+    p = kvattn.BatchPrefillWithRaggedKVCache(num_sms=132, backend="sm90")
+    pt = kvattn.PageTable.from_kv_lens([30, 5], 16, rng=0)
+    with pytest.raises(ValueError, match=r"rope.theta: expected a finite number > 0"):
+        kvattn.RoPE(theta=-1.0)
+    with pytest.raises(ValueError, match=r"rope.scale: expected a finite number > 0"):
+        kvattn.RoPE(scale=float("nan"))
+    with pytest.raises(TypeError, match="rope: expected a kvattn.RoPE"):
+        w.plan(pt, 8, 2, 128, rope=1e4)
+    with pytest.raises(ValueError, match="rope_offsets: given without rope"):
+        w.plan(pt, 8, 2, 128, rope_offsets=[0, 1])
+    with pytest.raises(ValueError, match=r"rope_offsets: expected shape \(2,\) \(one offset per request\)"):
+        w.plan(pt, 8, 2, 128, rope=kvattn.RoPE(), rope_offsets=[0, 1, 2])
+    with pytest.raises(TypeError, match="rope_offsets: expected an integer array"):
+        w.plan(pt, 8, 2, 128, rope=kvattn.RoPE(), rope_offsets=[0.5, 1])
+    with pytest.raises(ValueError, match="rope_offsets: must be >= 0"):
+        w.plan(pt, 8, 2, 128, rope=kvattn.RoPE(), rope_offsets=[-1, 1])
+    with pytest.raises(ValueError, match="positions < 2.24"):
+        w.plan(pt, 8, 2, 128, rope=kvattn.RoPE(), rope_offsets=[1 << 24, 1])
+    with pytest.raises(ValueError, match="cannot be combined with .* rope"):
+        w.plan(pt, 8, 2, 128, rope=kvattn.RoPE(), variant=HALF_LOGITS)
+    with pytest.raises(ValueError, match="backend: the sm90 kernel has no fused RoPE yet"):
+        p.plan([0, 3], [0, 9], 8, 2, 128, rope=kvattn.RoPE())
+
+
+def test_rope_data_layout():
+    v = Variant(rope=1, sink=True)
+    d = v.data(2, 2, 3, sinks=np.array([1, 2], np.float32), rope=kvattn.RoPE(theta=1e4, scale=4.0),
+               rope_offsets=np.array([5, 7], np.int32))
+    assert d[:2].tolist() == [1, 2] and np.isclose(d[2], np.log2(1e4)) and d[3] == 0.25
+    assert d[4:].view(np.int32).tolist() == [5, 7, 0]

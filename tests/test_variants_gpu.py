@@ -279,3 +279,74 @@ def test_prefill_sigmoid_and_head_scale_match_reference(data, seed):
                                          return_lse=True)
         assert rel_l2(got[qs], ro) <= 1e-2, f"request {i}"
         assert_lse(got_lse[qs], rl, 1e-2)
+
+
+# -- fused RoPE (built in): q and k rotated inside the kernels ---------------------------------------------------
+def _roped(x, pos, rope):
+    return reference.apply_rope(x, pos, interleave=rope.interleave, rope_scale=rope.scale, rope_theta=rope.theta)
+
+
+@GPU
+@given(data=st.data(), seed=st.integers(0, 2**31))
+def test_decode_rope_matches_reference(data, seed):
+    rng = np.random.default_rng(seed)
+    lens = data.draw(st.lists(st.integers(1, 4000), min_size=1, max_size=12), "kv_lens")
+    group = data.draw(st.sampled_from([1, 4, 8]), "group")
+    hkv, d = data.draw(st.sampled_from([1, 2]), "hkv"), data.draw(st.sampled_from([64, 128, 256]), "d")
+    rope = kvattn.RoPE(theta=data.draw(st.sampled_from([1e4, 5e5]), "theta"),
+                       scale=data.draw(st.sampled_from([1.0, 4.0]), "scale"), interleave=data.draw(st.booleans()))
+    offsets = rng.integers(0, 3000, len(lens)) if data.draw(st.booleans(), "offsets") else None
+    hq, page = hkv * group, 16
+    pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), page, rng=rng)
+    shape = (pt.num_pages_used, page, hkv, d)
+    k, v = rng.standard_normal(shape).astype(BF), rng.standard_normal(shape).astype(BF)
+    q = rng.standard_normal((len(lens), hq, d)).astype(BF)
+    w = kvattn.BatchDecodeWithPagedKVCache()
+    w.plan(pt, hq, hkv, d, rope=rope, rope_offsets=offsets)
+    out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
+    w.run(q, k, v, out=out, lse=lse)
+    got, got_lse = out.numpy(), lse.numpy()
+    for i, n in enumerate(lens):
+        off = 0 if offsets is None else int(offsets[i])
+        ki = k[pt.pages(i)].reshape(-1, hkv, d)[:n]
+        vi = v[pt.pages(i)].reshape(-1, hkv, d)[:n]
+        qr = _roped(q[i:i + 1], [n - 1 + off], rope)
+        kr = _roped(ki, np.arange(n) + off, rope)
+        ro, rl = reference.attention(qr, kr, vi.astype(np.float64), return_lse=True)
+        assert rel_l2(got[i], ro[0]) <= 1e-2, f"request {i}"
+        assert_lse(got_lse[i:i + 1], rl, 1e-2)
+
+
+@GPU
+@given(data=st.data(), seed=st.integers(0, 2**31))
+def test_prefill_rope_matches_reference(data, seed):
+    rng = np.random.default_rng(seed)
+    d = data.draw(st.sampled_from([64, 128, 256]), "d")
+    group = data.draw(st.sampled_from([1, 4]), "group")
+    b = data.draw(st.integers(1, 3), "batch")
+    qo = data.draw(st.lists(st.integers(1, 200), min_size=b, max_size=b), "qo")
+    kv = [a + e for a, e in zip(qo, data.draw(st.lists(st.integers(0, 500), min_size=b, max_size=b), "prefix"))]
+    causal = data.draw(st.booleans(), "causal")
+    backend = data.draw(st.sampled_from(["sm80", "auto"]), "backend")
+    rope = kvattn.RoPE(theta=1e4, scale=data.draw(st.sampled_from([1.0, 2.0]), "scale"),
+                       interleave=data.draw(st.booleans(), "interleave"))
+    offsets = rng.integers(0, 1000, b)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)
+    q = rng.standard_normal((qo_indptr[-1], 2 * group, d)).astype(BF)
+    k = rng.standard_normal((kv_indptr[-1], 2, d)).astype(BF)
+    v = rng.standard_normal((kv_indptr[-1], 2, d)).astype(BF)
+    w = kvattn.BatchPrefillWithRaggedKVCache(backend=backend)
+    w.plan(qo_indptr, kv_indptr, 2 * group, 2, d, causal=causal, rope=rope, rope_offsets=offsets)
+    assert w.last_plan.info["backend"] == "sm80"
+    out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
+    w.run(q, k, v, out=out, lse=lse)
+    got, got_lse = out.numpy(), lse.numpy()
+    for i in range(b):
+        qs, ks = slice(qo_indptr[i], qo_indptr[i + 1]), slice(kv_indptr[i], kv_indptr[i + 1])
+        off = int(offsets[i])
+        qr = _roped(q[qs], kv[i] - qo[i] + np.arange(qo[i]) + off, rope)
+        kr = _roped(k[ks], np.arange(kv[i]) + off, rope)
+        ro, rl = reference.attention(qr, kr, v[ks].astype(np.float64), causal=causal, return_lse=True)
+        assert rel_l2(got[qs], ro) <= 1e-2, f"request {i}"
+        assert_lse(got_lse[qs], rl, 1e-2)
