@@ -153,6 +153,8 @@ struct DecodeKernel {
     float o[M_TILES][CHUNKS][4];
     float m[M_TILES][2], l[M_TILES][2];
     int kv_len = 0;
+    // the query / key transform's per-thread constants (the same dims for Q, by all threads, and K, by lanes)
+    const typename V::QKState qk_state = V::template qk_init<D>(p, qk_dims<D>(threadIdx.x));
     for (int it = 0; cons.valid(); ++it) {
       T* stage = smem + (it % STAGES) * STAGE_ELEMS;
 #if KVATTN_REFILL_FIRST
@@ -176,12 +178,12 @@ struct DecodeKernel {
           kv_len = np == 0 ? 0 : (np - 1) * p.page_size + p.last_page_len[cons.req];
         }
         if constexpr (V::kQK) {   // the item's query rows (landed with its first tile), at the row's diagonal
-          transform_rows<V, D>(p, q_slot(cons, smem), 0, nrows, threadIdx.x, THREADS, cons.req, false,
+          transform_rows<V, D>(p, qk_state, q_slot(cons, smem), 0, nrows, threadIdx.x, THREADS, cons.req, false,
                                [&](int) { return kv_len - 1; });
           __syncthreads();
         }
       }
-      compute_tile(stage, q_slot(cons, smem), cons, kv_len, lane, warp, o, m, l);
+      compute_tile(stage, q_slot(cons, smem), cons, kv_len, lane, warp, qk_state, o, m, l);
       if (cons.t0 + TILE >= cons.end) epilogue(stage, cons, lane, warp, o, m, l);
       advance(cons);
     }
@@ -189,13 +191,15 @@ struct DecodeKernel {
   }
 
   __device__ __forceinline__ void compute_tile(const T* stage, const T* q_tile, const Cursor& c, int kv_len, int lane, int warp,
+                                               const typename V::QKState& qk_state,
                                                float (&o)[M_TILES][CHUNKS][4], float (&m)[M_TILES][2],
                                                float (&l)[M_TILES][2]) const {
     const T* ks = stage;
     const T* vs = stage + KV_ELEMS;
     const int tw = warp * 16;  // this warp's first token in the tile
     if constexpr (V::kQK) {   // this warp's 16 key rows, at their kv positions (only this warp reads them)
-      transform_rows<V, D>(p, const_cast<T*>(stage), tw, 16, lane, 32, c.req, true, [&](int r) { return c.t0 + r; });
+      transform_rows<V, D>(p, qk_state, const_cast<T*>(stage), tw, 16, lane, 32, c.req, true,
+                           [&](int r) { return c.t0 + r; });
       __syncwarp();
     }
 #pragma unroll

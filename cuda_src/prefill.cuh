@@ -427,6 +427,7 @@ struct PrefillKernel {
     unsigned qf[QF][4];
 #pragma unroll
     for (int kk = 0; kk < QF; ++kk) qf[kk][0] = qf[kk][1] = qf[kk][2] = qf[kk][3] = 0u;
+    const typename V::QKState qk_state = V::template qk_init<D>(p, qk_dims<D>(tid));   // (kQK) this thread's dims
     for (int ti = 0; ti < ntiles; ++ti) {
       cp_async_wait<STAGES - 2>();
       __syncthreads();
@@ -440,11 +441,11 @@ struct PrefillKernel {
 
       if constexpr (V::kQK) {   // rotate Q (with tile 0) and this tile's keys in place; every warp reads them
         if (ti == 0)
-          transform_rows<V, D>(p, qs, 0, it.nrows, tid, THREADS, it.req, false,
+          transform_rows<V, D>(p, qk_state, qs, 0, it.nrows, tid, THREADS, it.req, false,
                                [&](int r) { return it.delta + (it.row0 + r) / p.group_size; });
         const int t0 = it.kb + ti * TILE;
-        transform_rows<V, D>(p, kvs + (ti % STAGES) * 2 * KV_ELEMS, 0, min(TILE, it.ke - t0), tid, THREADS, it.req,
-                             true, [&](int r) { return t0 + r; });
+        transform_rows<V, D>(p, qk_state, kvs + (ti % STAGES) * 2 * KV_ELEMS, 0, min(TILE, it.ke - t0), tid, THREADS,
+                             it.req, true, [&](int r) { return t0 + r; });
         __syncthreads();
       }
       if constexpr (QREGS) {

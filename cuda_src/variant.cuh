@@ -17,11 +17,13 @@
 //                                    exp(x - max): the kernel accumulates o = sum_j w_j v_j and l = sum_j w_j and
 //                                    writes the state (o / l, lse = log l), so split-KV merges stay exact; masked
 //                                    pairs weigh 0, and a row whose weights sum to 0 is empty (o = 0, lse = -inf)
-//   V::qk<D>(p, lo, hi, d0, pos, req, key)
+//   V::qk<D>(p, st, lo, hi, pos, req, key)
 //                                    (kQK) transforms a query (key = false) or key (key = true) row before the
 //                                    dot product, 16 dims at a time: lo = dims [d0, d0 + 8), hi = dims
 //                                    [d0 + D/2, d0 + D/2 + 8) (the pairs of NeoX RoPE); pos: the row's position
-//                                    (a key: its kv index j; a query: its diagonal kv - qo + r), req: its request
+//                                    (a key: its kv index j; a query: its diagonal kv - qo + r), req: its request;
+//                                    st = V::qk_init<D>(p, d0), a V::QKState computed once per thread (a thread
+//                                    always transforms the same 16 dims)
 //   V::output(p, head, lse)          (kOutput) runs once per finished output row (after every split of the row is
 //                                    merged: in the attention kernel, or in the merge kernel, where p is a
 //                                    MergeParams): returns the factor the row's normalised o is multiplied by and
@@ -52,8 +54,10 @@ struct VariantBase {
   static constexpr bool kOutput = false;
   static constexpr bool kQK = false;
   template <class P> __device__ __forceinline__ static float logits(const P&, float x) { return x; }
+  struct QKState {};
+  template <int D, class P> __device__ __forceinline__ static QKState qk_init(const P&, int /*d0*/) { return {}; }
   template <int D, class P>
-  __device__ __forceinline__ static void qk(const P&, float (&)[8], float (&)[8], int, int, int, bool) {}
+  __device__ __forceinline__ static void qk(const P&, const QKState&, float (&)[8], float (&)[8], int, int, bool) {}
   template <class P> __device__ __forceinline__ static float row_init(const P&, int /*head*/, int /*req*/) {
     return 0.f;
   }
@@ -91,42 +95,42 @@ __device__ __forceinline__ void rope_sincos(float angle, float& s, float& c) {
   __sincosf(r, &s, &c);
 }
 
+// The inverse frequencies theta^(-2 i / D) of the 8 pairs the dims [d0, d0 + 8) and [d0 + D/2, +8) hold.
 template <bool INTERLEAVE, int D>
-__device__ __forceinline__ void rope_rotate(float (&lo)[8], float (&hi)[8], int d0, float pos, float log2_theta) {
-  if (!INTERLEAVE) {
+__device__ __forceinline__ void rope_inv_freq(float (&inv)[8], int d0, float log2_theta) {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      float sn, cs;
-      rope_sincos(pos * exp2f(-(float)(d0 + e) * (2.f / D) * log2_theta), sn, cs);
-      const float a = lo[e], b = hi[e];
-      lo[e] = a * cs - b * sn;
-      hi[e] = b * cs + a * sn;
-    }
-  } else {
+  for (int e = 0; e < 8; ++e) {
+    // NeoX: pair d0 + e; interleaved: pairs (d0 + 2e') / 2 of lo (e < 4), then of hi
+    const int i = INTERLEAVE ? (d0 + (e < 4 ? 0 : D / 2) + 2 * (e & 3)) / 2 : d0 + e;
+    inv[e] = exp2f(-(float)i * (2.f / D) * log2_theta);
+  }
+}
+
+template <bool INTERLEAVE>
+__device__ __forceinline__ void rope_rotate(float (&lo)[8], float (&hi)[8], const float (&inv)[8], float pos) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float (&x)[8] = half ? hi : lo;
-#pragma unroll
-      for (int e = 0; e < 8; e += 2) {
-        float sn, cs;
-        const int i = (d0 + half * (D / 2) + e) / 2;   // the pair's index
-        rope_sincos(pos * exp2f(-(float)i * (2.f / D) * log2_theta), sn, cs);
-        const float a = x[e], b = x[e + 1];
-        x[e] = a * cs - b * sn;
-        x[e + 1] = b * cs + a * sn;
-      }
-    }
+  for (int e = 0; e < 8; ++e) {
+    float sn, cs;
+    rope_sincos(pos * inv[e], sn, cs);
+    float& a = INTERLEAVE ? (e < 4 ? lo[2 * e] : hi[2 * (e - 4)]) : lo[e];
+    float& b = INTERLEAVE ? (e < 4 ? lo[2 * e + 1] : hi[2 * (e - 4) + 1]) : hi[e];
+    const float x = a, y = b;
+    a = x * cs - y * sn;
+    b = y * cs + x * sn;
   }
 }
 
 // V's query / key transform over rows of a [rows][D] shared-memory tile (swizzle: swz<D>), each row's position
 // pos_of(row): the calling threads (t of nt) split the rows' 16-dim groups between them.
+// Thread t (of nt, a multiple of D / 16) always takes the same 16 dims, those of V::qk_init<D>(p, qk_dims<D>(t)).
+template <int D> __device__ __forceinline__ int qk_dims(int t) { return (t % (D / 16)) * 8; }
+
 template <class V, int D, typename T, class P, class Pos>
-__device__ __forceinline__ void transform_rows(const P& p, T* tile, int r0, int n, int t, int nt, int req, bool key,
-                                               Pos pos_of) {
+__device__ __forceinline__ void transform_rows(const P& p, const typename V::QKState& st, T* tile, int r0, int n,
+                                               int t, int nt, int req, bool key, Pos pos_of) {
   constexpr int HC = D / 16;   // chunk pairs per row
-  for (int i = t; i < n * HC; i += nt) {
-    const int r = r0 + i / HC, c = i - (i / HC) * HC;
+  const int c = t % HC;
+  for (int r = r0 + t / HC; r < r0 + n; r += nt / HC) {
     T* a = tile + swz<D>(r, c);
     T* b = tile + swz<D>(r, c + HC);
     Raw8<T> ra, rb;
@@ -135,11 +139,15 @@ __device__ __forceinline__ void transform_rows(const P& p, T* tile, int r0, int 
     float lo[8], hi[8];
     ra.to_float(lo);
     rb.to_float(hi);
-    V::template qk<D>(p, lo, hi, c * 8, pos_of(r), req, key);
+    V::template qk<D>(p, st, lo, hi, pos_of(r), req, key);
     Vec8<T>::store(a, lo);
     Vec8<T>::store(b, hi);
   }
 }
+
+// A thread's RoPE constants (empty when RoPE is off, so that nothing is computed or kept).
+template <bool ON> struct RopeState { float inv[8]; };
+template <> struct RopeState<false> {};
 
 // The weight of score x (log2 domain, -inf when masked) of a non-softmax variant: masked pairs weigh 0.
 template <class V, class P> __device__ __forceinline__ float variant_prob(const P& p, float x) {
@@ -180,13 +188,21 @@ struct Builtin : VariantBase {
   __device__ __forceinline__ static float logits_at(const P&, float x, int j, int diag, float rc) {
     return ALIBI ? fmaf(rc, (float)(j - diag), x) : x;
   }
+  using QKState = RopeState<ROPE != 0>;   // RoPE: the inverse frequencies of this thread's 8 pairs
+  template <class P> __device__ __forceinline__ static const float* rope_data(const P& p) {
+    return p.variant_data + (SINK ? p.num_qo_heads : 0) + (ALIBI ? p.num_qo_heads : 0);
+  }
+  template <int D, class P> __device__ __forceinline__ static QKState qk_init(const P& p, int d0) {
+    QKState st;
+    if constexpr (ROPE != 0) rope_inv_freq<ROPE == 2, D>(st.inv, d0, __ldg(rope_data(p)));
+    return st;
+  }
   template <int D, class P>
-  __device__ __forceinline__ static void qk(const P& p, float (&lo)[8], float (&hi)[8], int d0, int pos, int req,
-                                            bool /*key*/) {
+  __device__ __forceinline__ static void qk(const P& p, const QKState& st, float (&lo)[8], float (&hi)[8], int pos,
+                                            int req, bool /*key*/) {
     if (ROPE == 0) return;
-    const float* r = p.variant_data + (SINK ? p.num_qo_heads : 0) + (ALIBI ? p.num_qo_heads : 0);
-    const float fpos = (float)(pos + __float_as_int(__ldg(r + 2 + req))) * __ldg(r + 1);
-    rope_rotate<ROPE == 2, D>(lo, hi, d0, fpos, __ldg(r));
+    const float* r = rope_data(p);
+    rope_rotate<ROPE == 2>(lo, hi, st.inv, (float)(pos + __float_as_int(__ldg(r + 2 + req))) * __ldg(r + 1));
   }
   template <class P> __device__ __forceinline__ static float output(const P& p, int head, float& lse) {
     if (!SINK) return 1.f;
