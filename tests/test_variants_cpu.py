@@ -12,6 +12,14 @@ from _user_variants import EVEN_KEYS, HALF_LOGITS, HEAD_SCALE, SIGMOID
 ARCH = "sm_90a"
 
 
+def assert_no_spills(specs):
+    """Every spec compiles for ARCH with no spills and no stack frame."""
+    for spec in specs:
+        compiled, _ = spec.compile(ARCH)
+        for name, r in compiled.resources.items():
+            assert r.spills == 0 and r.stack_frame == 0, (spec.uri(), r)
+
+
 def test_from_cuda_validates_name_and_source():
     with pytest.raises(ValueError, match="name: expected a C.. identifier"):
         Variant.from_cuda("not a name", "struct x {};")
@@ -36,10 +44,7 @@ def test_user_variants_compile_into_every_kernel_without_spills(v):
     specs = [decode.decode_spec(128, 1, v, "bfloat16"), decode.decode_spec(64, 1, v, "float16"),
              prefill.sm90_spec(128, v, "bfloat16")] + [prefill.prefill_spec(128, r, v, "bfloat16") for r in (128, 64, 16)]
     specs.append(merge_spec("float32", "bfloat16", v))   # the output hook of split rows
-    for spec in specs:
-        compiled, _ = spec.compile(ARCH)
-        for name, r in compiled.resources.items():
-            assert r.spills == 0 and r.stack_frame == 0, (spec.uri(), r)
+    assert_no_spills(specs)
 
 
 def test_compile_error_shows_the_snippets_own_lines():
@@ -69,10 +74,7 @@ def test_alibi_compiles_into_every_kernel_without_spills():
     specs = [decode.decode_spec(d, 1, v, "bfloat16") for d in (64, 128, 256)]
     specs += [prefill.sm90_spec(d, v, "bfloat16") for d in (64, 128)]
     specs += [prefill.prefill_spec(128, r, v, "bfloat16") for r in (128, 64, 16)] + [prefill.prefill_spec(256, 64, v, "bfloat16")]
-    for spec in specs:
-        compiled, _ = spec.compile(ARCH)
-        for name, r in compiled.resources.items():
-            assert r.spills == 0 and r.stack_frame == 0, (spec.uri(), r)
+    assert_no_spills(specs)
 
 
 def test_alibi_slopes_are_validated_before_any_gpu_call():
@@ -98,10 +100,7 @@ def test_sinks_compile_into_every_kernel_without_spills():
         specs += [prefill.sm90_spec(d, vv, "bfloat16") for d in (64, 128)]
         specs += [prefill.prefill_spec(128, r, vv, "bfloat16") for r in (128, 64, 16)]
         specs.append(merge_spec("float32", "bfloat16", vv))
-        for spec in specs:
-            compiled, _ = spec.compile(ARCH)
-            for name, r in compiled.resources.items():
-                assert r.spills == 0 and r.stack_frame == 0, (spec.uri(), r)
+        assert_no_spills(specs)
 
 
 def test_sinks_and_variant_params_are_validated_before_any_gpu_call():
@@ -198,10 +197,7 @@ def test_rope_compiles_into_decode_and_sm80_prefill_without_spills():
     for v in (Variant(rope=1), Variant(rope=2), Variant(rope=1, sink=True, alibi=True, window=True)):
         specs = [decode.decode_spec(d, 1, v, "bfloat16") for d in (64, 128, 256)]
         specs += [prefill.prefill_spec(128, r, v, "bfloat16") for r in (64, 16)] + [prefill.prefill_spec(256, 64, v, "bfloat16")]
-        for spec in specs:
-            compiled, _ = spec.compile(ARCH)
-            for name, r in compiled.resources.items():
-                assert r.spills == 0 and r.stack_frame == 0, (spec.uri(), r)
+        assert_no_spills(specs)
 
 
 def test_rope_arguments_are_validated_before_any_gpu_call():

@@ -20,11 +20,37 @@ def _even(qo, kv):
     return np.broadcast_to((np.arange(kv) % 2 == 0)[None, :], (qo, kv))
 
 
+def _decode_case(rng, lens, hq, hkv, d, page=16):
+    """A paged batch of kv lengths `lens`: (page table, q [B, Hq, D], k / v caches [pages, page, Hkv, D]), bf16."""
+    pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), page, rng=rng)
+    shape = (pt.num_pages_used, page, hkv, d)
+    k, v = rng.standard_normal(shape).astype(BF), rng.standard_normal(shape).astype(BF)
+    return pt, rng.standard_normal((len(lens), hq, d)).astype(BF), k, v
+
+
+def _request_kv(pt, k, v, i):
+    """Request i's keys and values [kv_len, Hkv, D] gathered from the paged caches."""
+    n = int(pt.kv_lens[i])
+    return (k[pt.pages(i)].reshape(-1, *k.shape[2:])[:n], v[pt.pages(i)].reshape(-1, *v.shape[2:])[:n])
+
+
 def _check_decode(out, lse, ro, rl):
     got = out.numpy()
     for i in range(ro.shape[0]):
         assert rel_l2(got[i], ro[i]) <= 1e-2, f"request {i}"
     assert_lse(lse.numpy(), rl, 1e-2)
+
+
+def _decode_builtin_matches_reference(rng, lens, hq, hkv, d, **kw):
+    """A random paged batch planned with the built-in variant keywords kw (named as the reference's) against
+    reference.batch_attention_paged with the same keywords."""
+    pt, q, k, v = _decode_case(rng, lens, hq, hkv, d)
+    w = kvattn.BatchDecodeWithPagedKVCache()
+    w.plan(pt, hq, hkv, d, **kw)
+    out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
+    w.run(q, k, v, out=out, lse=lse)
+    ro, rl = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1), pt, return_lse=True, **kw)
+    _check_decode(out, lse, ro, rl)
 
 
 def _prefill_case(data, rng, d, group, **plan_kw):
@@ -57,11 +83,8 @@ def test_decode_user_variants_match_reference(data, seed):
     group = data.draw(st.sampled_from([1, 4, 8]), "group")
     hkv, d = data.draw(st.sampled_from([1, 2, 4]), "hkv"), data.draw(st.sampled_from([64, 128]), "d")
     which = data.draw(st.sampled_from(["half_logits", "even_keys"]), "variant")
-    hq, page = hkv * group, 16
-    pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), page, rng=rng)
-    shape = (pt.num_pages_used, page, hkv, d)
-    k, v = rng.standard_normal(shape).astype(BF), rng.standard_normal(shape).astype(BF)
-    q = rng.standard_normal((len(lens), hq, d)).astype(BF)
+    hq = hkv * group
+    pt, q, k, v = _decode_case(rng, lens, hq, hkv, d)
     variant = HALF_LOGITS if which == "half_logits" else EVEN_KEYS
     w = kvattn.BatchDecodeWithPagedKVCache()
     w.plan(pt, hq, hkv, d, variant=variant)
@@ -112,19 +135,8 @@ def test_decode_alibi_matches_reference(data, seed):
     group = data.draw(st.sampled_from([1, 4, 8, 32]), "group")
     hkv, d = data.draw(st.sampled_from([1, 2]), "hkv"), data.draw(st.sampled_from([64, 128, 256]), "d")
     window = data.draw(st.sampled_from([-1, 100]), "window_left")
-    hq, page = hkv * group, 16
-    pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), page, rng=rng)
-    shape = (pt.num_pages_used, page, hkv, d)
-    k, v = rng.standard_normal(shape).astype(BF), rng.standard_normal(shape).astype(BF)
-    q = rng.standard_normal((len(lens), hq, d)).astype(BF)
-    slopes = _slopes(hq)
-    w = kvattn.BatchDecodeWithPagedKVCache()
-    w.plan(pt, hq, hkv, d, alibi_slopes=slopes, window_left=window)
-    out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
-    w.run(q, k, v, out=out, lse=lse)
-    ro, rl = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1), pt, alibi_slopes=slopes,
-                                             window_left=window, return_lse=True)
-    _check_decode(out, lse, ro, rl)
+    _decode_builtin_matches_reference(rng, lens, hkv * group, hkv, d, alibi_slopes=_slopes(hkv * group),
+                                      window_left=window)
 
 
 @GPU
@@ -154,20 +166,9 @@ def test_decode_sinks_match_reference(data, seed):
     group = data.draw(st.sampled_from([1, 4, 8]), "group")
     hkv, d = data.draw(st.sampled_from([1, 2]), "hkv"), data.draw(st.sampled_from([64, 128, 256]), "d")
     alibi = data.draw(st.booleans(), "alibi")
-    hq, page = hkv * group, 16
-    pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), page, rng=rng)
-    shape = (pt.num_pages_used, page, hkv, d)
-    k, v = rng.standard_normal(shape).astype(BF), rng.standard_normal(shape).astype(BF)
-    q = rng.standard_normal((len(lens), hq, d)).astype(BF)
-    sinks = rng.standard_normal(hq) * 3
-    slopes = _slopes(hq) if alibi else None
-    w = kvattn.BatchDecodeWithPagedKVCache()
-    w.plan(pt, hq, hkv, d, sinks=sinks, alibi_slopes=slopes)
-    out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
-    w.run(q, k, v, out=out, lse=lse)
-    ro, rl = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1), pt, sinks=sinks,
-                                             alibi_slopes=slopes, return_lse=True)
-    _check_decode(out, lse, ro, rl)
+    hq = hkv * group
+    _decode_builtin_matches_reference(rng, lens, hq, hkv, d, sinks=rng.standard_normal(hq) * 3,
+                                      alibi_slopes=_slopes(hq) if alibi else None)
 
 
 @GPU
@@ -227,11 +228,8 @@ def test_decode_sigmoid_and_head_scale_match_reference(data, seed):
     group = data.draw(st.sampled_from([1, 4, 8]), "group")
     hkv, d = data.draw(st.sampled_from([1, 2]), "hkv"), data.draw(st.sampled_from([64, 128]), "d")
     which = data.draw(st.sampled_from(["sigmoid", "head_scale"]), "variant")
-    hq, page = hkv * group, 16
-    pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), page, rng=rng)
-    shape = (pt.num_pages_used, page, hkv, d)
-    k, v = rng.standard_normal(shape).astype(BF), rng.standard_normal(shape).astype(BF)
-    q = rng.standard_normal((len(lens), hq, d)).astype(BF)
+    hq = hkv * group
+    pt, q, k, v = _decode_case(rng, lens, hq, hkv, d)
     w = kvattn.BatchDecodeWithPagedKVCache()
     out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
     scale = 1 / np.sqrt(d)
@@ -241,8 +239,7 @@ def test_decode_sigmoid_and_head_scale_match_reference(data, seed):
         w.run(q, k, v, out=out, lse=lse)
         got, got_lse = out.numpy(), lse.numpy()
         for i, n in enumerate(lens):
-            kk = k[pt.pages(i)].reshape(-1, hkv, d)[:n]
-            vv = v[pt.pages(i)].reshape(-1, hkv, d)[:n]
+            kk, vv = _request_kv(pt, k, v, i)
             ro, rl = sigmoid_reference(q[i:i + 1], kk, vv, scale, bias, np.ones((1, n), bool))
             assert rel_l2(got[i], ro[0]) <= 1e-2, f"request {i}"
             assert_lse(got_lse[i:i + 1], rl, 1e-2)
@@ -296,11 +293,8 @@ def test_decode_rope_matches_reference(data, seed):
     rope = kvattn.RoPE(theta=data.draw(st.sampled_from([1e4, 5e5]), "theta"),
                        scale=data.draw(st.sampled_from([1.0, 4.0]), "scale"), interleave=data.draw(st.booleans()))
     offsets = rng.integers(0, 3000, len(lens)) if data.draw(st.booleans(), "offsets") else None
-    hq, page = hkv * group, 16
-    pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), page, rng=rng)
-    shape = (pt.num_pages_used, page, hkv, d)
-    k, v = rng.standard_normal(shape).astype(BF), rng.standard_normal(shape).astype(BF)
-    q = rng.standard_normal((len(lens), hq, d)).astype(BF)
+    hq = hkv * group
+    pt, q, k, v = _decode_case(rng, lens, hq, hkv, d)
     w = kvattn.BatchDecodeWithPagedKVCache()
     w.plan(pt, hq, hkv, d, rope=rope, rope_offsets=offsets)
     out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
@@ -308,8 +302,7 @@ def test_decode_rope_matches_reference(data, seed):
     got, got_lse = out.numpy(), lse.numpy()
     for i, n in enumerate(lens):
         off = 0 if offsets is None else int(offsets[i])
-        ki = k[pt.pages(i)].reshape(-1, hkv, d)[:n]
-        vi = v[pt.pages(i)].reshape(-1, hkv, d)[:n]
+        ki, vi = _request_kv(pt, k, v, i)
         qr = _roped(q[i:i + 1], [n - 1 + off], rope)
         kr = _roped(ki, np.arange(n) + off, rope)
         ro, rl = reference.attention(qr, kr, vi.astype(np.float64), return_lse=True)
