@@ -72,6 +72,32 @@ def decode_check(rng, lens=(4096,) * 16 + (300, 0, 9000), hq=32, hkv=8, dim=128,
     return [(f"decode b{len(lens)} Hq{hq} Hkv{hkv} D{dim} page{page} {dtype} ({gbs:.0f} GB/s)", err, 1e-2, us)]
 
 
+def decode_variant_check(rng, lens=(3000, 17, 700), hq=32, hkv=4, dim=64, page=16):
+    """Decode with built-in variants a GPT-OSS-like model uses: attention sinks and fused RoPE (theta 1.5e5),
+    against the reference on pre-rotated q and k."""
+    from ._dtypes import to_numpy
+    from .variants import RoPE
+    bf = to_numpy(BF16)
+    pt = PageTable.from_kv_lens(np.asarray(lens), page, rng=rng)
+    shape = (pt.num_pages_used, page, hkv, dim)
+    k, v = rng.standard_normal(shape).astype(bf), rng.standard_normal(shape).astype(bf)
+    q = rng.standard_normal((len(lens), hq, dim)).astype(bf)
+    sinks, rope = rng.standard_normal(hq), RoPE(theta=1.5e5)
+    qd, kd, vd = from_numpy(q), from_numpy(k), from_numpy(v)
+    w = BatchDecodeWithPagedKVCache()
+    w.plan(pt, hq, hkv, dim, sinks=sinks, rope=rope)
+    out = w.run(qd, kd, vd)
+    us = time_us(lambda: w.run(qd, kd, vd, out=out))
+    got, err = out.numpy(), 0.0
+    for i, n in enumerate(lens):
+        ki = k[pt.pages(i)].reshape(-1, hkv, dim)[:n]
+        vi = v[pt.pages(i)].reshape(-1, hkv, dim)[:n]
+        qr = reference.apply_rope(q[i:i + 1], [n - 1], rope_theta=rope.theta)
+        kr = reference.apply_rope(ki, np.arange(n), rope_theta=rope.theta)
+        err = max(err, rel_err(got[i], reference.attention(qr, kr, vi, sinks=sinks)[0]))
+    return [(f"decode b{len(lens)} Hq{hq} Hkv{hkv} D{dim} sinks + RoPE", err, 1e-2, us)]
+
+
 def prefill_check(rng, qo=(512, 77, 300), kv=(512, 1200, 300), hq=32, hkv=8, dim=128, dtype=BF16):
     """Causal ragged prefill / append against the reference, every request in full."""
     from ._dtypes import to_numpy
@@ -101,6 +127,7 @@ def gpu_checks(rng):
     yield from merge_check(rng)
     yield from decode_check(rng)
     yield from decode_check(rng, lens=(700, 1, 33, 5000), hq=28, hkv=4, dim=64, page=1, dtype="float16")
+    yield from decode_variant_check(rng)
     yield from prefill_check(rng)
     yield from prefill_check(rng, qo=(4, 4, 4, 1), kv=(500, 33, 4, 900), hq=16, hkv=4, dim=64, dtype="float16")
 

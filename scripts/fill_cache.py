@@ -55,6 +55,7 @@ def specs():
     for d in (64, 128):
         for v in (Variant(sink=True), Variant(window=True, sink=True)):
             out += [pf.prefill_spec(d, rows, v, "bfloat16") for rows in pf.CONFIGS] + [pf.sm90_spec(d, v, "bfloat16")]
+    out.append(decode.decode_spec(64, 1, Variant(sink=True, rope=1), "bfloat16"))   # python -m kvattn
     for rope in (1, 2):   # fused RoPE (tests, bench_variants): decode, and the sm80 prefill tiles it runs on
         v = Variant(rope=rope)
         out += [decode.decode_spec(d, 1, v, "bfloat16") for d in decode.HEAD_DIMS]
