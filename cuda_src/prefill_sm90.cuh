@@ -30,7 +30,8 @@ struct PrefillSm90 {
   using Item = typename Base::Item;
   static constexpr int THREADS = 384;                 // producer warpgroup + two consumer warpgroups
   static constexpr int PRODUCERS = 128;
-  static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+  // A query / key transform (fused RoPE) runs in the producers: they get the registers for it.
+  static constexpr int PRODUCER_REGS = V::kQK ? 56 : 24, CONSUMER_REGS = V::kQK ? 224 : 240;
   // setmaxnreg.inc waits for registers the CTA's other warps released: the two must balance exactly.
   static_assert(PRODUCERS * (168 - PRODUCER_REGS) == 2 * 128 * (CONSUMER_REGS - 168), "register budget");
   static constexpr int ROWS = 128;                    // packed query rows per CTA
@@ -44,7 +45,6 @@ struct PrefillSm90 {
   static constexpr int SN = N / 2;                    // S accumulators per thread
   static constexpr int ON = D / 2;                    // O accumulators per thread
   static_assert(D == 64 || D == 128, "the sm90 mainloop covers head_dim 64 and 128");
-  static_assert(!V::kQK, "the sm90 kernel has no query/key transform (fused RoPE) yet: use backend='sm80'");
 
   // Element offset of 16-byte chunk c of row r in a [R][D] tile: 64-column blocks of R rows of 128 bytes.
   template <int R> __device__ __forceinline__ static int sw(int r, int c) {
@@ -155,21 +155,49 @@ struct PrefillSm90 {
     for (int ks = 0; ks < N / 16; ++ks) a_from_c<T>(&s[8 * ks], pa[ks]);
   }
 
+  // (kQK) The producers transform tile u's keys (and, with tile 0, the queries) once its copies have landed,
+  // then announce it: every producer waits for its own copies, a named barrier makes all of them visible, each
+  // thread rotates its 16 dims of the tile's rows, makes its writes visible to the tensor cores (async proxy)
+  // and arrives on the stage's `full` barrier.
+  __device__ __forceinline__ static void transform_and_announce(const PrefillParams& p, const Item& it, T* qs,
+                                                                T* kvs, unsigned long long* full, int u,
+                                                                const typename V::QKState& qk_state) {
+    named_sync(3, PRODUCERS);
+    const int t0 = it.kb + u * N;
+    if (u == 0)
+      transform_rows_at<V, D>(p, qk_state, qs, [](int r, int c) { return sw<ROWS>(r, c); }, 0, it.nrows, threadIdx.x,
+                              PRODUCERS, it.req, false, [&](int r) { return it.delta + (it.row0 + r) / p.group_size; });
+    transform_rows_at<V, D>(p, qk_state, kvs + (u % STAGES) * 2 * KV_ELEMS, [](int r, int c) { return sw<N>(r, c); },
+                            0, min(N, it.ke - t0), threadIdx.x, PRODUCERS, it.req, true, [&](int r) { return t0 + r; });
+    fence_proxy_async();
+    mbar_arrive(&full[u % STAGES]);
+  }
+
   __device__ static void produce(const PrefillParams& p, const Item& it, T* qs, T* kvs, unsigned long long* full,
                                  unsigned long long* empty, int kvh) {
     const int lane = threadIdx.x % 32, pw = threadIdx.x / 32;
     const int ntiles = (it.ke - it.kb + N - 1) / N;
     if (ntiles == 0) return;
+    const typename V::QKState qk_state = V::template qk_init<D>(p, qk_dims<D>(threadIdx.x));
     load_q(p, it, qs, kvh);   // lands before tile 0 is announced (the arrival waits for every earlier copy)
     long long off = Base::tok_offset(p, it.pages, min(it.kb + 32 * pw + lane, it.ke - 1));
     for (int t = 0; t < ntiles; ++t) {
       const int st = t % STAGES;
       if (t >= STAGES) mbar_wait(&empty[st], (t / STAGES - 1) & 1);
       issue_kv(p, kvs + st * 2 * KV_ELEMS, off, it.kb + t * N, it.ke, kvh, pw, lane);
-      cp_async_mbar_arrive(&full[st]);
+      if constexpr (V::kQK) {   // announce the previous tile, transformed, while this one is in flight
+        cp_async_commit();
+        if (t > 0) {
+          cp_async_wait<1>();
+          transform_and_announce(p, it, qs, kvs, full, t - 1, qk_state);
+        }
+      } else {
+        cp_async_mbar_arrive(&full[st]);
+      }
       if (t + 1 < ntiles) off = Base::tok_offset(p, it.pages, min(it.kb + (t + 1) * N + 32 * pw + lane, it.ke - 1));
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
+    if constexpr (V::kQK) transform_and_announce(p, it, qs, kvs, full, ntiles - 1, qk_state);
   }
 
   // Ping-pong: the consumers take turns issuing their matrix products (named barriers 1 and 2, each over both

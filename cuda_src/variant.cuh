@@ -125,14 +125,15 @@ __device__ __forceinline__ void rope_rotate(float (&lo)[8], float (&hi)[8], cons
 // Thread t (of nt, a multiple of D / 16) always takes the same 16 dims, those of V::qk_init<D>(p, qk_dims<D>(t)).
 template <int D> __device__ __forceinline__ int qk_dims(int t) { return (t % (D / 16)) * 8; }
 
-template <class V, int D, typename T, class P, class Pos>
-__device__ __forceinline__ void transform_rows(const P& p, const typename V::QKState& st, T* tile, int r0, int n,
-                                               int t, int nt, int req, bool key, Pos pos_of) {
+// place(r, c): the element offset of 16-byte chunk c of row r in the tile (its swizzle).
+template <class V, int D, typename T, class P, class Pos, class Place>
+__device__ __forceinline__ void transform_rows_at(const P& p, const typename V::QKState& st, T* tile, Place place,
+                                                  int r0, int n, int t, int nt, int req, bool key, Pos pos_of) {
   constexpr int HC = D / 16;   // chunk pairs per row
   const int c = t % HC;
   for (int r = r0 + t / HC; r < r0 + n; r += nt / HC) {
-    T* a = tile + swz<D>(r, c);
-    T* b = tile + swz<D>(r, c + HC);
+    T* a = tile + place(r, c);
+    T* b = tile + place(r, c + HC);
     Raw8<T> ra, rb;
     ra.w[0] = *reinterpret_cast<const uint4*>(a);
     rb.w[0] = *reinterpret_cast<const uint4*>(b);
@@ -143,6 +144,12 @@ __device__ __forceinline__ void transform_rows(const P& p, const typename V::QKS
     Vec8<T>::store(a, lo);
     Vec8<T>::store(b, hi);
   }
+}
+
+template <class V, int D, typename T, class P, class Pos>
+__device__ __forceinline__ void transform_rows(const P& p, const typename V::QKState& st, T* tile, int r0, int n,
+                                               int t, int nt, int req, bool key, Pos pos_of) {
+  transform_rows_at<V, D>(p, st, tile, [](int r, int c) { return swz<D>(r, c); }, r0, n, t, nt, req, key, pos_of);
 }
 
 // A thread's RoPE constants (empty when RoPE is off, so that nothing is computed or kept).

@@ -128,12 +128,8 @@ class LaunchConfig:
 
 def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, dtype: str) -> LaunchConfig:
     """backend "sm90" (the wgmma kernel) takes 128-row tiles of head_dim 64/128 on sm_90 GPUs; "auto" takes it
-    there unless its ptxas report shows spills (the all-variants head_dim 128 instance), else "sm80". Fused RoPE
-    runs on "sm80" only (not built in the wgmma kernel yet)."""
-    if variant.rope and backend == "sm90":
-        raise ValueError("backend: the sm90 kernel has no fused RoPE yet; use backend='auto' or 'sm80' with rope")
-    sm90_ok = (cta_rows == 128 and head_dim in SM90_HEAD_DIMS and _driver.arch() == "sm_90a"
-               and not variant.rope)
+    there unless its ptxas report shows spills (the all-variants head_dim 128 instance), else "sm80"."""
+    sm90_ok = cta_rows == 128 and head_dim in SM90_HEAD_DIMS and _driver.arch() == "sm_90a"
     if backend == "sm90" and not sm90_ok:
         raise ValueError(f"backend: 'sm90' needs an sm_90 GPU, head_dim in {SM90_HEAD_DIMS} and cta_rows 128 "
                          f"(got {_driver.arch()}, head_dim {head_dim}, cta_rows {cta_rows})")
@@ -212,12 +208,13 @@ class _BatchPrefill(AttentionOp):
         variant, vvals = plan_variant(variant, hq, batch, cap > 0, window_left >= 0, packed_mask is not None,
                                       alibi_slopes, sinks, variant_params, rope, rope_offsets,
                                       int(kv_lens.max(initial=0)))
-        if variant.rope and auto_rows and cta_rows == 128:
-            cta_rows = 64   # the 128-row mma.sync tile has no registers left for the rotation (ptxas spills)
         self._bake(num_qo_heads=hq, num_kv_heads=hkv, head_dim=head_dim, q_dtype=q_dtype, page_size=page_size,
                    sm_scale=scale, causal=causal, window_left=window_left, logits_soft_cap=cap,
                    custom_mask=packed_mask is not None, cta_rows=cta_rows, variant=variant)
         cfg = launch_config(self.backend, head_dim, cta_rows, variant, q_dtype)
+        if cfg.backend == "sm80" and variant.rope and auto_rows and cta_rows == 128:
+            cta_rows = 64   # the 128-row mma.sync tile has no registers left for the rotation (ptxas spills)
+            cfg = launch_config(self.backend, head_dim, cta_rows, variant, q_dtype)
         kernel = get_kernel(cfg.spec)
         kernel._allow_smem(cfg.smem)   # now, not during a graph capture
         occ = cfg.ctas_per_sm

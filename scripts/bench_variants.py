@@ -4,7 +4,7 @@
 
 Decode: bf16 Hq32/Hkv8/D128, page 16, scattered pages (us, fraction of the plain kernel's time). Prefill: causal
 ragged b1 x 8192 (TFLOP/s). Variants: ALiBi (built-in, per-head slopes), attention sinks (built-in, per-head
-logits), fused RoPE (built-in, NeoX, theta 5e5; prefill runs it on the sm80 kernel) and a user variant through
+logits), fused RoPE (built-in, NeoX, theta 5e5) and a user variant through
 kvattn.Variant.from_cuda (HalfLogits, a logits hook). Every case is checked against the float64 reference on a
 sample of requests / rows in the same run.
 """

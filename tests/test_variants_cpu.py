@@ -192,17 +192,17 @@ def test_graph_mode_lets_variant_data_change_but_not_the_variant():
         pass
 
 
-def test_rope_compiles_into_decode_and_sm80_prefill_without_spills():
+def test_rope_compiles_into_every_kernel_without_spills():
     assert Variant(rope=2).decode_type() == "kvattn::Builtin<false, false, false, false, false, 2>"
     for v in (Variant(rope=1), Variant(rope=2), Variant(rope=1, sink=True, alibi=True, window=True)):
         specs = [decode.decode_spec(d, 1, v, "bfloat16") for d in (64, 128, 256)]
         specs += [prefill.prefill_spec(128, r, v, "bfloat16") for r in (64, 16)] + [prefill.prefill_spec(256, 64, v, "bfloat16")]
+        specs += [prefill.sm90_spec(d, v, "bfloat16") for d in (64, 128)]
         assert_no_spills(specs)
 
 
 def test_rope_arguments_are_validated_before_any_gpu_call():
     w = kvattn.BatchDecodeWithPagedKVCache(num_sms=132)
-    p = kvattn.BatchPrefillWithRaggedKVCache(num_sms=132, backend="sm90")
     pt = kvattn.PageTable.from_kv_lens([30, 5], 16, rng=0)
     with pytest.raises(ValueError, match=r"rope.theta: expected a finite number > 0"):
         kvattn.RoPE(theta=-1.0)
@@ -222,8 +222,6 @@ def test_rope_arguments_are_validated_before_any_gpu_call():
         w.plan(pt, 8, 2, 128, rope=kvattn.RoPE(), rope_offsets=[1 << 24, 1])
     with pytest.raises(ValueError, match="cannot be combined with .* rope"):
         w.plan(pt, 8, 2, 128, rope=kvattn.RoPE(), variant=HALF_LOGITS)
-    with pytest.raises(ValueError, match="backend: the sm90 kernel has no fused RoPE yet"):
-        p.plan([0, 3], [0, 9], 8, 2, 128, rope=kvattn.RoPE())
 
 
 def test_rope_data_layout():
