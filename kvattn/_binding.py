@@ -23,15 +23,15 @@ def begin(stream):
     return s, s.is_capturing()
 
 
-def output(arr, shape: tuple, dtype, s, capturing: bool, name: str):
+def output(arr, shape: tuple, dtype, s, capturing: bool, name: str, device: int | None = None):
     """(DeviceArray to write, the object run() returns for it): the caller's array as given, or a new pool
-    array of shape / dtype (numpy dtype) on stream s."""
+    array of shape / dtype (numpy dtype) on stream s, on `device` (an ordinal; None: the current one)."""
     if arr is None:
         if capturing:
             raise KvattnError(
                 f"{name}: run() is being captured into a graph with {name}=None; an implicit allocation cannot be "
                 f"replayed: pass {name} (a preallocated array, the same one at capture and at every replay)")
-        a = pool_empty(shape, dtype, s)
+        a = pool_empty(shape, dtype, s, device)
         return a, a
     return import_array(arr, s, capturing), arr
 

@@ -1,11 +1,10 @@
-"""The one place that talks to cuda.bindings.driver: lazy init, primary context, checked calls.
+"""The one place that talks to cuda.bindings.driver: lazy init, the thread's context, checked calls.
 
 Every driver call goes through `call(name, *args)`, which raises CudaError naming the call and the
 symbolic CUresult. Without a driver or a GPU the first call raises CudaUnavailableError.
 """
 from __future__ import annotations
 
-import functools
 import threading
 
 from ._errors import CudaError, CudaUnavailableError
@@ -55,15 +54,13 @@ def _error_string(err) -> str:
 
 
 def ensure_context():
-    """Initialise the driver once and make the primary context of device 0 current on this thread."""
-    ctx = _state.get("ctx")
-    if ctx is not None:
-        if _state.get("thread_ctx") != threading.get_ident():
-            _call_unchecked_init("cuCtxSetCurrent", ctx)
-            _state["thread_ctx"] = threading.get_ident()
-        return ctx
+    """Initialise the driver once; on a thread with no current context, make device 0's primary context current
+    (the CUDA runtime's lazy default). A context the caller made current (PyTorch on cuda:N) is left as it is."""
+    tid = threading.get_ident()
+    if _state.get("thread") == tid:
+        return
     with _lock:
-        if "ctx" not in _state:
+        if "init" not in _state:
             drv = _driver_module()
             try:
                 err, = drv.cuInit(0)
@@ -73,16 +70,24 @@ def ensure_context():
                 ) from exc
             if err != drv.CUresult.CUDA_SUCCESS:
                 raise CudaUnavailableError(f"no CUDA driver/GPU found: cuInit returned {err.name}")
-            count = _call_unchecked_init("cuDeviceGetCount")
-            if count < 1:
+            if _call_unchecked_init("cuDeviceGetCount") < 1:
                 raise CudaUnavailableError("no CUDA driver/GPU found: the driver reports 0 devices")
-            dev = _call_unchecked_init("cuDeviceGet", 0)
-            ctx = _call_unchecked_init("cuDevicePrimaryCtxRetain", dev)
-            _call_unchecked_init("cuCtxSetCurrent", ctx)
-            _state["dev"] = dev
-            _state["ctx"] = ctx
-            _state["thread_ctx"] = threading.get_ident()
-    return _state["ctx"]
+            _state["init"] = True
+    if current_context_id() == 0:
+        dev = _call_unchecked_init("cuDeviceGet", 0)
+        _call_unchecked_init("cuCtxSetCurrent", _call_unchecked_init("cuDevicePrimaryCtxRetain", dev))
+    _state["thread"] = tid
+
+
+def current_context_id() -> int:
+    """The calling thread's current context as an int (0: none)."""
+    err, ctx = _driver_module().cuCtxGetCurrent()
+    if err:
+        fail("cuCtxGetCurrent", err)
+    return int(ctx) if ctx is not None else 0
+
+
+call_init = _call_unchecked_init   # a checked call that does not itself initialise (device.py, after init)
 
 
 def gpu_available() -> bool:
@@ -94,30 +99,31 @@ def gpu_available() -> bool:
         return False
 
 
+def current_device():
+    """The kvattn.device.Device of the calling thread's current context."""
+    from . import device
+    return device.get()
+
+
 def device():
-    ensure_context()
-    return _state["dev"]
+    return current_device().handle
 
 
-@functools.lru_cache(maxsize=None)
 def attribute(name: str) -> int:
-    """A device attribute of device 0 by its CU_DEVICE_ATTRIBUTE_ suffix, e.g. 'MULTIPROCESSOR_COUNT'."""
-    drv = _driver_module()
-    attr = getattr(drv.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_" + name)
-    return int(call("cuDeviceGetAttribute", attr, device()))
+    """A device attribute of the current device by its CU_DEVICE_ATTRIBUTE_ suffix, e.g. 'MULTIPROCESSOR_COUNT'."""
+    return current_device().attribute(name)
 
 
 def device_name() -> str:
-    raw = call("cuDeviceGetName", 256, device())
-    return raw.split(b"\0", 1)[0].decode()
+    return current_device().name
 
 
 def compute_capability() -> tuple[int, int]:
-    return attribute("COMPUTE_CAPABILITY_MAJOR"), attribute("COMPUTE_CAPABILITY_MINOR")
+    return current_device().compute_capability
 
 
 def sm_count() -> int:
-    return attribute("MULTIPROCESSOR_COUNT")
+    return current_device().sm_count
 
 
 def max_shared_per_block_optin() -> int:
@@ -125,9 +131,8 @@ def max_shared_per_block_optin() -> int:
 
 
 def arch() -> str:
-    """The NVRTC arch for this device: sm_90a on Hopper (wgmma needs the 'a' target)."""
-    major, minor = compute_capability()
-    return f"sm_{major}{minor}" + ("a" if major == 9 else "")
+    """The NVRTC arch of the current device: sm_90a on Hopper (wgmma needs the 'a' target)."""
+    return current_device().arch
 
 
 def driver():

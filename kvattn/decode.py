@@ -21,7 +21,7 @@ from .formats import PageTable
 from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
 from ._binding import import_array
 from .memory import asarray
-from .opcore import AttentionOp, PagedKV
+from .opcore import AttentionOp, PagedKV, on_device
 from .stream import as_stream
 from .variants import Variant, plan_variant
 
@@ -79,20 +79,23 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
     kv_layout: "NHD" (caches [pages, page_size, Hkv, D]) or "HND" ([pages, Hkv, page_size, D]).
     use_cuda_graph: fix every buffer and the grid at construction from max_batch_size / max_num_pages, so
     one captured run() replays correctly after any later plan() within those bounds.
+    device: the GPU (an ordinal or a kvattn Device; None: the current context's device at the first plan());
+    plan() and run() run in its context and leave the caller's current context as it was.
     """
 
     DEFAULT_WORKSPACE = DEFAULT_WORKSPACE
 
     def __init__(self, kv_layout="NHD", use_cuda_graph=False, max_batch_size=None, max_num_pages=None,
-                 workspace_bytes=None, num_sms=None, tuning=None):
+                 workspace_bytes=None, num_sms=None, tuning=None, device=None):
         super().__init__(kv_layout, use_cuda_graph, dict(max_batch_size=max_batch_size, max_num_pages=max_num_pages),
-                         ("max_batch_size", "max_num_pages"), workspace_bytes, num_sms)
+                         ("max_batch_size", "max_num_pages"), workspace_bytes, num_sms, device)
         unknown = set(tuning or {}) - set(DEFAULT_TUNING)
         if unknown:
             raise ValueError(f"tuning: unknown keys {sorted(unknown)}; known: {sorted(DEFAULT_TUNING)}")
         self.tuning = {**DEFAULT_TUNING, **(tuning or {})}
 
     # -- plan ------------------------------------------------------------------------------------
+    @on_device
     def plan(self, page_table: PageTable, num_qo_heads, num_kv_heads, head_dim, *, q_dtype="bfloat16",
              kv_dtype=None, sm_scale=None, window_left=-1, logits_soft_cap=0.0, alibi_slopes=None, sinks=None,
              rope=None, rope_offsets=None, variant=None, variant_params=None, stream=None):
@@ -202,6 +205,7 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
             schedule=plan, kernel=kernel, grid=grid, smem=smem, num_kv_heads=num_kv_heads)
 
     # -- run -------------------------------------------------------------------------------------
+    @on_device
     def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None):
         """Attention of each request's query against its pages.
 

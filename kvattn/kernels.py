@@ -199,15 +199,18 @@ _lock = threading.Lock()
 
 
 def get_kernel(spec: KernelSpec) -> Kernel:
-    """The loaded Kernel for spec (compiled or fetched from the cache on first use, per process)."""
-    k = _loaded.get(spec)
+    """The loaded Kernel for spec on the current context's device (compiled or fetched from the cache on first
+    use, loaded once per process and device)."""
+    dev = _driver.current_device()
+    key = (spec, dev.ordinal)
+    k = _loaded.get(key)
     if k is not None:
         return k
     with _lock:
-        k = _loaded.get(spec)
+        k = _loaded.get(key)
         if k is None:
-            compiled, _ = spec.compile(_driver.arch())
-            k = _loaded[spec] = Kernel(spec, compiled)
+            compiled, _ = spec.compile(dev.arch)
+            k = _loaded[key] = Kernel(spec, compiled)
     return k
 
 

@@ -66,6 +66,15 @@ class DeviceArray:
 
     # -- properties ----------------------------------------------------------------------------
     @property
+    def device(self):
+        """The kvattn.device.Device that holds the memory (asked of the driver: not for hot paths)."""
+        from . import device as _device
+        drv = _driver.driver()
+        ordinal = _driver.call("cuPointerGetAttribute",
+                               drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, self.ptr)
+        return _device.get(int(ordinal))
+
+    @property
     def ndim(self) -> int:
         return len(self.shape)
 

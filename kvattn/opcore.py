@@ -16,11 +16,13 @@ that order: DECODE_PARAMS and PREFILL_PARAMS) and the same merge parameters, so 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 
 import numpy as np
 
-from . import _driver, _dtypes
+from . import _driver, _dtypes, device as _device
+from ._errors import CudaUnavailableError
 from ._binding import begin, import_array, misaligned16, output
 from .contract import NUM_MERGE
 from .kernels import Launch, ParamBuffer, get_kernel
@@ -142,15 +144,37 @@ class AttentionPlan:
     info: types.MappingProxyType  # read-only facts for inspection (schedule, grid, backend, ...)
 
 
+def on_device(method):
+    """Run an op's plan() / run() in its device's context: the first plan() binds the op to its device (the
+    `device=` argument, else the current context's); when another context is current, the device's is pushed
+    for the call and the caller's restored after (kvattn.device)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        dev = self.device
+        if dev is None:
+            try:
+                dev = self.device = _device.get(self._device_arg)
+            except CudaUnavailableError:   # no GPU: the arguments are still checked, the first driver call raises
+                return method(self, *args, **kwargs)
+        if _driver.current_context_id() == dev.context_id:
+            return method(self, *args, **kwargs)
+        with dev.activate():
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
 class AttentionOp:
     """Base of the attention wrappers. Subclasses implement plan() (ending in `_finish_plan`) and run() (ending in
     `_execute`)."""
 
     DEFAULT_WORKSPACE = 256 << 20
 
-    def __init__(self, kv_layout, use_cuda_graph, bounds: dict, required: tuple, workspace_bytes, num_sms):
+    def __init__(self, kv_layout, use_cuda_graph, bounds: dict, required: tuple, workspace_bytes, num_sms,
+                 device=None):
         from ._validate import as_int, check_layout
         self.kv_layout = check_layout(kv_layout)
+        self._device_arg = _device.check_device_arg(device)
+        self.device = None   # the kvattn Device, bound by the first plan(): `device`, or the current context's
         self.use_cuda_graph = bool(use_cuda_graph)
         if self.use_cuda_graph:
             missing = [n for n in required if bounds.get(n) is None]
@@ -171,7 +195,7 @@ class AttentionOp:
     @property
     def num_sms(self) -> int:
         if self._num_sms is None:
-            self._num_sms = _driver.sm_count()
+            self._num_sms = (self.device or _device.get(self._device_arg)).sm_count
         return self._num_sms
 
     @property
@@ -257,11 +281,12 @@ class AttentionOp:
             rows = p.max_rows   # graph mode: the arrays keep their maximum rows; rows past the batch are not touched
         hq, d, dtype = p.num_qo_heads, p.head_dim, p.dtype
         check_array(q, "q", (rows, hq, d), dtype)
-        out, out_ret = output(out, (rows, hq, d), dtype, s, capturing, "out")
+        dev = self.device.ordinal
+        out, out_ret = output(out, (rows, hq, d), dtype, s, capturing, "out", dev)
         check_array(out, "out", (rows, hq, d), dtype)
         lse_ret = lse
         if lse is not None or return_lse:
-            lse, lse_ret = output(lse, (rows, hq), F32, s, capturing, "lse")
+            lse, lse_ret = output(lse, (rows, hq), F32, s, capturing, "lse", dev)
             check_array(lse, "lse", (rows, hq), F32, rows16=False)
         if p.wait_copy and s.ptr != p.plan_stream and not capturing:
             s.wait(p.copy_done)   # run() on another stream than plan(): order it after the plan's copy

@@ -1,6 +1,6 @@
 """Stream-ordered device memory for the arrays run() allocates (`out=None`, `return_lse`).
 
-One memory pool of kvattn's own (cuMemPoolCreate on device 0, release threshold at its maximum, so freed memory
+One memory pool of kvattn's own per device (cuMemPoolCreate on that device, release threshold at its maximum, so freed memory
 stays in the pool and is handed out again without a call to the OS or a device synchronisation), allocated with
 cuMemAllocFromPoolAsync on the run's stream and freed with cuMemFreeAsync on the same stream when the last array
 viewing the block is gone. In front of it, a small free list per (bytes, stream) keeps a few freed blocks for the
@@ -24,40 +24,42 @@ if TYPE_CHECKING:
     from .memory import DeviceArray
 
 _deferred: list = []   # blocks whose free failed (e.g. inside another stream's graph capture): retried later
-_hot: list = [None, None, None]   # [pool handle, cuMemAllocFromPoolAsync, cuMemFreeAsync] once the pool exists
+_hot: list = [None, None]   # [cuMemAllocFromPoolAsync, cuMemFreeAsync] once a pool exists
+_pools: dict = {}            # device ordinal -> pool handle
 
 
-def _pool():
-    pool = _hot[0]
+def _pool(device: int):
+    pool = _pools.get(device)
     if pool is None:
         drv = _driver.driver()
         props = drv.CUmemPoolProps()
         props.allocType = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         props.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        props.location.id = 0
+        props.location.id = device
         pool = _driver.call("cuMemPoolCreate", props)
         _driver.call("cuMemPoolSetAttribute", pool, drv.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
                      drv.cuuint64_t(2 ** 64 - 1))
-        _hot[:] = [pool, drv.cuMemAllocFromPoolAsync, drv.cuMemFreeAsync]
+        _hot[:] = [drv.cuMemAllocFromPoolAsync, drv.cuMemFreeAsync]
+        _pools[device] = pool
     return pool
 
 
 FREE_LIST_BLOCKS = 4             # blocks kept per (bytes, stream)
 FREE_LIST_BYTES = 256 << 20      # bytes kept in all free lists together
-_free_lists: dict = {}           # (nbytes, stream handle) -> [ptr, ...]
+_free_lists: dict = {}           # (nbytes, stream handle, device) -> [ptr, ...]
 _free_bytes = [0]
 
 
 class PoolBlock:
-    """One stream-ordered allocation (ptr, bytes, the handle of its stream); back to its free list or freed on
-    its stream when garbage."""
+    """One stream-ordered allocation (ptr, bytes, the handle of its stream, its device); back to its free list or
+    freed on its stream when garbage."""
 
-    __slots__ = ("ptr", "nbytes", "stream", "used_on")
+    __slots__ = ("ptr", "nbytes", "stream", "used_on", "device")
 
     def __del__(self):
         try:
             if self.used_on is None:
-                key = (self.nbytes, self.stream)
+                key = (self.nbytes, self.stream, self.device)
                 lst = _free_lists.get(key)
                 if lst is None:
                     lst = _free_lists[key] = []
@@ -65,7 +67,7 @@ class PoolBlock:
                     lst.append(self.ptr)
                     _free_bytes[0] += self.nbytes
                     return
-                err, = _hot[2](self.ptr, self.stream)
+                err, = _hot[1](self.ptr, self.stream)
                 if not err:
                     return
             if not _free(self.ptr, self.stream, self.used_on):
@@ -76,7 +78,7 @@ class PoolBlock:
 
 def release_free_lists():
     """Give every block kept in the free lists back to the pool (stream-ordered frees)."""
-    for (nbytes, stream), lst in list(_free_lists.items()):
+    for (nbytes, stream, _), lst in list(_free_lists.items()):
         while lst:
             _free(lst.pop(), stream, None)
             _free_bytes[0] -= nbytes
@@ -88,7 +90,7 @@ def _free(ptr, stream, used_on) -> bool:
     if used_on:
         for other in used_on:
             order_after(other, s)
-    err, = _hot[2](ptr, stream)
+    err, = _hot[1](ptr, stream)
     return not err
 
 
@@ -100,22 +102,26 @@ def _retry_deferred():
             _deferred.append(item)
 
 
-def pool_empty(shape: tuple, dtype: np.dtype, stream) -> "DeviceArray":
-    """A contiguous uninitialised array from the pool, ordered on `stream` (a kvattn Stream). shape: a tuple of
-    ints; dtype: a numpy dtype. The returned array's `stream` is that stream's handle."""
+def pool_empty(shape: tuple, dtype: np.dtype, stream, device: int | None = None) -> "DeviceArray":
+    """A contiguous uninitialised array from the pool of `device` (an ordinal; None: the current context's
+    device, whose context must be current), ordered on `stream` (a kvattn Stream). shape: a tuple of ints; dtype:
+    a numpy dtype. The returned array's `stream` is that stream's handle."""
     from .memory import DeviceArray, contiguous_strides
+    if device is None:
+        device = _driver.current_device().ordinal
     itemsize = dtype.itemsize
     strides = contiguous_strides(shape, itemsize)
     h = stream.ptr
     nbytes = math.prod(shape) * itemsize or 1
-    lst = _free_lists.get((nbytes, h))
+    lst = _free_lists.get((nbytes, h, device))
     if lst:
         ptr = lst.pop()
         _free_bytes[0] -= nbytes
     else:
-        pool, alloc, _ = _hot
+        pool = _pools.get(device)
         if pool is None:
-            pool, alloc = _pool(), _hot[1]
+            pool = _pool(device)
+        alloc = _hot[0]
         if _deferred:
             _retry_deferred()
         err, ptr = alloc(nbytes, pool, h)
@@ -123,7 +129,7 @@ def pool_empty(shape: tuple, dtype: np.dtype, stream) -> "DeviceArray":
             _driver.fail("cuMemAllocFromPoolAsync", err)
         ptr = int(ptr)
     block = PoolBlock.__new__(PoolBlock)
-    block.ptr, block.nbytes, block.stream, block.used_on = ptr, nbytes, h, None
+    block.ptr, block.nbytes, block.stream, block.used_on, block.device = ptr, nbytes, h, None, device
     return DeviceArray._make(ptr, shape, dtype, strides, block, h)
 
 
@@ -139,11 +145,12 @@ def note_use(array, consumer: int):
             owner.used_on.add(consumer)
 
 
-def pool_usage() -> tuple[int, int]:
-    """(bytes in use, bytes reserved) of kvattn's pool: what a memory-flatness check reads (blocks in the free
-    lists count as in use)."""
+def pool_usage(device: int | None = None) -> tuple[int, int]:
+    """(bytes in use, bytes reserved) of kvattn's pool on `device` (None: the current one): what a
+    memory-flatness check reads (blocks in the free lists count as in use)."""
     drv = _driver.driver()
     a = drv.CUmemPool_attribute
-    used = _driver.call("cuMemPoolGetAttribute", _pool(), a.CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
-    reserved = _driver.call("cuMemPoolGetAttribute", _pool(), a.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+    pool = _pool(_driver.current_device().ordinal if device is None else device)
+    used = _driver.call("cuMemPoolGetAttribute", pool, a.CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+    reserved = _driver.call("cuMemPoolGetAttribute", pool, a.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
     return int(used), int(reserved)

@@ -38,7 +38,7 @@ from .decode import LOG2E, THREADS
 from .formats import PageTable, pack_mask
 from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
 from .memory import asarray
-from .opcore import AttentionOp, PagedKV, RaggedKV
+from .opcore import AttentionOp, PagedKV, RaggedKV, on_device
 from .stream import as_stream
 from .variants import Variant, plan_variant
 
@@ -161,13 +161,13 @@ class _BatchPrefill(AttentionOp):
     DEFAULT_WORKSPACE = DEFAULT_WORKSPACE
 
     def __init__(self, kv_layout="NHD", use_cuda_graph=False, max_batch_size=None, max_num_pages=None,
-                 max_total_qo=None, workspace_bytes=None, num_sms=None, backend="auto"):
+                 max_total_qo=None, workspace_bytes=None, num_sms=None, backend="auto", device=None):
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         super().__init__(kv_layout, use_cuda_graph,
                          dict(max_batch_size=max_batch_size, max_total_qo=max_total_qo, max_num_pages=max_num_pages),
                          ("max_batch_size", "max_total_qo") + (("max_num_pages",) if self._paged else ()),
-                         workspace_bytes, num_sms)
+                         workspace_bytes, num_sms, device)
         self.backend = backend
 
     # -- plan ------------------------------------------------------------------------------------
@@ -340,10 +340,12 @@ class BatchPrefillWithPagedKVCache(_BatchPrefill):
 
     kv_layout: "NHD" (caches [pages, page_size, Hkv, D]) or "HND" ([pages, Hkv, page_size, D]).
     use_cuda_graph: fix the buffers, query tile and grid from max_batch_size, max_num_pages and max_total_qo.
+    device: the GPU (an ordinal or a kvattn Device; None: the current context's device at the first plan()).
     """
 
     _paged = True
 
+    @on_device
     def plan(self, qo_indptr, page_table: PageTable, num_qo_heads, num_kv_heads, head_dim, *, causal=False,
              custom_mask=None, mask_indptr=None, sm_scale=None, window_left=-1, logits_soft_cap=0.0,
              q_dtype="bfloat16", kv_dtype=None, cta_rows=None, alibi_slopes=None, sinks=None, rope=None,
@@ -372,6 +374,7 @@ class BatchPrefillWithPagedKVCache(_BatchPrefill):
                                  kv_dtype, cta_rows, stream, variant, alibi_slopes, sinks, variant_params, rope,
                                  rope_offsets)
 
+    @on_device
     def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None):
         """q: [qo_indptr[-1], Hq, D]; caches [pages, page_size, Hkv, D] ("NHD") / [pages, Hkv, page_size, D]
         ("HND"), or k_cache [pages, 2, ...] with v_cache None. out: [total_qo, Hq, D] in q's dtype; lse:
@@ -390,10 +393,12 @@ class BatchPrefillWithRaggedKVCache(_BatchPrefill):
 
     kv_layout: "NHD" (k, v [total_kv, Hkv, D]) or "HND" ([Hkv, total_kv, D]).
     use_cuda_graph: fix the buffers, query tile and grid from max_batch_size and max_total_qo.
+    device: as BatchPrefillWithPagedKVCache.
     """
 
     _paged = False
 
+    @on_device
     def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, *, causal=False,
              custom_mask=None, mask_indptr=None, sm_scale=None, window_left=-1, logits_soft_cap=0.0,
              q_dtype="bfloat16", kv_dtype=None, cta_rows=None, alibi_slopes=None, sinks=None, rope=None,
@@ -411,6 +416,7 @@ class BatchPrefillWithRaggedKVCache(_BatchPrefill):
                                  kv_dtype, cta_rows, stream, variant, alibi_slopes, sinks, variant_params, rope,
                                  rope_offsets)
 
+    @on_device
     def run(self, q, k, v, out=None, lse=None, return_lse=False, stream=None):
         """q: [qo_indptr[-1], Hq, D]; k, v: [kv_indptr[-1], Hkv, D] ("NHD") or [Hkv, kv_indptr[-1], D] ("HND").
         Returns out (and lse) as BatchPrefillWithPagedKVCache.run."""

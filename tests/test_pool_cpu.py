@@ -24,7 +24,8 @@ def fake_driver(monkeypatch):
         return (0,)
 
     waits = []
-    monkeypatch.setattr(pool, "_hot", [object(), alloc, free])
+    monkeypatch.setattr(pool, "_hot", [alloc, free])
+    monkeypatch.setattr(pool, "_pools", {0: object(), 1: object()})
     monkeypatch.setattr(pool, "_free_lists", {})
     monkeypatch.setattr(pool, "_free_bytes", [0])
     monkeypatch.setattr(st, "order_after", lambda producer, consumer: waits.append((producer, consumer.ptr)))
@@ -37,41 +38,45 @@ F16 = np.dtype(np.float16)
 def test_freed_block_is_reused_for_the_same_size_and_stream_only(fake_driver):
     calls, _ = fake_driver
     s1, s2 = st.as_stream(None), st.as_stream(0x7000)
-    a = pool.pool_empty((4, 8), F16, s1)
+    a = pool.pool_empty((4, 8), F16, s1, 0)
     ptr = a.ptr
     assert a.stream == 1 and a.strides == (16, 2)
     del a
     gc.collect()
-    b = pool.pool_empty((4, 8), F16, s1)        # same size, same stream: the same block, no driver call
+    b = pool.pool_empty((4, 8), F16, s1, 0)        # same size, same stream: the same block, no driver call
     assert b.ptr == ptr and [c[0] for c in calls] == ["alloc"]
-    c = pool.pool_empty((4, 8), F16, s2)        # another stream: a new block
-    d = pool.pool_empty((4, 16), F16, s1)       # another size: a new block
+    c = pool.pool_empty((4, 8), F16, s2, 0)        # another stream: a new block
+    d = pool.pool_empty((4, 16), F16, s1, 0)       # another size: a new block
     assert c.ptr != ptr and d.ptr != ptr and [x[0] for x in calls] == ["alloc"] * 3
+    del b
+    gc.collect()
+    e = pool.pool_empty((4, 8), F16, s1, 1)     # the same size and stream on another device: a new block
+    assert e.ptr != ptr and [x[0] for x in calls] == ["alloc"] * 4
 
 
 def test_block_read_on_another_stream_waits_then_frees(fake_driver):
     calls, waits = fake_driver
-    a = pool.pool_empty((4, 8), F16, st.as_stream(None))
+    a = pool.pool_empty((4, 8), F16, st.as_stream(None), 0)
     ptr = a.ptr
     pool.note_use(a[1:], 0x9000)                # exported (a view) to a consumer on stream 0x9000
     del a
     gc.collect()
     assert waits == [(0x9000, 1)] and calls[-1] == ("free", ptr, 1)
-    b = pool.pool_empty((4, 8), F16, st.as_stream(None))
+    b = pool.pool_empty((4, 8), F16, st.as_stream(None), 0)
     assert b.ptr != ptr
 
 
 def test_free_lists_are_bounded(fake_driver, monkeypatch):
     calls, _ = fake_driver
     s = st.as_stream(None)
-    arrays = [pool.pool_empty((64,), F16, s) for _ in range(pool.FREE_LIST_BLOCKS + 3)]
+    arrays = [pool.pool_empty((64,), F16, s, 0) for _ in range(pool.FREE_LIST_BLOCKS + 3)]
     ptrs = [a.ptr for a in arrays]
     del arrays
     gc.collect()
     frees = [c for c in calls if c[0] == "free"]
     assert len(frees) == 3 and pool._free_bytes[0] == pool.FREE_LIST_BLOCKS * 128
     monkeypatch.setattr(pool, "FREE_LIST_BYTES", 0)
-    x = pool.pool_empty((1000,), F16, s)
+    x = pool.pool_empty((1000,), F16, s, 0)
     del x
     gc.collect()
     assert calls[-1][0] == "free"               # over the byte bound: straight back to the pool
