@@ -56,10 +56,13 @@ def default_stages(head_dim: int) -> int:
 def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: int | None = None,
                 l2_prefetch: bool = False, refill_first: bool = False) -> KernelSpec:
     stages = stages or default_stages(head_dim)
-    return KernelSpec("decode.cuh", f"kvattn::decode_kernel<{head_dim}, {mt}, {stages}, {variant.decode_type()}, "
-                                    f"{_dtypes.to_ctype(dtype)}>",
+    args = f"{head_dim}, {mt}, {stages}, {variant.decode_type()}, {_dtypes.to_ctype(dtype)}"
+    traits = f"kvattn::DecodeKernel<{args}>"
+    return KernelSpec("decode.cuh", f"kvattn::decode_kernel<{args}>",
                       defines=(("KVATTN_L2_PREFETCH", int(l2_prefetch)), ("KVATTN_REFILL_FIRST", int(refill_first))),
-                      prelude=variant.prelude())
+                      prelude=variant.prelude(),
+                      checks=((f"{traits}::SMEM_BYTES", smem_bytes(head_dim, mt, stages)),
+                              (f"{traits}::THREADS", THREADS)))
 
 
 def smem_bytes(head_dim: int, mt: int, stages: int | None = None) -> int:

@@ -29,6 +29,8 @@ class KernelSpec:
     options: tuple = ()              # extra NVRTC options
     prelude: tuple = ("", "", "")    # (file name, source, generated code) compiled after the header: a user
                                      # variant's struct and its parameter accessors
+    checks: tuple = ()               # ((C++ constant expression, the value Python uses), ...): static_asserts, so
+                                     # that a size Python relies on (shared memory, threads) cannot drift
 
     def uri(self) -> str:
         d = ",".join(f"{k}={v}" for k, v in self.defines)
@@ -42,6 +44,9 @@ class KernelSpec:
             if self.prelude[2]:
                 lines += [f'#line 1 "{self.prelude[0]}_params"', self.prelude[2]]
             lines += [f'#line 1 "{self.prelude[0]}"', self.prelude[1]]
+        for expr, value in self.checks:
+            lines.append(f'static_assert(({expr}) == {value}, "{expr} differs from the {value} kvattn (Python) '
+                         f'launches with");')
         return "\n".join(lines) + "\n"
 
     def all_options(self) -> tuple:

@@ -77,15 +77,21 @@ TUNING: dict = {}
 def prefill_spec(head_dim: int, cta_rows: int, variant: Variant, dtype: str) -> KernelSpec:
     """The mma.sync kernel (backend "sm80") of prefill.cuh."""
     wm, mt = CONFIGS[cta_rows]
-    return KernelSpec("prefill.cuh", f"kvattn::prefill_kernel<{head_dim}, {wm}, {mt}, {variant.prefill_type()}, "
-                                     f"{_dtypes.to_ctype(dtype)}>", defines=tuple(TUNING.get(cta_rows, ())),
-                      prelude=variant.prelude())
+    args = f"{head_dim}, {wm}, {mt}, {variant.prefill_type()}, {_dtypes.to_ctype(dtype)}"
+    traits = f"kvattn::PrefillKernel<{args}>"
+    return KernelSpec("prefill.cuh", f"kvattn::prefill_kernel<{args}>", defines=tuple(TUNING.get(cta_rows, ())),
+                      prelude=variant.prelude(),
+                      checks=((f"{traits}::SMEM_BYTES", smem_bytes(head_dim, cta_rows)), (f"{traits}::THREADS", THREADS),
+                              (f"{traits}::ROWS", cta_rows)))
 
 
 def sm90_spec(head_dim: int, variant: Variant, dtype: str) -> KernelSpec:
     """The wgmma kernel (backend "sm90") of prefill_sm90.cuh: 128-row query tiles, head_dim 64 or 128."""
-    return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{head_dim}, {variant.prefill_type()}, "
-                                          f"{_dtypes.to_ctype(dtype)}>", prelude=variant.prelude())
+    args = f"{head_dim}, {variant.prefill_type()}, {_dtypes.to_ctype(dtype)}"
+    traits = f"kvattn::PrefillSm90<{args}>"
+    return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{args}>", prelude=variant.prelude(),
+                      checks=((f"{traits}::SMEM_BYTES", sm90_smem_bytes(head_dim)),
+                              (f"{traits}::THREADS", SM90_THREADS), (f"{traits}::ROWS", 128)))
 
 
 def stages(head_dim: int, cta_rows: int) -> int:

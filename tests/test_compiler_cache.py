@@ -113,3 +113,21 @@ def test_every_registered_kernel_compiles_without_spills(cache_dir):
             c, _ = spec.compile(ARCH)
             for name, r in c.resources.items():
                 assert r.spills == 0 and r.stack_frame == 0, f"{spec.uri()}: {r}"
+
+
+def test_a_size_python_relies_on_is_checked_by_the_compiler():
+    """decode / prefill specs carry static_asserts of the kernel's SMEM_BYTES, THREADS (and ROWS) against the
+    values Python launches with: a drifted value fails to compile, naming the constant."""
+    import dataclasses
+    from kvattn import decode, prefill
+    from kvattn.variants import Variant
+    spec = decode.decode_spec(64, 1, Variant(), "bfloat16")
+    assert [e.split("::")[-1] for e, _ in spec.checks] == ["SMEM_BYTES", "THREADS"]
+    assert dict(prefill.sm90_spec(128, Variant(), "bfloat16").checks)[
+        "kvattn::PrefillSm90<128, kvattn::Builtin<false, false, false>, __nv_bfloat16>::SMEM_BYTES"] == \
+        prefill.sm90_smem_bytes(128)
+    (expr, value), threads = spec.checks
+    bad = dataclasses.replace(spec, checks=((expr, value + 16), threads))
+    with pytest.raises(CompileError) as e:
+        bad.compile("sm_90a")
+    assert f"SMEM_BYTES differs from the {value + 16} kvattn (Python) launches with" in str(e.value)
