@@ -75,6 +75,18 @@ def _prefill_case(data, rng, d, group, **plan_kw):
     return qo, kv, qo_indptr, kv_indptr, q, k, v, causal, out.numpy(), lse.numpy()
 
 
+
+def _check_prefill(case, expected):
+    """Each request of a _prefill_case against expected(q, k, v, mask) -> (o, lse): float64 q [qo, Hq, D], k / v
+    [kv, Hkv, D] and mask, the request's causal (or full) mask bool [qo, kv]."""
+    qo, kv, qo_indptr, kv_indptr, q, k, v, causal, got, got_lse = case
+    for i in range(len(qo)):
+        qs, ks = slice(qo_indptr[i], qo_indptr[i + 1]), slice(kv_indptr[i], kv_indptr[i + 1])
+        mask = allowed(qo[i], kv[i], np.arange(qo[i]), causal, -1)
+        ro, rl = expected(q[qs].astype(np.float64), k[ks].astype(np.float64), v[ks].astype(np.float64), mask)
+        assert rel_l2(got[qs], ro) <= 1e-2, f"request {i}"
+        assert_lse(got_lse[qs], rl, 1e-2)
+
 @GPU
 @given(data=st.data(), seed=st.integers(0, 2**31))
 def test_decode_user_variants_match_reference(data, seed):
@@ -106,20 +118,13 @@ def test_prefill_user_variants_match_reference(data, seed):
     d, group = 128, 4
     which = data.draw(st.sampled_from(["half_logits", "even_keys"]), "variant")
     variant = HALF_LOGITS if which == "half_logits" else EVEN_KEYS
-    qo, kv, qo_indptr, kv_indptr, q, k, v, causal, got, got_lse = _prefill_case(data, rng, d, group, variant=variant)
-    for i in range(len(qo)):
-        qs, ks = slice(qo_indptr[i], qo_indptr[i + 1]), slice(kv_indptr[i], kv_indptr[i + 1])
-        rows = np.arange(qo[i])
-        mask = allowed(qo[i], kv[i], rows, causal, -1)
-        scale = 1 / np.sqrt(d)
-        if which == "half_logits":
-            scale *= 0.5
-        else:
-            mask &= _even(qo[i], kv[i])
-        ro, rl = reference.attention(q[qs].astype(np.float64), k[ks].astype(np.float64), v[ks].astype(np.float64),
-                                     sm_scale=scale, custom_mask=mask, return_lse=True)
-        assert rel_l2(got[qs], ro) <= 1e-2, f"request {i}"
-        assert_lse(got_lse[qs], rl, 1e-2)
+    scale = (0.5 if which == "half_logits" else 1.0) / np.sqrt(d)
+
+    def expected(q, k, v, mask):
+        if which == "even_keys":
+            mask = mask & _even(*mask.shape)
+        return reference.attention(q, k, v, sm_scale=scale, custom_mask=mask, return_lse=True)
+    _check_prefill(_prefill_case(data, rng, d, group, variant=variant), expected)
 
 
 def _slopes(hq):
@@ -146,14 +151,9 @@ def test_prefill_alibi_matches_reference(data, seed):
     d = data.draw(st.sampled_from([64, 128]), "d")
     group = data.draw(st.sampled_from([1, 4, 8]), "group")
     slopes = _slopes(2 * group)
-    qo, kv, qo_indptr, kv_indptr, q, k, v, causal, got, got_lse = _prefill_case(data, rng, d, group,
-                                                                                alibi_slopes=slopes)
-    for i in range(len(qo)):
-        qs, ks = slice(qo_indptr[i], qo_indptr[i + 1]), slice(kv_indptr[i], kv_indptr[i + 1])
-        ro, rl = reference.attention(q[qs].astype(np.float64), k[ks].astype(np.float64), v[ks].astype(np.float64),
-                                     causal=causal, alibi_slopes=slopes, return_lse=True)
-        assert rel_l2(got[qs], ro) <= 1e-2, f"request {i}"
-        assert_lse(got_lse[qs], rl, 1e-2)
+    _check_prefill(_prefill_case(data, rng, d, group, alibi_slopes=slopes),
+                   lambda q, k, v, mask: reference.attention(q, k, v, custom_mask=mask, alibi_slopes=slopes,
+                                                             return_lse=True))
 
 
 # -- attention sinks (built in) -------------------------------------------------------------------------------
@@ -179,14 +179,9 @@ def test_prefill_sinks_match_reference(data, seed):
     group = data.draw(st.sampled_from([1, 4, 8]), "group")
     window = data.draw(st.sampled_from([-1, 50]), "window_left")
     sinks = rng.standard_normal(2 * group) * 3
-    qo, kv, qo_indptr, kv_indptr, q, k, v, causal, got, got_lse = _prefill_case(data, rng, d, group, sinks=sinks,
-                                                                                window_left=window)
-    for i in range(len(qo)):
-        qs, ks = slice(qo_indptr[i], qo_indptr[i + 1]), slice(kv_indptr[i], kv_indptr[i + 1])
-        ro, rl = reference.attention(q[qs].astype(np.float64), k[ks].astype(np.float64), v[ks].astype(np.float64),
-                                     causal=causal, window_left=window, sinks=sinks, return_lse=True)
-        assert rel_l2(got[qs], ro) <= 1e-2, f"request {i}"
-        assert_lse(got_lse[qs], rl, 1e-2)
+    _check_prefill(_prefill_case(data, rng, d, group, sinks=sinks, window_left=window),
+                   lambda q, k, v, mask: reference.attention(q, k, v, custom_mask=mask, window_left=window,
+                                                             sinks=sinks, return_lse=True))
 
 
 def test_graph_replay_with_new_sinks_and_batch():
@@ -263,19 +258,13 @@ def test_prefill_sigmoid_and_head_scale_match_reference(data, seed):
     hs = rng.uniform(0.2, 2.0, 2 * group)
     kw = (dict(variant=SIGMOID, variant_params={"bias": bias}) if which == "sigmoid" else
           dict(variant=HEAD_SCALE, variant_params={"head_scale": hs}))
-    qo, kv, qo_indptr, kv_indptr, q, k, v, causal, got, got_lse = _prefill_case(data, rng, d, group, **kw)
     scale = 1 / np.sqrt(d)
-    for i in range(len(qo)):
-        qs, ks = slice(qo_indptr[i], qo_indptr[i + 1]), slice(kv_indptr[i], kv_indptr[i + 1])
-        mask = allowed(qo[i], kv[i], np.arange(qo[i]), causal, -1)
+
+    def expected(q, k, v, mask):
         if which == "sigmoid":
-            ro, rl = sigmoid_reference(q[qs], k[ks], v[ks], scale, bias, mask)
-        else:
-            ro, rl = reference.attention(q[qs].astype(np.float64) * hs[None, :, None], k[ks].astype(np.float64),
-                                         v[ks].astype(np.float64), sm_scale=scale, custom_mask=mask,
-                                         return_lse=True)
-        assert rel_l2(got[qs], ro) <= 1e-2, f"request {i}"
-        assert_lse(got_lse[qs], rl, 1e-2)
+            return sigmoid_reference(q, k, v, scale, bias, mask)
+        return reference.attention(q * hs[None, :, None], k, v, sm_scale=scale, custom_mask=mask, return_lse=True)
+    _check_prefill(_prefill_case(data, rng, d, group, **kw), expected)
 
 
 # -- fused RoPE (built in): q and k rotated inside the kernels ---------------------------------------------------
