@@ -42,6 +42,9 @@ DEFAULT_WORKSPACE = 128 << 20
 
 
 # Kernel tuning: defaults measured on the H200 (BENCHMARKS.md); a `tuning=` dict overrides them.
+#: The split of deterministic mode, in tokens: a multiple of every cut granularity (16..64).
+DETERMINISTIC_SPLIT_TOKENS = 2048
+
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=1,
                       refill_first=False)
 
@@ -84,18 +87,22 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
     one captured run() replays correctly after any later plan() within those bounds.
     device: the GPU (an ordinal or a kvattn Device; None: the current context's device at the first plan());
     plan() and run() run in its context and leave the caller's current context as it was.
+    deterministic: batch-invariant results. Every request is split at fixed multiples of
+    DETERMINISTIC_SPLIT_TOKENS of its own tokens, so a request's output and LSE bits do not depend on the other
+    requests of the batch, the batch size or the GPU's SM count (graph mode included).
     """
 
     DEFAULT_WORKSPACE = DEFAULT_WORKSPACE
 
     def __init__(self, kv_layout="NHD", use_cuda_graph=False, max_batch_size=None, max_num_pages=None,
-                 workspace_bytes=None, num_sms=None, tuning=None, device=None):
+                 workspace_bytes=None, num_sms=None, tuning=None, device=None, deterministic=False):
         super().__init__(kv_layout, use_cuda_graph, dict(max_batch_size=max_batch_size, max_num_pages=max_num_pages),
                          ("max_batch_size", "max_num_pages"), workspace_bytes, num_sms, device)
         unknown = set(tuning or {}) - set(DEFAULT_TUNING)
         if unknown:
             raise ValueError(f"tuning: unknown keys {sorted(unknown)}; known: {sorted(DEFAULT_TUNING)}")
         self.tuning = {**DEFAULT_TUNING, **(tuning or {})}
+        self.deterministic = bool(deterministic)
 
     # -- plan ------------------------------------------------------------------------------------
     @on_device
@@ -143,15 +150,19 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
 
         # Host buffers: plan region then page table (indptr, indices, last_page_len), one copy.
         kv_lens = page_table.kv_lens
+        split = DETERMINISTIC_SPLIT_TOKENS if self.deterministic else None
         if self.use_cuda_graph:
+            max_work = (scheduler.fixed_split_items(self.max_num_pages * page_table.page_size, self.max_batch_size,
+                                                    split) if split else None)
             layout = scheduler.graph_layout(self.max_batch_size, num_kv_heads * zsplit, num_sms=num_sms,
-                                            ctas_per_sm=ctas_per_sm)
+                                            ctas_per_sm=ctas_per_sm, max_work=max_work)
             cap_b, cap_p = self.max_batch_size, self.max_num_pages
         else:
-            layout = None
+            layout = max_work = None
             cap_b, cap_p = batch, nnz
         plan_cap = layout.size if layout else scheduler.plan_size_bound(
-            batch, num_kv_heads * zsplit, num_sms=num_sms, ctas_per_sm=ctas_per_sm)
+            batch, num_kv_heads * zsplit, num_sms=num_sms, ctas_per_sm=ctas_per_sm,
+            max_work=scheduler.fixed_split_items(int(kv_lens.sum()), batch, split) if split else 0)
         off_indptr = align4(plan_cap)
         off_indices = off_indptr + align4(cap_b + 1)
         off_last = off_indices + align4(max(cap_p, 1))
@@ -164,7 +175,7 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
             kv_lens, page_table.page_size, num_kv_heads * zsplit, num_kv_heads * zsplit, head_dim, num_sms=num_sms,
             ctas_per_sm=ctas_per_sm, max_batch_size=self.max_batch_size if self.use_cuda_graph else None,
             max_chunks=layout.max_chunks if layout else None, out=host[:plan_cap],
-            allow_no_split=tn["allow_no_split"])
+            allow_no_split=tn["allow_no_split"], split_tokens=split, max_work=max_work)
         host[off_indptr:off_indptr + batch + 1] = page_table.indptr
         host[off_indices:off_indices + nnz] = page_table.indices
         host[off_last:off_last + batch] = page_table.last_page_len

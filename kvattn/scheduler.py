@@ -261,7 +261,7 @@ def _as_int(name: str, v, minimum: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _config(page_size, num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm,
-            max_batch_size, max_chunks) -> _Config:
+            max_batch_size, max_chunks, max_work=None) -> _Config:
     # Called only with exact Python ints / None (see plan_decode), so the cache keys are exact.
     page_size = _as_int("page_size", page_size, 1)
     num_qo_heads = _as_int("num_qo_heads", num_qo_heads, 1)
@@ -284,7 +284,7 @@ def _config(page_size, num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_s
         c_target = min(c_target, max_chunks)
     layout = None
     if max_batch_size is not None:
-        layout = decode_layout(max_chunks, max_batch_size + max_chunks, max_batch_size)
+        layout = decode_layout(max_chunks, max(max_work or 0, max_batch_size + max_chunks), max_batch_size)
     return _Config(cut_granularity(page_size), slots, num_kv_heads, c_target, max_chunks,
                    layout, max_batch_size)
 
@@ -296,8 +296,10 @@ def default_num_chunks(num_kv_heads: int, *, num_sms: int = 132, ctas_per_sm: in
 
 
 def graph_layout(max_batch_size: int, num_kv_heads: int, *, num_sms: int = 132,
-                 ctas_per_sm: int = 2, max_chunks: Optional[int] = None) -> DecodeLayout:
-    """The fixed layout :func:`plan_decode` uses in graph mode with these bounds.
+                 ctas_per_sm: int = 2, max_chunks: Optional[int] = None,
+                 max_work: Optional[int] = None) -> DecodeLayout:
+    """The fixed layout :func:`plan_decode` uses in graph mode with these bounds (``max_work``: at least this
+    many items, for fixed-size splits: :func:`fixed_split_items`).
 
     Size the pinned host buffer and the device region with it at construction.
     """
@@ -306,17 +308,24 @@ def graph_layout(max_batch_size: int, num_kv_heads: int, *, num_sms: int = 132,
         mc = default_num_chunks(num_kv_heads, num_sms=num_sms, ctas_per_sm=ctas_per_sm)
     else:
         mc = _as_int("max_chunks", max_chunks, 1)
-    return decode_layout(mc, mbs + mc, mbs)
+    return decode_layout(mc, max(max_work or 0, mbs + mc), mbs)
 
 
 def plan_size_bound(batch_size: int, num_kv_heads: int, *, num_sms: int = 132,
-                    ctas_per_sm: int = 2, max_chunks: Optional[int] = None) -> int:
-    """int32 elements that hold any plan of ``batch_size`` requests outside graph mode."""
+                    ctas_per_sm: int = 2, max_chunks: Optional[int] = None, max_work: int = 0) -> int:
+    """int32 elements that hold any plan of ``batch_size`` requests outside graph mode (``max_work``: at least
+    this many items)."""
     b = _as_int("batch_size", batch_size, 0)
     c = default_num_chunks(num_kv_heads, num_sms=num_sms, ctas_per_sm=ctas_per_sm)
     if max_chunks is not None:
         c = min(c, _as_int("max_chunks", max_chunks, 1))
-    return decode_layout(max(b, c, 1), b + c, b).size
+    return decode_layout(max(b, c, 1), max(max_work, b + c), b).size
+
+
+def fixed_split_items(total_tokens: int, batch_size: int, split_tokens: int) -> int:
+    """An upper bound of the items of a fixed-split plan (``split_tokens``) of ``batch_size`` requests holding
+    ``total_tokens`` tokens in all: each request's ceil(kv / split) <= kv // split + 1."""
+    return total_tokens // split_tokens + batch_size
 
 
 def _as_kv_lens(kv_lens):
@@ -405,9 +414,28 @@ def _ideal_cuts(total: int, C: int) -> np.ndarray:
     return t
 
 
+def _fixed_split(kv, nz_idx, nz_start, split: int, c_max: int, overhead: int):
+    """(item starts: global token positions, chunk cuts: item indices, chunks) of the batch-invariant schedule:
+    request i's items start at its tokens 0, split, 2 split, ...; chunks group consecutive items into at most
+    c_max balanced runs (a chunk's grouping never changes an item's result)."""
+    lens = kv if nz_idx is None else kv[nz_idx]
+    per = (lens + split - 1) // split                        # items of each non-empty request
+    first = np.repeat(nz_start, per)                         # each item's request start
+    k = _iota(int(per.sum())) - np.repeat(per.cumsum() - per, per)
+    starts = first + k * split
+    w = starts.size
+    ends = np.append(starts[1:], int(nz_start[-1] + lens[-1]))
+    ends = np.minimum(ends, np.repeat(nz_start + lens, per))  # (the next item may start another request)
+    cost_end = (ends - starts + overhead).cumsum()
+    c = max(1, min(c_max, w))
+    cuts = np.unique(cost_end.searchsorted(_ideal_cuts(int(cost_end[-1]), c), side="right").clip(1, w - 1)) \
+        if c > 1 and w > 1 else _EMPTY
+    return starts, cuts, cuts.size + 1
+
+
 def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num_sms=132,
                 ctas_per_sm=2, max_batch_size=None, max_chunks=None, out=None,
-                allow_no_split=True) -> DecodePlan:
+                allow_no_split=True, split_tokens=None, max_work=None) -> DecodePlan:
     """Schedule a decode batch with per-request kv lengths ``kv_lens`` (see the module doc).
 
     ``max_batch_size`` (optionally with ``max_chunks``) selects graph mode: the buffer layout
@@ -417,6 +445,10 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
     ``buffer`` is then ``out[:layout.size]``); otherwise a new array is allocated.
     ``head_dim`` is validated but does not change the schedule.  ``allow_no_split=False`` always takes
     the split path (one wave of CTAs), for kernels that pipeline across the items of a chunk.
+    ``split_tokens`` (a multiple of the cut granularity) is the batch-invariant schedule: every request is cut
+    at the multiples of ``split_tokens`` of its own tokens, whatever the batch, so its items, partial states and
+    merge order depend on its length alone; the items are then grouped into balanced chunks. ``max_work`` (graph
+    mode): the item bound of the fixed layout (see :func:`fixed_split_items`).
     """
     t = int
     if (type(page_size) is t and type(num_qo_heads) is t and type(num_kv_heads) is t
@@ -424,14 +456,19 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
             and (max_batch_size is None or type(max_batch_size) is t)
             and (max_chunks is None or type(max_chunks) is t)):
         cfg = _config(page_size, num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm,
-                      max_batch_size, max_chunks)
+                      max_batch_size, max_chunks, max_work)
     else:
         cfg = _config(
             _as_int("page_size", page_size, 1), _as_int("num_qo_heads", num_qo_heads, 1),
             _as_int("num_kv_heads", num_kv_heads, 1), _as_int("head_dim", head_dim, 1),
             _as_int("num_sms", num_sms, 1), _as_int("ctas_per_sm", ctas_per_sm, 1),
             None if max_batch_size is None else _as_int("max_batch_size", max_batch_size, 1),
-            None if max_chunks is None else _as_int("max_chunks", max_chunks, 1))
+            None if max_chunks is None else _as_int("max_chunks", max_chunks, 1),
+            None if max_work is None else _as_int("max_work", max_work, 1))
+    if split_tokens is not None:
+        split_tokens = _as_int("split_tokens", split_tokens, 1)
+        if split_tokens % cfg.gran:
+            raise ValueError(f"split_tokens must be a multiple of the cut granularity {cfg.gran}, got {split_tokens}")
 
     kv, kv_max = _as_kv_lens(kv_lens)
     B = kv.size
@@ -465,7 +502,8 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
             cost *= nz  # 0 for empty requests
             cost_end = cost.cumsum()
         total = int(cost_end[-1])
-        if (allow_no_split and n * cfg.num_kv_heads >= cfg.slots and (cap is None or n <= cap)
+        if (split_tokens is None and allow_no_split and n * cfg.num_kv_heads >= cfg.slots
+                and (cap is None or n <= cap)
                 and (kv_max + OV) * n <= NO_SPLIT_BALANCE * total):
             # ---- no split: one whole request per chunk ---------------------------------
             C = W = n
@@ -492,7 +530,9 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
             else:
                 nz_idx = nz.nonzero()[0]
                 nz_start = tok_start[nz_idx]
-            if C > 1:
+            if split_tokens is not None:
+                starts, cuts, C = _fixed_split(kv, nz_idx, nz_start, split_tokens, C, OV)
+            elif C > 1:
                 tcut = _ideal_cuts(total, C)
                 ci = cost_end.searchsorted(tcut, side="right")  # request holding each cut
                 kvi = kv[ci]

@@ -142,3 +142,69 @@ def test_run_errors_before_launch():
     g = kvattn.BatchDecodeWithPagedKVCache(use_cuda_graph=True, max_batch_size=1, max_num_pages=100)
     with pytest.raises(ValueError, match="exceeds max_batch_size 1"):
         g.plan(pt, 8, 2, 64)
+
+
+def _batch_with(rng, target_pages, target_len, companions, pool_pages, page):
+    """A PageTable of `companions` random requests with the target request (its pages and length) inserted at a
+    random position: (table, the target's row)."""
+    lens = list(rng.integers(0, 6000, companions))
+    pos = int(rng.integers(companions + 1))
+    lens.insert(pos, target_len)
+    indptr, indices, last = [0], [], []
+    for i, n in enumerate(lens):
+        npg = -(-int(n) // page)
+        pages = target_pages if i == pos else list(rng.integers(0, pool_pages, npg))
+        indices += list(pages)
+        indptr.append(len(indices))
+        last.append(int(n) - (npg - 1) * page if npg else page)
+    pt = kvattn.PageTable(np.array(indptr, np.int32), np.array(indices, np.int32), np.array(last, np.int32), page)
+    return pt, pos
+
+
+def test_deterministic_decode_is_batch_invariant():
+    """deterministic=True: a request's output and LSE bits alone equal its bits inside 20 random batches of 1..128
+    companions, on any SM count, and in graph mode."""
+    rng = np.random.default_rng()
+    hq, hkv, d, page, pool = 32, 8, 128, 16, 8192
+    npd = _dtypes.to_numpy("bfloat16")
+    k = kvattn.from_numpy(rng.standard_normal((pool, page, hkv, d)).astype(npd))
+    v = kvattn.from_numpy(rng.standard_normal((pool, page, hkv, d)).astype(npd))
+    L = 9000
+    tpages = list(rng.integers(0, pool, -(-L // page)))
+    qrow = rng.standard_normal((1, hq, d)).astype(npd)
+    alone, _ = _batch_with(rng, tpages, L, 0, pool, page)
+    w = kvattn.BatchDecodeWithPagedKVCache(deterministic=True)
+    w.plan(alone, hq, hkv, d)
+    o0, l0 = w.run(qrow, k, v, return_lse=True)
+    o0, l0 = o0.numpy(), l0.numpy()
+    ref = reference.batch_attention_paged(qrow, k.numpy(), v.numpy(), np.arange(2), alone)
+    assert rel_l2(o0, ref) <= 1e-2
+    for trial in range(20):
+        pt, pos = _batch_with(rng, tpages, L, int(rng.integers(1, 129)), pool, page)
+        q = rng.standard_normal((pt.batch_size, hq, d)).astype(npd)
+        q[pos] = qrow[0]
+        wb = kvattn.BatchDecodeWithPagedKVCache(deterministic=True, num_sms=int(rng.choice([132, 66, 17])))
+        wb.plan(pt, hq, hkv, d)
+        o, lse = wb.run(q, k, v, return_lse=True)
+        assert np.array_equal(o.numpy()[pos].view(np.uint16), o0[0].view(np.uint16)), f"trial {trial}: output bits"
+        assert np.array_equal(lse.numpy()[pos].view(np.uint32), l0[0].view(np.uint32)), f"trial {trial}: lse bits"
+    # graph mode: one capture, replayed for new batches
+    mb = 129
+    g = kvattn.BatchDecodeWithPagedKVCache(deterministic=True, use_cuda_graph=True, max_batch_size=mb,
+                                           max_num_pages=mb * 400)
+    qg, og = kvattn.empty((mb, hq, d), "bfloat16"), kvattn.empty((mb, hq, d), "bfloat16")
+    lg = kvattn.empty((mb, hq), "float32")
+    s, graph = kvattn.Stream(), None
+    for trial in range(3):
+        pt, pos = _batch_with(rng, tpages, L, int(rng.integers(1, 129)), pool, page)
+        g.plan(pt, hq, hkv, d, stream=s)
+        qh = rng.standard_normal((mb, hq, d)).astype(npd)
+        qh[pos] = qrow[0]
+        qg.copy_from_host(qh, s)
+        if graph is None:
+            with kvattn.graphs.capture(s) as cap:
+                g.run(qg, k, v, out=og, lse=lg, stream=s)
+            graph = cap.graph
+        graph.replay(s)
+        assert np.array_equal(og.numpy(s)[pos].view(np.uint16), o0[0].view(np.uint16)), f"graph {trial}"
+        assert np.array_equal(lg.numpy(s)[pos].view(np.uint32), l0[0].view(np.uint32)), f"graph {trial}"

@@ -592,3 +592,61 @@ def test_merge_lists_is_the_cumulative_partial_count():
     assert list(buf) == [-5, -5, 0, 1, 2, -5, -5, -5]
     empty, _ = merge_lists(np.zeros(0, np.int64), np.zeros(0, np.int64))
     assert list(empty) == [0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch-invariant (deterministic) schedule: fixed-size splits
+# ---------------------------------------------------------------------------------------------
+def _request_items(plan, r):
+    """Request r's items in plan order: (begin, end, partial row) and its merge list (partial rows in merge
+    order, or None when it is not merged)."""
+    req, beg, end, part = plan.work_req, plan.work_begin, plan.work_end, plan.work_partial
+    items = [(int(beg[i]), int(end[i]), int(part[i])) for i in range(plan.num_work) if req[i] == r]
+    mreq, mi = list(plan.merge_req), plan.merge_indptr
+    merged = None
+    if r in mreq:
+        m = mreq.index(r)
+        merged = list(range(int(mi[m]), int(mi[m + 1])))
+    return items, merged
+
+
+@HYP
+@given(kv=batches(), g=gpu, split=st.sampled_from([64, 2048]), graph=st.booleans(), seed=st.integers(0, 2**31))
+def test_fixed_split_schedule_is_batch_invariant(kv, g, split, graph, seed):
+    """A request's items (its tokens cut at multiples of split_tokens), partial rows in item order and merge list
+    are those it gets alone, whatever the batch, the SM count or graph mode."""
+    kw = _kw(g)
+    if split % cut_granularity(kw["page_size"]):
+        split = 2048
+    rng = np.random.default_rng(seed)
+    kv = kv[:64]
+    r = int(rng.integers(kv.size))
+
+    def plan_of(lens, **extra):
+        if graph:
+            mbs = lens.size + 3
+            extra.update(max_batch_size=mbs, max_work=scheduler.fixed_split_items(int(lens.sum()) + 5000, mbs, split))
+        return plan_decode(lens, kw["page_size"], kw["num_qo_heads"], kw["num_kv_heads"], 128, num_sms=kw["num_sms"],
+                           ctas_per_sm=kw["ctas_per_sm"], split_tokens=split, **extra)
+
+    plan = plan_of(kv)
+    items, merged = _request_items(plan, r)
+    L = int(kv[r])
+    assert [(b, e) for b, e, _ in items] == [(k, min(k + split, L)) for k in range(0, L, split)]
+    if len(items) > 1:   # split: partial rows in item order, merged in that order
+        assert merged == [p for _, _, p in items] and all(p >= 0 for _, _, p in items)
+    else:
+        assert all(p == -1 for _, _, p in items)
+    alone = plan_decode(kv[r:r + 1], kw["page_size"], kw["num_qo_heads"], kw["num_kv_heads"], 128, num_sms=132,
+                        ctas_per_sm=3, split_tokens=split)
+    a_items, a_merged = _request_items(alone, 0)
+    assert [(b, e) for b, e, _ in a_items] == [(b, e) for b, e, _ in items]
+    assert (a_merged is None) == (merged is None)
+    ci = plan.chunk_indptr
+    assert ci[0] == 0 and ci[-1] == plan.num_work and np.all(np.diff(ci) >= 0)
+    assert plan.num_work <= plan.layout.max_work
+
+
+def test_fixed_split_must_be_a_multiple_of_the_granularity():
+    with pytest.raises(ValueError, match="split_tokens must be a multiple of the cut granularity 64"):
+        plan_decode([100], 64, 8, 8, 128, split_tokens=100)

@@ -1,0 +1,61 @@
+"""What deterministic (batch-invariant) decode costs: the decode anchors with deterministic=False and True in one
+process (bf16 Hq32/Hkv8/D128, page 16, scattered pages; median of 3 alternating rounds of median-of-30), each
+checked against the float64 reference on one request.
+
+    PYTHONPATH=. python3 scripts/bench_deterministic.py
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench import kvattn, random_device, table  # noqa: E402
+from bench_decode import MAIN as CASES  # noqa: E402
+from kvattn import reference  # noqa: E402
+from kvattn.timing import time_us  # noqa: E402
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+
+
+def main():
+    if not kvattn.gpu_available():
+        print("bench_deterministic: no CUDA GPU found")
+        return 0
+    rng = np.random.default_rng(0)
+    print(f"GPU {kvattn._driver.device_name()}; split {kvattn.decode.DETERMINISTIC_SPLIT_TOKENS} tokens")
+    rows = []
+    for name, lens in CASES.items():
+        pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), PAGE, rng=rng)
+        shape = (pt.num_pages_used, PAGE, HKV, D)
+        k, v = random_device(shape, "bfloat16", rng), random_device(shape, "bfloat16", rng)
+        q = random_device((len(lens), HQ, D), "bfloat16", rng)
+        out = kvattn.empty(q.shape, "bfloat16")
+        runs = {}
+        for det in (False, True):
+            w = kvattn.BatchDecodeWithPagedKVCache(deterministic=det)
+            w.plan(pt, HQ, HKV, D)
+            runs[det] = (w, lambda w=w: w.run(q, k, v, out=out))
+        t = {False: [], True: []}
+        for _ in range(3):
+            for det in (False, True):
+                t[det].append(time_us(runs[det][1], reps=30))
+        base, det = float(np.median(t[False])), float(np.median(t[True]))
+        runs[True][1]()
+        i = int(np.argmax(lens))
+        pages = pt.pages(i)
+        kk = np.concatenate([k[int(p)].numpy() for p in pages])[:lens[i]]
+        vv = np.concatenate([v[int(p)].numpy() for p in pages])[:lens[i]]
+        ro = reference.attention(q[i:i + 1].numpy().astype(np.float64), kk.astype(np.float64), vv.astype(np.float64))
+        err = float(np.linalg.norm(out[i:i + 1].numpy() - ro) / np.linalg.norm(ro))
+        rows.append(dict(case=name, default=f"{base:.1f} us", deterministic=f"{det:.1f} us",
+                         **{"det/default": f"{det / base:.3f}"}, err=f"{err:.1e}"))
+    print("\ndecode, default vs deterministic=True (det/default <= 1.10 is the target)")
+    table(rows, ["case", "default", "deterministic", "det/default", "err"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
