@@ -167,14 +167,19 @@ class _BatchPrefill(AttentionOp):
     DEFAULT_WORKSPACE = DEFAULT_WORKSPACE
 
     def __init__(self, kv_layout="NHD", use_cuda_graph=False, max_batch_size=None, max_num_pages=None,
-                 max_total_qo=None, workspace_bytes=None, num_sms=None, backend="auto", device=None):
+                 max_total_qo=None, workspace_bytes=None, num_sms=None, backend="auto", device=None,
+                 deterministic=False):
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        if deterministic and use_cuda_graph:
+            raise ValueError("deterministic: graph mode (use_cuda_graph=True) has no deterministic prefill yet "
+                             "(decode has); use one or the other")
         super().__init__(kv_layout, use_cuda_graph,
                          dict(max_batch_size=max_batch_size, max_total_qo=max_total_qo, max_num_pages=max_num_pages),
                          ("max_batch_size", "max_total_qo") + (("max_num_pages",) if self._paged else ()),
                          workspace_bytes, num_sms, device)
         self.backend = backend
+        self.deterministic = bool(deterministic)
 
     # -- plan ------------------------------------------------------------------------------------
     def _plan_common(self, qo_indptr, kv_lens, page_indptr, page_indices, page_size, page_shift, num_qo_heads,
@@ -202,7 +207,9 @@ class _BatchPrefill(AttentionOp):
         packed_mask, mask_offsets = self._mask(custom_mask, mask_indptr, qo_lens, kv_lens)
         group = hq // hkv
         auto_rows = cta_rows is None
-        if cta_rows is None:
+        if cta_rows is None and self.deterministic:
+            cta_rows = 64 if head_dim == 256 else 128   # a query tile that does not depend on the batch
+        elif cta_rows is None:
             if self.use_cuda_graph:
                 packed = self.max_total_qo * group / self.max_batch_size
             else:
@@ -225,7 +232,8 @@ class _BatchPrefill(AttentionOp):
         kernel._allow_smem(cfg.smem)   # now, not during a graph capture
         occ = cfg.ctas_per_sm
         plan = scheduler.plan_prefill(qo_lens, kv_lens, group, hkv, cta_rows, causal=causal,
-                                      window_left=window_left, num_sms=self.num_sms, ctas_per_sm=occ)
+                                      window_left=window_left, num_sms=self.num_sms, ctas_per_sm=occ,
+                                      split_tokens=DETERMINISTIC_SPLIT_TOKENS if self.deterministic else None)
 
         # Packed int32 buffer: header, qo_indptr, kv_len, page_indptr, mask_indptr, items, merge lists, pages.
         if self.use_cuda_graph:
@@ -341,12 +349,20 @@ class _BatchPrefill(AttentionOp):
                              f"ceil(qo_len * kv_len / 8) = {int(nbytes[i])}")
         return np.ascontiguousarray(m.ravel()), mind
 
+#: The KV split of deterministic prefill, in tokens (a block's range longer than this is cut into near-equal
+#: 64-aligned chunks of at most this many tokens).
+DETERMINISTIC_SPLIT_TOKENS = 4096
+
+
 class BatchPrefillWithPagedKVCache(_BatchPrefill):
     """Prefill / append of ragged queries against a paged KV cache. See the module docstring.
 
     kv_layout: "NHD" (caches [pages, page_size, Hkv, D]) or "HND" ([pages, Hkv, page_size, D]).
     use_cuda_graph: fix the buffers, query tile and grid from max_batch_size, max_num_pages and max_total_qo.
     device: the GPU (an ordinal or a kvattn Device; None: the current context's device at the first plan()).
+    deterministic: batch-invariant results: a fixed query tile (128 rows; 64 at head_dim 256) and a fixed KV
+    split (DETERMINISTIC_SPLIT_TOKENS), so a request's bits do not depend on the rest of its batch or the GPU's
+    SM count (not in graph mode yet).
     """
 
     _paged = True

@@ -711,8 +711,11 @@ def _ceil64(x):
 
 
 def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal=False, window_left=-1,
-                 num_sms=132, ctas_per_sm=2) -> PrefillPlan:
-    """Schedule a prefill / append batch (see the section doc above).  qo_lens, kv_lens: int [B]."""
+                 num_sms=132, ctas_per_sm=2, split_tokens=None) -> PrefillPlan:
+    """Schedule a prefill / append batch (see the section doc above).  qo_lens, kv_lens: int [B].
+    ``split_tokens`` (a multiple of 64) is the batch-invariant schedule: ``L = split_tokens`` whatever the batch,
+    so a block's chunks (near-equal 64-aligned pieces of its own KV range) and their merge order depend on the
+    block alone."""
     group = _as_int("group_size", group_size, 1)
     hkv = _as_int("num_kv_heads", num_kv_heads, 1)
     rows = _as_int("cta_rows", cta_rows, 16)
@@ -747,11 +750,17 @@ def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal
     nchunk = np.ones(NB, np.int64)
     csize = np.maximum(ln, 1)
     L = 0
+    if split_tokens is not None:
+        split_tokens = _as_int("split_tokens", split_tokens, 64)
+        if split_tokens % 64:
+            raise ValueError(f"split_tokens must be a multiple of 64, got {split_tokens}")
     if NB and total:
-        L0 = max(PREFILL_MIN_CHUNK, _ceil64(-(-total // slots_h)))
+        L0 = max(PREFILL_MIN_CHUNK, _ceil64(-(-total // slots_h))) if split_tokens is None else split_tokens
         maxlen = int(ln.max())
         if maxlen > L0:
-            if NB * nz <= slots_h:
+            if split_tokens is not None:
+                L = split_tokens
+            elif NB * nz <= slots_h:
                 lo_k, hi_k = PREFILL_MIN_CHUNK // 64, -(-maxlen // 64)   # hi_k always fits one wave
                 while lo_k < hi_k:
                     mid = (lo_k + hi_k) // 2

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import kvattn
-from kvattn import _dtypes, graphs
+from kvattn import _dtypes, graphs, reference
 from kvattn.formats import PageTable
 from kvattn.prefill import BatchPrefillWithPagedKVCache, BatchPrefillWithRaggedKVCache, single_prefill
 
@@ -249,3 +249,40 @@ def test_bad_inputs_raise_before_launch():
     q = kvattn.empty((6, 8, 128), "float16")
     with pytest.raises(TypeError, match="q: expected dtype"):
         w.run(q, k, k)
+
+
+def test_deterministic_prefill_is_batch_invariant():
+    """deterministic=True: a request's output and LSE bits alone equal its bits inside 10 random ragged batches
+    of 1..40 companions, on any SM count (its KV split is fixed)."""
+    rng = np.random.default_rng()
+    hq, hkv, d = 32, 8, 128
+    npd = _dtypes.to_numpy("bfloat16")
+    tq, tk = 300, 9000
+    q0 = rng.standard_normal((tq, hq, d)).astype(npd)
+    k0 = rng.standard_normal((tk, hkv, d)).astype(npd)
+    v0 = rng.standard_normal((tk, hkv, d)).astype(npd)
+
+    def run(qo, kv, pos, num_sms=None):
+        qs = [rng.standard_normal((n, hq, d)).astype(npd) if i != pos else q0 for i, n in enumerate(qo)]
+        ks = [rng.standard_normal((n, hkv, d)).astype(npd) if i != pos else k0 for i, n in enumerate(kv)]
+        vs = [rng.standard_normal((n, hkv, d)).astype(npd) if i != pos else v0 for i, n in enumerate(kv)]
+        qi = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+        ki = np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)
+        w = kvattn.BatchPrefillWithRaggedKVCache(deterministic=True, num_sms=num_sms)
+        w.plan(qi, ki, hq, hkv, d, causal=True)
+        o, lse = w.run(np.concatenate(qs), np.concatenate(ks), np.concatenate(vs), return_lse=True)
+        return o.numpy()[qi[pos]:qi[pos + 1]], lse.numpy()[qi[pos]:qi[pos + 1]]
+
+    o0, l0 = run([tq], [tk], 0)
+    ref = reference.attention(q0.astype(np.float64), k0.astype(np.float64), v0.astype(np.float64), causal=True)
+    assert rel_l2(o0, ref) <= 1e-2
+    for trial in range(10):
+        n = int(rng.integers(1, 41))
+        qo = list(rng.integers(1, 400, n))
+        kv = [int(a + rng.integers(0, 3000)) for a in qo]
+        pos = int(rng.integers(n + 1))
+        qo.insert(pos, tq)
+        kv.insert(pos, tk)
+        o, lse = run(qo, kv, pos, num_sms=int(rng.choice([132, 66, 17])))
+        assert np.array_equal(o.view(np.uint16), o0.view(np.uint16)), f"trial {trial}: output bits"
+        assert np.array_equal(lse.view(np.uint32), l0.view(np.uint32)), f"trial {trial}: lse bits"

@@ -650,3 +650,23 @@ def test_fixed_split_schedule_is_batch_invariant(kv, g, split, graph, seed):
 def test_fixed_split_must_be_a_multiple_of_the_granularity():
     with pytest.raises(ValueError, match="split_tokens must be a multiple of the cut granularity 64"):
         plan_decode([100], 64, 8, 8, 128, split_tokens=100)
+
+
+@HYP
+@given(qo=st.lists(st.integers(1, 700), min_size=1, max_size=12), extra=st.lists(st.integers(0, 20000), min_size=12,
+       max_size=12), group=st.sampled_from([1, 4, 8]), causal=st.booleans(), seed=st.integers(0, 2**31))
+def test_fixed_split_prefill_is_batch_invariant(qo, extra, group, causal, seed):
+    """split_tokens fixed: a request's items (rows, KV chunks, chunk counts) are those it gets alone."""
+    rng = np.random.default_rng(seed)
+    qo = np.array(qo)
+    kv = qo + np.array(extra[:qo.size])
+    r = int(rng.integers(qo.size))
+
+    def items_of(plan, req):
+        it = plan.items
+        return sorted(tuple(int(x) for x in row[1:5]) + (int(row[6]),) for row in it if row[0] == req)
+
+    batch = scheduler.plan_prefill(qo, kv, group, 2, 128, causal=causal, num_sms=int(rng.choice([132, 17])), split_tokens=1024)
+    alone = scheduler.plan_prefill(qo[r:r + 1], kv[r:r + 1], group, 2, 128, causal=causal, split_tokens=1024)
+    assert items_of(batch, r) == items_of(alone, 0)
+    assert all(ke - kb <= 1024 for _, _, kb, ke, _ in items_of(alone, 0))
