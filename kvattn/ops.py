@@ -159,4 +159,15 @@ def reference_checks(rng):
     ragged = reference.batch_attention_ragged(qd, np.concatenate(slots), np.concatenate(vslots), np.arange(4),
                                               np.concatenate([[0], np.cumsum(lens)]))
     checks.append(("paged == ragged (scattered pages)", float(np.abs(paged - ragged).max())))
+    # attention sinks rescale each row by 1 / (1 + e^(sink - lse)), and move its lse to logaddexp(lse, sink)
+    sinks = rng.standard_normal(8)
+    os_, ls_ = reference.attention(q, k, v, sinks=sinks, return_lse=True)
+    factor = 1.0 / (1.0 + np.exp(sinks[None, :] - lse))
+    checks.append(("sinks == rescaled attention", float(max(np.abs(os_ - o * factor[..., None]).max(),
+                                                            np.abs(ls_ - np.logaddexp(lse, sinks[None, :])).max()))))
+    # RoPE is relative: shifting every position by the same offset leaves attention unchanged
+    pq, pk = 97 + np.arange(3), np.arange(100)
+    def roped(off):
+        return reference.attention(reference.apply_rope(q, pq + off), reference.apply_rope(k, pk + off), v)
+    checks.append(("RoPE attention is shift invariant", float(np.abs(roped(0) - roped(5000)).max())))
     return checks
