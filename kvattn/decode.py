@@ -114,10 +114,11 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         alibi_slopes: float [num_qo_heads] (ALiBi: s += slope[h] * (j - (kv_len - 1)), natural-log units).
         sinks: float [num_qo_heads] (attention sinks: one logit per head in the softmax's denominator, in the
         units of the scaled scores, as GPT-OSS). rope: kvattn.RoPE(theta, scale, interleave) rotates q (at
-        kv_len - 1 + offset) and k (at j + offset) inside the kernel; rope_offsets: int [batch] or None (0). variant: a user variant (kvattn.Variant.from_cuda), with its
-        declared parameters in variant_params ({name: value}); the keyword shortcuts window_left /
-        logits_soft_cap / alibi_slopes / sinks select the built-ins. Slopes, sinks and variant parameters are
-        data of the plan: in graph mode a later plan() may change their values.
+        kv_len - 1 + offset) and k (at j + offset) inside the kernel; rope_offsets: int [batch] or None (0).
+        variant: a user variant (kvattn.Variant.from_cuda), with its declared parameters in variant_params
+        ({name: value}); the keyword shortcuts window_left / logits_soft_cap / alibi_slopes / sinks / rope select
+        the built-ins. Slopes, sinks, RoPE's numbers and variant parameters are data of the plan: in graph mode a
+        later plan() may change their values.
 
         The work lists reach the device by one async copy on `stream`. run() on another stream waits for that
         copy; but the next plan() rewrites the same device region, so runs on other streams must be done first.

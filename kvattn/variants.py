@@ -166,8 +166,9 @@ class Variant:
     def data(self, num_qo_heads: int, batch: int, cap_batch: int, sinks=None, slopes=None, values=None,
              rope=None, rope_offsets=None):
         """The float32 words of the plan's variant data, or None when the kernels read none. Built-ins: sinks
-        [Hq], slopes [Hq], then RoPE's log2(theta), 1 / scale and int32 offsets [cap_batch]. User variants: one word per declared parameter (a scalar's value, an array's
-        word offset), then each array (per-request arrays sized cap_batch, the graph-mode bound)."""
+        [Hq], slopes [Hq], then RoPE's log2(theta), 1 / scale and int32 offsets [cap_batch]. User variants: one
+        word per declared parameter (a scalar's value, an array's word offset), then each array (per-request
+        arrays sized cap_batch, the graph-mode bound)."""
         import numpy as np
         if not self.is_user:
             parts = [a for a in (sinks if self.sink else None, slopes if self.alibi else None) if a is not None]
