@@ -261,3 +261,9 @@ def test_graph_mode_refuses_a_later_plan_that_changes_a_baked_value(change):
     name = [k for k in change if change[k] != base.get(k)][0]
     with pytest.raises(ValueError, match=f"in graph mode {name} is baked into the captured graph"):
         plan(w, **change)
+
+
+def test_deterministic_prefill_is_refused_in_graph_mode():
+    with pytest.raises(ValueError, match="deterministic: graph mode .* has no deterministic prefill yet"):
+        BatchPrefillWithRaggedKVCache(deterministic=True, use_cuda_graph=True, max_batch_size=4, max_total_qo=64)
+    assert BatchPrefillWithRaggedKVCache(deterministic=True).deterministic
