@@ -13,4 +13,9 @@ python3 scripts/bench_launch.py 2>&1 | tee "$OUT/launch.log" | tail -6
 python3 scripts/bench_merge.py 2>&1 | tee "$OUT/merge.log" | tail -5
 python3 scripts/bench_decode.py ${BENCH_ARGS:-} --json "$OUT/decode.jsonl" 2>&1 | tee "$OUT/decode.log" | tail -25
 python3 scripts/bench_prefill.py 2>&1 | tee "$OUT/prefill.log" | tail -12
+python3 scripts/bench_variants.py 2>&1 | tee "$OUT/variants.log" | tail -8
+python3 scripts/bench_deterministic.py 2>&1 | tee "$OUT/deterministic.log" | tail -11
+if [ -n "${AB_OLD:-}" ]; then   # AB_OLD=<an older tree with kvattn/ and cuda_src/>: the A/B against it
+  python3 scripts/bench_ab.py --old "$AB_OLD" 2>&1 | tee "$OUT/ab.log" | tail -13
+fi
 python3 scripts/bench_interop.py ${INTEROP_ARGS:-} --json "$OUT/interop.jsonl" 2>&1 | tee "$OUT/interop.log" | tail -40
