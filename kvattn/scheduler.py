@@ -428,8 +428,14 @@ def _fixed_split(kv, nz_idx, nz_start, split: int, c_max: int, overhead: int):
     ends = np.minimum(ends, np.repeat(nz_start + lens, per))  # (the next item may start another request)
     cost_end = (ends - starts + overhead).cumsum()
     c = max(1, min(c_max, w))
-    cuts = np.unique(cost_end.searchsorted(_ideal_cuts(int(cost_end[-1]), c), side="right").clip(1, w - 1)) \
-        if c > 1 and w > 1 else _EMPTY
+    if c == 1 or w == 1:
+        return starts, _EMPTY, 1
+    t = _ideal_cuts(int(cost_end[-1]), c)
+    i = cost_end.searchsorted(t, side="right")                # the item holding each ideal cut
+    below = np.where(i > 0, cost_end[np.maximum(i - 1, 0)], 0)  # cost before item i
+    above = cost_end[np.minimum(i, w - 1)]                    # cost through item i
+    i += (t - below) > (above - t)                            # cut at the nearer end of that item
+    cuts = np.unique(i.clip(1, w - 1))
     return starts, cuts, cuts.size + 1
 
 

@@ -645,6 +645,10 @@ def test_fixed_split_schedule_is_batch_invariant(kv, g, split, graph, seed):
     ci = plan.chunk_indptr
     assert ci[0] == 0 and ci[-1] == plan.num_work and np.all(np.diff(ci) >= 0)
     assert plan.num_work <= plan.layout.max_work
+    if plan.num_work:   # balanced chunks: each within one item of its ideal share
+        cost = (plan.work_end.astype(np.int64) - plan.work_begin + scheduler.ITEM_OVERHEAD_TOKENS)
+        per_chunk = [int(cost[ci[c]:ci[c + 1]].sum()) for c in range(plan.active_chunks)]
+        assert max(per_chunk) <= cost.sum() / plan.active_chunks + cost.max()
 
 
 def test_fixed_split_must_be_a_multiple_of_the_granularity():
