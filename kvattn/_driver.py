@@ -105,10 +105,6 @@ def current_device():
     return device.get()
 
 
-def device():
-    return current_device().handle
-
-
 def attribute(name: str) -> int:
     """A device attribute of the current device by its CU_DEVICE_ATTRIBUTE_ suffix, e.g. 'MULTIPROCESSOR_COUNT'."""
     return current_device().attribute(name)

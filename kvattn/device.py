@@ -95,15 +95,12 @@ def count() -> int:
 def get(ordinal=None) -> Device:
     """The Device of `ordinal` (an int, or a Device), or with None the device of the calling thread's current
     context (device 0 when the thread has none). Errors name the argument."""
+    ordinal = check_device_arg(ordinal)
     if isinstance(ordinal, Device):
         return ordinal
     if ordinal is None:
         _driver.ensure_context()
-        ordinal = _driver.call_init("cuCtxGetDevice")
-        ordinal = int(ordinal)
-    elif isinstance(ordinal, bool) or not isinstance(ordinal, int):
-        raise TypeError(f"device: expected None, a device ordinal (int) or a kvattn Device, got "
-                        f"{type(ordinal).__name__}")
+        ordinal = int(_driver.call_init("cuCtxGetDevice"))
     d = _devices.get(ordinal)
     if d is not None:
         return d

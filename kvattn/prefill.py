@@ -383,7 +383,7 @@ class BatchPrefillWithPagedKVCache(_BatchPrefill):
         parameters in variant_params; the keyword shortcuts select the built-ins. Slopes, sinks and variant
         parameters are plan data (graph mode: a later plan() may change their values). rope:
         kvattn.RoPE(theta, scale, interleave) rotates q (at kv - qo + r + offset) and k (at j + offset) inside the
-        kernel (backend sm80); rope_offsets: int [B] or None (0).
+        kernel; rope_offsets: int [B] or None (0).
         """
         if not isinstance(page_table, PageTable):
             raise TypeError(f"page_table: expected a kvattn.PageTable, got {type(page_table).__name__}")

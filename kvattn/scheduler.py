@@ -424,8 +424,7 @@ def _fixed_split(kv, nz_idx, nz_start, split: int, c_max: int, overhead: int):
     k = _iota(int(per.sum())) - np.repeat(per.cumsum() - per, per)
     starts = first + k * split
     w = starts.size
-    ends = np.append(starts[1:], int(nz_start[-1] + lens[-1]))
-    ends = np.minimum(ends, np.repeat(nz_start + lens, per))  # (the next item may start another request)
+    ends = np.append(starts[1:], int(nz_start[-1] + lens[-1]))   # requests are adjacent on the token line
     cost_end = (ends - starts + overhead).cumsum()
     c = max(1, min(c_max, w))
     if c == 1 or w == 1:

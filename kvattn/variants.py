@@ -149,7 +149,7 @@ class Variant:
         """The merge kernel's variant type (its output hook finishes merged rows), or None: the plain merge."""
         if self.is_user:
             return self.name
-        return "kvattn::Builtin<false, false, false, false, true>" if self.sink else None
+        return Variant(sink=True)._builtin(False) if self.sink else None
 
     def prelude(self) -> tuple:
         """(file name, source, generated accessors) compiled after the kernel header: the user's struct, or

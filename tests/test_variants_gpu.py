@@ -41,6 +41,13 @@ def _check_decode(out, lse, ro, rl):
     assert_lse(lse.numpy(), rl, 1e-2)
 
 
+def _draw_decode_shape(data, max_len, max_batch, groups, hkvs, dims):
+    """(kv lengths, group size, kv heads, head dim) of a random decode batch."""
+    lens = data.draw(st.lists(st.integers(1, max_len), min_size=1, max_size=max_batch), "kv_lens")
+    group = data.draw(st.sampled_from(groups), "group")
+    return lens, group, data.draw(st.sampled_from(hkvs), "hkv"), data.draw(st.sampled_from(dims), "d")
+
+
 def _decode_builtin_matches_reference(rng, lens, hq, hkv, d, **kw):
     """A random paged batch planned with the built-in variant keywords kw (named as the reference's) against
     reference.batch_attention_paged with the same keywords."""
@@ -91,9 +98,7 @@ def _check_prefill(case, expected):
 @given(data=st.data(), seed=st.integers(0, 2**31))
 def test_decode_user_variants_match_reference(data, seed):
     rng = np.random.default_rng(seed)
-    lens = data.draw(st.lists(st.integers(1, 3000), min_size=1, max_size=24), "kv_lens")
-    group = data.draw(st.sampled_from([1, 4, 8]), "group")
-    hkv, d = data.draw(st.sampled_from([1, 2, 4]), "hkv"), data.draw(st.sampled_from([64, 128]), "d")
+    lens, group, hkv, d = _draw_decode_shape(data, 3000, 24, [1, 4, 8], [1, 2, 4], [64, 128])
     which = data.draw(st.sampled_from(["half_logits", "even_keys"]), "variant")
     hq = hkv * group
     pt, q, k, v = _decode_case(rng, lens, hq, hkv, d)
@@ -136,9 +141,7 @@ def _slopes(hq):
 @given(data=st.data(), seed=st.integers(0, 2**31))
 def test_decode_alibi_matches_reference(data, seed):
     rng = np.random.default_rng(seed)
-    lens = data.draw(st.lists(st.integers(1, 3000), min_size=1, max_size=24), "kv_lens")
-    group = data.draw(st.sampled_from([1, 4, 8, 32]), "group")
-    hkv, d = data.draw(st.sampled_from([1, 2]), "hkv"), data.draw(st.sampled_from([64, 128, 256]), "d")
+    lens, group, hkv, d = _draw_decode_shape(data, 3000, 24, [1, 4, 8, 32], [1, 2], [64, 128, 256])
     window = data.draw(st.sampled_from([-1, 100]), "window_left")
     _decode_builtin_matches_reference(rng, lens, hkv * group, hkv, d, alibi_slopes=_slopes(hkv * group),
                                       window_left=window)
@@ -162,9 +165,7 @@ def test_prefill_alibi_matches_reference(data, seed):
 def test_decode_sinks_match_reference(data, seed):
     """Long and short requests (split-KV rows take the sink in the merge kernel, the others in the epilogue)."""
     rng = np.random.default_rng(seed)
-    lens = data.draw(st.lists(st.integers(1, 6000), min_size=1, max_size=12), "kv_lens")
-    group = data.draw(st.sampled_from([1, 4, 8]), "group")
-    hkv, d = data.draw(st.sampled_from([1, 2]), "hkv"), data.draw(st.sampled_from([64, 128, 256]), "d")
+    lens, group, hkv, d = _draw_decode_shape(data, 6000, 12, [1, 4, 8], [1, 2], [64, 128, 256])
     alibi = data.draw(st.booleans(), "alibi")
     hq = hkv * group
     _decode_builtin_matches_reference(rng, lens, hq, hkv, d, sinks=rng.standard_normal(hq) * 3,
@@ -219,9 +220,7 @@ def test_graph_replay_with_new_sinks_and_batch():
 @given(data=st.data(), seed=st.integers(0, 2**31))
 def test_decode_sigmoid_and_head_scale_match_reference(data, seed):
     rng = np.random.default_rng(seed)
-    lens = data.draw(st.lists(st.integers(1, 5000), min_size=1, max_size=12), "kv_lens")
-    group = data.draw(st.sampled_from([1, 4, 8]), "group")
-    hkv, d = data.draw(st.sampled_from([1, 2]), "hkv"), data.draw(st.sampled_from([64, 128]), "d")
+    lens, group, hkv, d = _draw_decode_shape(data, 5000, 12, [1, 4, 8], [1, 2], [64, 128])
     which = data.draw(st.sampled_from(["sigmoid", "head_scale"]), "variant")
     hq = hkv * group
     pt, q, k, v = _decode_case(rng, lens, hq, hkv, d)
@@ -276,9 +275,7 @@ def _roped(x, pos, rope):
 @given(data=st.data(), seed=st.integers(0, 2**31))
 def test_decode_rope_matches_reference(data, seed):
     rng = np.random.default_rng(seed)
-    lens = data.draw(st.lists(st.integers(1, 4000), min_size=1, max_size=12), "kv_lens")
-    group = data.draw(st.sampled_from([1, 4, 8]), "group")
-    hkv, d = data.draw(st.sampled_from([1, 2]), "hkv"), data.draw(st.sampled_from([64, 128, 256]), "d")
+    lens, group, hkv, d = _draw_decode_shape(data, 4000, 12, [1, 4, 8], [1, 2], [64, 128, 256])
     rope = kvattn.RoPE(theta=data.draw(st.sampled_from([1e4, 5e5]), "theta"),
                        scale=data.draw(st.sampled_from([1.0, 4.0]), "scale"), interleave=data.draw(st.booleans()))
     offsets = rng.integers(0, 3000, len(lens)) if data.draw(st.booleans(), "offsets") else None
