@@ -6,8 +6,15 @@
 // [z * ROWS, +ROWS) of the group with z = blockIdx.x % z_split, so any group size works; the z slices of one
 // chunk are adjacent CTAs, so their common K/V is read from DRAM once and then hit in L2. Each of the 4 warps takes 16 tokens of every tile; their partial softmax states are merged
 // through shared memory at the end of each item. Scores live in the log2 domain; the LSE written is natural.
+//
+// An fp8 cache (KV = __nv_fp8_e4m3 / e5m2) lands in shared memory as fp8 (half the bytes of a stage) and is
+// converted in registers: K through ldmatrix of byte pairs (the QK reduction runs over the dims in the order the
+// fragments hold them, and the query fragments are read in that order), V through ldmatrix.trans of byte pairs
+// (even and odd dims in separate n-blocks, put back in order by the epilogue). The products run in f16 (fp8 is
+// exact in f16; bf16 queries are converted per row with a power-of-two scale); k_scale folds into the score
+// scale, v_scale into the epilogue.
 #pragma once
-#include "mma.cuh"
+#include "fp8.cuh"
 #include "variant.cuh"
 #include "warp_merge.cuh"
 
@@ -38,25 +45,44 @@ struct DecodeParams {
   float score_scale;           // log2(e) * sm_scale, or sm_scale / cap with a soft cap
   float cap_log2;              // log2(e) * cap (soft cap only)
   const float* variant_data;   // the variant's parameters (ALiBi: slopes [Hq]), may be null
+  const float* k_scale_ptr;    // fp8 cache: per-KV-head scales [Hkv] (may be null), times k_scale / v_scale
+  const float* v_scale_ptr;
+  float k_scale, v_scale;
 };
 
-template <int D, int M_TILES, int STAGES_, class V, typename T>
+// T: the query and output element type; KV: the cache's (T, or fp8).
+template <int D, int M_TILES, int STAGES_, class V, typename T, typename KV = T>
 struct DecodeKernel {
+  static constexpr bool kFp8 = IsFp8<KV>::value;
+  static constexpr bool kQToHalf = kFp8 && IsBf16<T>::value;   // bf16 queries, fp8 cache
+  using MT = typename MmaType<T, KV>::type;          // the tensor-core operand type
   static constexpr int WARPS = 4;
   static constexpr int THREADS = WARPS * 32;
-  static constexpr int TILE = WARPS * 16;           // tokens per pipeline stage
-  static constexpr int CHUNKS = D / 8;               // 16-byte chunks per row
+  // Tokens per warp per tile: 16, or 32 with an fp8 cache (the stage keeps 16-bit's bytes; twice the work per
+  // barrier, one softmax rescale per 32 tokens; measured 2026-12-01 in BENCHMARKS.md).
+  static constexpr int WTOK = kFp8 && D <= 128 ? 32 : 16;   // (head dim 256: a 128-token stage would not fit twice)
+  static constexpr int NB = WTOK / 8;                // 8-token n-blocks of a warp's scores
+  static constexpr int TILE = WARPS * WTOK;          // tokens per pipeline stage
+  static constexpr int CHUNKS = D / 8;               // 8-column chunks of an output row
+  static constexpr int ROW_BYTES = D * (int)sizeof(KV);
+  static constexpr int KV_CHUNKS = ROW_BYTES / 16;   // 16-byte chunks per K / V row
   static constexpr int ROWS = 16 * M_TILES;          // query rows of the MMA tile
   static constexpr int STAGES = STAGES_;             // cp.async ring depth (tiles in flight + 1)
-  static constexpr int KV_ELEMS = TILE * D;          // one of K or V per stage
-  static constexpr int SCRATCH_PAD = (WarpMerge<D, 4>::BYTES - 2 * TILE * D * 2) / 2;  // epilogue room, elements
-  static constexpr int STAGE_ELEMS = 2 * KV_ELEMS + SCRATCH_PAD;   // K, V (+ room for the epilogue)
-  static constexpr int Q_ELEMS = ROWS * D;           // one Q slot; STAGES slots, by item ordinal
-  static constexpr int SMEM_BYTES = (STAGES * STAGE_ELEMS + STAGES * Q_ELEMS) * 2;
-  static constexpr int ROWS_PER_THREAD = TILE * CHUNKS / THREADS;   // K rows each thread copies per tile
+  static constexpr int KV_BYTES = TILE * ROW_BYTES;  // one of K or V per stage
+  // The epilogue merges the warps' states in the stage just consumed: in one pass (m / l there too, the stage
+  // padded to fit), or for an fp8 cache in two passes of D / 2 columns (m / l in their own region).
+  static constexpr int MERGE_PHASES = kFp8 && WTOK == 16 ? 2 : 1;
+  using Merge = WarpMerge<D / MERGE_PHASES, WARPS, V::kSoftmax, kFp8 ? 0 : 4>;
+  static constexpr int STAGE_BYTES = kFp8 ? 2 * KV_BYTES : Merge::BYTES;   // K, V (+ room for the epilogue)
+  static constexpr int Q_BYTES = ROWS * D * 2;       // one Q slot; STAGES slots, by item ordinal
+  static constexpr int RS_OFFSET = STAGES * (STAGE_BYTES + Q_BYTES);   // fp8: per-slot row scales, merge m / l
+  static constexpr int SMEM_BYTES = RS_OFFSET + (kFp8 ? STAGES * ROWS * 4 + Merge::ML_BYTES : 0);
+  static constexpr int ROWS_PER_THREAD = TILE * KV_CHUNKS / THREADS;   // K rows each thread copies per tile
   static_assert(D % 64 == 0, "head_dim must be 64, 128 or 256");
-  static_assert((THREADS % CHUNKS) == 0, "thread layout");
-  static_assert(WarpMerge<D, WARPS>::BYTES <= STAGE_ELEMS * 2, "epilogue scratch fits a stage");
+  static_assert((THREADS % KV_CHUNKS) == 0, "thread layout");
+  static_assert(sizeof(T) == 2, "queries are f16 or bf16");
+  static_assert(kFp8 ? Merge::O_BYTES <= STAGE_BYTES : 2 * KV_BYTES <= STAGE_BYTES, "epilogue scratch fits a stage");
+  static_assert(!(kFp8 && V::kQK), "a query / key transform (RoPE) needs a 16-bit cache");
 
   // Position in the tile stream: work item w (index into the plan), its token range, tile start t0.
   // Item w's query rows live in Q slot (w - w_first) % STAGES: the producer runs at most STAGES - 1 tiles
@@ -72,6 +98,12 @@ struct DecodeKernel {
   const int nrows;    // query heads of this CTA (<= ROWS)
   __device__ DecodeKernel(const DecodeParams& p_, int h_, int z)
       : p(p_), h(h_), head0(h_ * p_.group_size + z * ROWS), nrows(min(ROWS, p_.group_size - z * ROWS)) {}
+
+  // Byte offset of 16-byte chunk c of row r in a K or V tile.
+  __device__ __forceinline__ static int kv_at(int r, int c) { return swz_bytes<ROW_BYTES>(r, c); }
+  __device__ __forceinline__ float cache_scale(const float* per_head, float f) const {
+    return per_head ? __ldg(per_head + h) * f : f;
+  }
 
   __device__ __forceinline__ void load_item(Cursor& c) const {
     if (c.w < c.w_end) {
@@ -92,7 +124,7 @@ struct DecodeKernel {
     const int pbase = p.page_indptr[c.req];
 #pragma unroll
     for (int j = 0; j < ROWS_PER_THREAD; ++j) {
-      const int row = threadIdx.x / CHUNKS + j * (THREADS / CHUNKS);
+      const int row = threadIdx.x / KV_CHUNKS + j * (THREADS / KV_CHUNKS);
       const int tok = min(c.t0 + row, c.end - 1);
       int pg, in;
       if (p.page_shift >= 0) { pg = tok >> p.page_shift; in = tok & (p.page_size - 1); }
@@ -101,21 +133,26 @@ struct DecodeKernel {
     }
   }
 
-  __device__ __forceinline__ T* q_slot(const Cursor& c, T* smem) const {
-    return smem + STAGES * STAGE_ELEMS + ((c.w - c.w_first) % STAGES) * Q_ELEMS;
+  __device__ __forceinline__ int slot(const Cursor& c) const { return (c.w - c.w_first) % STAGES; }
+  __device__ __forceinline__ T* q_slot(const Cursor& c, unsigned char* smem) const {
+    return reinterpret_cast<T*>(smem + STAGES * STAGE_BYTES + slot(c) * Q_BYTES);
+  }
+  // fp8 with bf16 queries: the power-of-two factors of the slot's query rows (q_rows_to_half)
+  __device__ __forceinline__ float* row_scales(const Cursor& c, unsigned char* smem) const {
+    return reinterpret_cast<float*>(smem + RS_OFFSET) + slot(c) * ROWS;
   }
 
-  __device__ __forceinline__ void issue(const Cursor& c, const long long (&off)[ROWS_PER_THREAD], T* stage,
-                                        T* qs) const {
-    const int chunk = threadIdx.x % CHUNKS;
-    const T* kb = static_cast<const T*>(p.k) + h * p.kv_stride_head + chunk * 8;
-    const T* vb = static_cast<const T*>(p.v) + h * p.kv_stride_head + chunk * 8;
+  __device__ __forceinline__ void issue(const Cursor& c, const long long (&off)[ROWS_PER_THREAD],
+                                        unsigned char* stage, T* qs) const {
+    const int chunk = threadIdx.x % KV_CHUNKS;
+    const KV* kb = static_cast<const KV*>(p.k) + h * p.kv_stride_head + chunk * (16 / (int)sizeof(KV));
+    const KV* vb = static_cast<const KV*>(p.v) + h * p.kv_stride_head + chunk * (16 / (int)sizeof(KV));
 #pragma unroll
     for (int j = 0; j < ROWS_PER_THREAD; ++j) {
-      const int row = threadIdx.x / CHUNKS + j * (THREADS / CHUNKS);
+      const int row = threadIdx.x / KV_CHUNKS + j * (THREADS / KV_CHUNKS);
       const int bytes = c.t0 + row < c.end ? 16 : 0;
-      cp_async16(stage + swz<D>(row, chunk), kb + off[j], bytes);
-      cp_async16(stage + KV_ELEMS + swz<D>(row, chunk), vb + off[j], bytes);
+      cp_async16(stage + kv_at(row, chunk), kb + off[j], bytes);
+      cp_async16(stage + KV_BYTES + kv_at(row, chunk), vb + off[j], bytes);
     }
     if (c.t0 == c.begin) {  // first tile of an item: bring its query rows (zeros past the group)
       const T* qb = static_cast<const T*>(p.q) + c.req * p.q_stride_n + (long long)head0 * p.q_stride_h;
@@ -129,16 +166,17 @@ struct DecodeKernel {
 
   // Issue the producer's tile into the slot consumed at iteration it - 1, move the producer on, and start the
   // page-id loads of its next tile (used one iteration later). Always commits a group (maybe empty).
-  __device__ __forceinline__ void refill(Cursor& prod, long long (&off)[ROWS_PER_THREAD], T* smem, int it) const {
+  __device__ __forceinline__ void refill(Cursor& prod, long long (&off)[ROWS_PER_THREAD], unsigned char* smem,
+                                         int it) const {
     if (prod.valid()) {
-      issue(prod, off, smem + ((it + STAGES - 1) % STAGES) * STAGE_ELEMS, q_slot(prod, smem));
+      issue(prod, off, smem + ((it + STAGES - 1) % STAGES) * STAGE_BYTES, q_slot(prod, smem));
       advance(prod);
       row_offsets(prod, off);
     }
     cp_async_commit();
   }
 
-  __device__ void run(int c_index, T* smem) const {
+  __device__ void run(int c_index, unsigned char* smem) const {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int* chunk_indptr = p.plan + p.off_chunk_indptr;
     Cursor prod{chunk_indptr[c_index], chunk_indptr[c_index], chunk_indptr[c_index + 1], 0, 0, 0, 0};
@@ -152,11 +190,13 @@ struct DecodeKernel {
 
     float o[M_TILES][CHUNKS][4];
     float m[M_TILES][2], l[M_TILES][2];
+    float sc[M_TILES][2];   // fp8: each row's score scale (score_scale * k_scale * the query row's factor)
+    const float k_factor = kFp8 ? p.score_scale * cache_scale(p.k_scale_ptr, p.k_scale) : 0.f;
     int kv_len = 0;
     // the query / key transform's per-thread constants (the same dims for Q, by all threads, and K, by lanes)
     const typename V::QKState qk_state = V::template qk_init<D>(p, qk_dims<D>(threadIdx.x));
     for (int it = 0; cons.valid(); ++it) {
-      T* stage = smem + (it % STAGES) * STAGE_ELEMS;
+      unsigned char* stage = smem + (it % STAGES) * STAGE_BYTES;
 #if KVATTN_REFILL_FIRST
       // Refill the slot freed by the previous iteration BEFORE waiting for this tile: STAGES tiles are in
       // flight during the wait (two barriers per tile instead of one).
@@ -182,42 +222,124 @@ struct DecodeKernel {
                                [&](int) { return kv_len - 1; });
           __syncthreads();
         }
+        if constexpr (kQToHalf) {
+          q_rows_to_half<D, ROWS, THREADS>(q_slot(cons, smem), row_scales(cons, smem));
+          __syncthreads();
+        }
+        if constexpr (kFp8) {
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+              sc[mt][r] = kQToHalf ? k_factor * row_scales(cons, smem)[mt * 16 + lane / 4 + 8 * r] : k_factor;
+        }
       }
-      compute_tile(stage, q_slot(cons, smem), cons, kv_len, lane, warp, qk_state, o, m, l);
-      if (cons.t0 + TILE >= cons.end) epilogue(stage, cons, lane, warp, o, m, l);
+      compute_tile(stage, q_slot(cons, smem), cons, kv_len, lane, warp, qk_state, sc, o, m, l);
+      if (cons.t0 + TILE >= cons.end) epilogue(smem, stage, cons, lane, warp, o, m, l);
       advance(cons);
     }
     cp_async_wait<0>();
   }
 
-  __device__ __forceinline__ void compute_tile(const T* stage, const T* q_tile, const Cursor& c, int kv_len, int lane, int warp,
-                                               const typename V::QKState& qk_state,
-                                               float (&o)[M_TILES][CHUNKS][4], float (&m)[M_TILES][2],
-                                               float (&l)[M_TILES][2]) const {
-    const T* ks = stage;
-    const T* vs = stage + KV_ELEMS;
-    const int tw = warp * 16;  // this warp's first token in the tile
+  // S = Q K^T of this warp's 16 tokens for m-tile mt (accumulator layout).
+  __device__ __forceinline__ void qk_product(const unsigned char* ks, const T* q_tile, int mt, int tw, int lane,
+                                             float (&s)[NB][4]) const {
+    const int j = lane / 8;
+    if constexpr (!kFp8) {
+      const T* kt = reinterpret_cast<const T*>(ks);
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        unsigned a[4], b[4];
+        ldmatrix_x4(a, q_tile + swz<D>(mt * 16 + (j % 2) * 8 + lane % 8, 2 * kk + j / 2));
+        ldmatrix_x4(b, kt + swz<D>(tw + (j / 2) * 8 + lane % 8, 2 * kk + j % 2));
+        Mma<T>::run(s[0], a, b[0], b[1]);
+        Mma<T>::run(s[1], a, b[2], b[3]);
+      }
+    } else {
+      // A K register from ldmatrix holds dims 4t..4t+3 of token g: the k16 step's logical k (2t, 2t+1) are dims
+      // (4t, 4t+1) and (2t+8, 2t+9) are (4t+2, 4t+3), so the query fragments are read in the same order.
+      const int g = lane / 4, t = lane % 4;
+#pragma unroll
+      for (int k2 = 0; k2 < D / 32; ++k2) {
+        unsigned kr[NB / 2][4];   // per 16 tokens: (0-7, step 2 k2), (8-15, 2 k2), (0-7, 2 k2 + 1), (8-15, 2 k2 + 1)
+#pragma unroll
+        for (int g2 = 0; g2 < NB / 2; ++g2)
+          ldmatrix_x4(kr[g2], ks + kv_at(tw + 16 * g2 + (j % 2) * 8 + lane % 8, 2 * k2 + j / 2));
+#pragma unroll
+        for (int hs = 0; hs < 2; ++hs) {
+          const int kk = 2 * k2 + hs;
+          const uint2 lo = *reinterpret_cast<const uint2*>(q_tile + swz<D>(mt * 16 + g, 2 * kk + t / 2) + (t & 1) * 4);
+          const uint2 hi =
+              *reinterpret_cast<const uint2*>(q_tile + swz<D>(mt * 16 + g + 8, 2 * kk + t / 2) + (t & 1) * 4);
+          const unsigned a[4] = {lo.x, hi.x, lo.y, hi.y};
+#pragma unroll
+          for (int g2 = 0; g2 < NB / 2; ++g2) {
+            unsigned b[4];
+            Fp8<KV>::lo_hi(kr[g2][2 * hs], b[0], b[1]);
+            Fp8<KV>::lo_hi(kr[g2][2 * hs + 1], b[2], b[3]);
+            Mma<half>::run(s[2 * g2], a, b[0], b[1]);
+            Mma<half>::run(s[2 * g2 + 1], a, b[2], b[3]);
+          }
+        }
+      }
+    }
+  }
+
+  // O += P V of this warp's WTOK tokens (pa: P as A fragments, one per 16 tokens).
+  __device__ __forceinline__ void pv_product(const unsigned char* vs, const unsigned (&pa)[NB / 2][4], int tw,
+                                             int lane, float (&o)[CHUNKS][4]) const {
+    const int j = lane / 8;
+    if constexpr (!kFp8) {
+      static_assert(NB == 2, "16-bit caches: 16 tokens per warp");
+      const T* vt = reinterpret_cast<const T*>(vs);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        unsigned b[4];
+        ldmatrix_x4_trans(b, vt + swz<D>(tw + (j % 2) * 8 + lane % 8, 2 * dp + j / 2));
+        Mma<T>::run(o[2 * dp], pa[0], b[0], b[1]);
+        Mma<T>::run(o[2 * dp + 1], pa[0], b[2], b[3]);
+      }
+    } else {
+      // ldmatrix.trans of byte pairs gives tokens (2t, 2t+1) of dims (2g, 2g+1) of a 16-dim chunk: the even dims
+      // feed n-block 2c, the odd ones 2c + 1 (WarpMerge::stash_even_odd reads them back in order).
+#pragma unroll
+      for (int c2 = 0; c2 < D / 32; ++c2) {
+#pragma unroll
+        for (int g2 = 0; g2 < NB / 2; ++g2) {
+          unsigned vr[4];   // (tokens 0-7, chunk 2 c2), (8-15, 2 c2), (0-7, 2 c2 + 1), (8-15, 2 c2 + 1)
+          ldmatrix_x4_trans(vr, vs + kv_at(tw + 16 * g2 + (j % 2) * 8 + lane % 8, 2 * c2 + j / 2));
+#pragma unroll
+          for (int hs = 0; hs < 2; ++hs) {
+            const int c = 2 * c2 + hs;
+            unsigned e0, o0, e1, o1;
+            Fp8<KV>::even_odd(vr[2 * hs], e0, o0);
+            Fp8<KV>::even_odd(vr[2 * hs + 1], e1, o1);
+            Mma<half>::run(o[2 * c], pa[g2], e0, e1);
+            Mma<half>::run(o[2 * c + 1], pa[g2], o0, o1);
+          }
+        }
+      }
+    }
+  }
+
+  __device__ __forceinline__ void compute_tile(unsigned char* stage, const T* q_tile, const Cursor& c, int kv_len,
+                                               int lane, int warp, const typename V::QKState& qk_state,
+                                               const float (&sc)[M_TILES][2], float (&o)[M_TILES][CHUNKS][4],
+                                               float (&m)[M_TILES][2], float (&l)[M_TILES][2]) const {
+    const int tw = warp * WTOK;  // this warp's first token in the tile
     if constexpr (V::kQK) {   // this warp's 16 key rows, at their kv positions (only this warp reads them)
-      transform_rows<V, D>(p, qk_state, const_cast<T*>(stage), tw, 16, lane, 32, c.req, true,
+      transform_rows<V, D>(p, qk_state, reinterpret_cast<T*>(stage), tw, 16, lane, 32, c.req, true,
                            [&](int r) { return c.t0 + r; });
       __syncwarp();
     }
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
-      float s[2][4];
+      float s[NB][4];
 #pragma unroll
-      for (int nb = 0; nb < 2; ++nb)
+      for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[nb][e] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        unsigned a[4], b[4];
-        const int j = lane / 8;
-        ldmatrix_x4(a, q_tile + swz<D>(mt * 16 + (j % 2) * 8 + lane % 8, 2 * kk + j / 2));
-        ldmatrix_x4(b, ks + swz<D>(tw + (j / 2) * 8 + lane % 8, 2 * kk + j % 2));
-        Mma<T>::run(s[0], a, b[0], b[1]);
-        Mma<T>::run(s[1], a, b[2], b[3]);
-      }
+      qk_product(stage, q_tile, mt, tw, lane, s);
       // Scores -> log2 domain, masks, online softmax over the thread's two rows (g, g+8).
       float rc[2] = {0.f, 0.f};   // the variant's per-row constants (rows are query heads head0 + row)
       if constexpr (V::kPositional) {
@@ -227,11 +349,11 @@ struct DecodeKernel {
       }
       float mx[2] = {KVATTN_NEG_INF, KVATTN_NEG_INF};
 #pragma unroll
-      for (int nb = 0; nb < 2; ++nb)
+      for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int tok = c.t0 + tw + nb * 8 + 2 * (lane % 4) + (e & 1);
-          float x = V::logits(p, s[nb][e] * p.score_scale);
+          float x = V::logits(p, s[nb][e] * (kFp8 ? sc[mt][e >> 1] : p.score_scale));
           if constexpr (V::kPositional) x = V::logits_at(p, x, tok, kv_len - 1, rc[e >> 1]);
           bool ok = tok < c.end;
           if (V::kWindow) ok = ok && (p.window_left < 0 || tok >= kv_len - 1 - p.window_left);
@@ -240,7 +362,7 @@ struct DecodeKernel {
           s[nb][e] = x;
           mx[e >> 1] = fmaxf(mx[e >> 1], x);
         }
-      unsigned pa[4];
+      unsigned pa[NB / 2][4];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         if constexpr (V::kSoftmax) {
@@ -248,7 +370,7 @@ struct DecodeKernel {
           const float scale = online_max(m[mt][r], mx[r], base);
           float sum = 0.f;
 #pragma unroll
-          for (int nb = 0; nb < 2; ++nb)
+          for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
             for (int e2 = 0; e2 < 2; ++e2) {
               float& x = s[nb][2 * r + e2];
@@ -261,7 +383,7 @@ struct DecodeKernel {
         } else {   // weights, never rescaled: m is 0 once the warp saw a tile
           float sum = 0.f;
 #pragma unroll
-          for (int nb = 0; nb < 2; ++nb)
+          for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
             for (int e2 = 0; e2 < 2; ++e2) {
               float& x = s[nb][2 * r + e2];
@@ -272,33 +394,40 @@ struct DecodeKernel {
           l[mt][r] += sum;
         }
       }
-      a_from_c<T>(&s[0][0], pa);
 #pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        unsigned b[4];
-        const int j = lane / 8;
-        ldmatrix_x4_trans(b, vs + swz<D>(tw + (j % 2) * 8 + lane % 8, 2 * dp + j / 2));
-        Mma<T>::run(o[mt][2 * dp], pa, b[0], b[1]);
-        Mma<T>::run(o[mt][2 * dp + 1], pa, b[2], b[3]);
-      }
+      for (int g2 = 0; g2 < NB / 2; ++g2) a_from_c<MT>(&s[2 * g2][0], pa[g2]);
+      pv_product(stage + KV_BYTES, pa, tw, lane, o[mt]);
     }
   }
 
   // Merge the 4 warps' states of this item through the stage's shared memory and write o / lse.
-  __device__ void epilogue(T* stage, const Cursor& c, int lane, int warp, float (&o)[M_TILES][CHUNKS][4],
-                           float (&m)[M_TILES][2], float (&l)[M_TILES][2]) const {
-    const WarpMerge<D, WARPS, V::kSoftmax> wm(stage);
+  __device__ void epilogue(unsigned char* smem, unsigned char* stage, const Cursor& c, int lane, int warp,
+                           float (&o)[M_TILES][CHUNKS][4], float (&m)[M_TILES][2], float (&l)[M_TILES][2]) const {
+    const Merge wm = kFp8 ? Merge(stage, reinterpret_cast<float*>(smem + SMEM_BYTES - Merge::ML_BYTES)) : Merge(stage);
     const int partial = p.plan[p.off_work_partial + c.w];
+    constexpr int PCH = CHUNKS / MERGE_PHASES;   // output chunks per merge phase
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
-      __syncthreads();  // every warp is done with the stage's K/V (and the previous m-tile's scratch)
-      wm.stash(warp, lane, o[mt], m[mt], l[mt]);
+#pragma unroll
+      for (int ph = 0; ph < MERGE_PHASES; ++ph) {
+      __syncthreads();  // every warp is done with the stage's K/V (and the previous phase's scratch)
+      if constexpr (kFp8) {
+        if (ph == 0) wm.stash_ml(warp, lane, m[mt], l[mt]);
+        wm.stash_even_odd(warp, lane, o[mt], ph * PCH);
+      } else {
+        wm.stash(warp, lane, o[mt], m[mt], l[mt]);
+      }
       __syncthreads();
       const int rows = min(16, nrows - mt * 16);
-      for (int i = threadIdx.x; i < rows * CHUNKS; i += THREADS) {
-        const int row = i / CHUNKS, ch = i % CHUNKS;
+      for (int i = threadIdx.x; i < rows * PCH; i += THREADS) {
+        const int row = i / PCH, ch = ph * PCH + i % PCH;
         float acc[8];
-        float lse = wm.merge(row, ch, acc);
+        float lse = wm.merge(row, i % PCH, acc);
+        if constexpr (kFp8) {
+          const float vs = cache_scale(p.v_scale_ptr, p.v_scale);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[e] *= vs;
+        }
         const int head = head0 + mt * 16 + row;
         if (partial < 0) {
           if constexpr (V::kOutput) {
@@ -313,16 +442,17 @@ struct DecodeKernel {
           if (ch == 0) p.tmp_lse[(long long)partial * p.num_qo_heads + head] = lse;
         }
       }
+      }
     }
   }
 };
 
-template <int D, int M_TILES, int STAGES, class V, typename T>
+template <int D, int M_TILES, int STAGES, class V, typename T, typename KV = T>
 __global__ void __launch_bounds__(128) decode_kernel(const __grid_constant__ DecodeParams p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const int chunk = blockIdx.x / p.z_split, z = blockIdx.x - chunk * p.z_split;
-  DecodeKernel<D, M_TILES, STAGES, V, T> k(p, blockIdx.y, z);
-  k.run(chunk, reinterpret_cast<T*>(smem_raw));
+  DecodeKernel<D, M_TILES, STAGES, V, T, KV> k(p, blockIdx.y, z);
+  k.run(chunk, smem_raw);
 }
 
 }  // namespace kvattn

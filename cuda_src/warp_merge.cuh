@@ -20,16 +20,49 @@ __device__ __forceinline__ void reset_state(float (&o)[MT][CHUNKS][4], float (&m
 }
 
 // SOFTMAX false (a non-softmax variant's states: m is 0 once a warp saw a tile): a row whose weights sum to 0 is
-// empty.
-template <int D, int WARPS, bool SOFTMAX = true> struct WarpMerge {
-  static constexpr int OSTRIDE = D + 4;
+// empty. D: the columns merged at once (a kernel may merge its head dim in phases of D columns); PAD: floats
+// after each o row (4 keeps stash's float2 stores conflict-free).
+template <int D, int WARPS, bool SOFTMAX = true, int PAD = 4> struct WarpMerge {
+  static constexpr int OSTRIDE = D + PAD;
   static constexpr int CHUNKS = D / 8;
-  static constexpr int BYTES = (WARPS * 16 * OSTRIDE + 2 * WARPS * 16) * 4;
+  static constexpr int O_BYTES = WARPS * 16 * OSTRIDE * 4;
+  static constexpr int ML_BYTES = 2 * WARPS * 16 * 4;
+  static constexpr int BYTES = O_BYTES + ML_BYTES;
   float* so;
   float* sm;
   float* sl;
   __device__ explicit WarpMerge(void* scratch)
       : so(static_cast<float*>(scratch)), sm(so + WARPS * 16 * OSTRIDE), sl(sm + WARPS * 16) {}
+  // o scratch (O_BYTES) and m / l scratch (ML_BYTES) apart
+  __device__ WarpMerge(void* o_scratch, float* ml) : so(static_cast<float*>(o_scratch)), sm(ml), sl(ml + WARPS * 16) {}
+
+  // The row sums (reduced over the quad) and running maxima of a warp's 16 rows.
+  __device__ __forceinline__ void stash_ml(int warp, int lane, const float (&m)[2], const float (&l)[2]) const {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float lr = l[r];
+      lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+      lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+      if (t == 0) { sm[warp * 16 + g + 8 * r] = m[r]; sl[warp * 16 + g + 8 * r] = lr; }
+    }
+  }
+
+  // Columns [8 dn0, 8 dn0 + D) of a warp's o in the even/odd layout of an fp8 V product: accumulator pair
+  // (2c, 2c + 1) holds, for this thread's rows, columns 16c + 4t + {0, 2} and 16c + 4t + {1, 3}.
+  template <int DN>
+  __device__ __forceinline__ void stash_even_odd(int warp, int lane, const float (&o)[DN][4], int dn0) const {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int c = 0; c < CHUNKS / 2; ++c) {
+        const float* ev = o[dn0 + 2 * c];
+        const float* od = o[dn0 + 2 * c + 1];
+        *reinterpret_cast<float4*>(so + (warp * 16 + g + 8 * r) * OSTRIDE + 16 * c + 4 * t) =
+            make_float4(ev[2 * r], od[2 * r], ev[2 * r + 1], od[2 * r + 1]);
+      }
+  }
 
   // Each warp stores its 16-row state: o (mma accumulator layout), running max m (log2 domain), row sums l
   // (per-thread partials, reduced over the quad here). A __syncthreads() must follow before merge().

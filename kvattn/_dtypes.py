@@ -39,6 +39,13 @@ def dtype_name(dtype) -> str:
     raise TypeError(f"dtype: expected one of {', '.join(SUPPORTED)}, got {npd}")
 
 
+FP8 = ("float8_e4m3fn", "float8_e5m2")
+
+
+def is_fp8(dtype) -> bool:
+    return dtype_name(dtype) in FP8
+
+
 def to_numpy(dtype) -> np.dtype:
     return _TABLE[dtype_name(dtype)][0]
 

@@ -21,7 +21,7 @@ from .formats import PageTable
 from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
 from ._binding import import_array
 from .memory import asarray
-from .opcore import AttentionOp, PagedKV, on_device
+from .opcore import AttentionOp, PagedKV, bind_kv_scales, on_device
 from .stream import as_stream
 from .variants import Variant, plan_variant
 
@@ -34,6 +34,7 @@ DECODE_PARAMS = np.dtype([
     ("off_work_partial", "i4"),
     ("num_qo_heads", "i4"), ("group_size", "i4"), ("page_size", "i4"), ("page_shift", "i4"), ("window_left", "i4"),
     ("z_split", "i4"), ("score_scale", "f4"), ("cap_log2", "f4"), ("variant_data", "u8"),
+    ("k_scale_ptr", "u8"), ("v_scale_ptr", "u8"), ("k_scale", "f4"), ("v_scale", "f4"),
 ], align=True)
 
 THREADS = 128
@@ -49,33 +50,45 @@ DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas
                       refill_first=False)
 
 
-def default_stages(head_dim: int) -> int:
+def default_stages(head_dim: int, kv_dtype: str | None = None) -> int:
     """Measured on the H200 (BENCHMARKS.md): head_dim 128 is best with 2 stages and 3 CTAs per SM (+2..4% over
     3 stages and 2 CTAs per SM on 4 of the 5 anchor cases); 64 with 3 stages (3 CTAs per SM); 256 fits one CTA
-    per SM either way, so 3 stages keep more bytes in flight."""
+    per SM either way, so 3 stages keep more bytes in flight. An fp8 cache's stages (128 tokens) have 16-bit's
+    bytes: the same choice, but at 256 (64-token stages) 2 stages fit 2 CTAs per SM (1.5x faster than 3)."""
+    if kv_dtype is not None and _dtypes.is_fp8(kv_dtype) and head_dim == 256:
+        return 2
     return 2 if head_dim == 128 else 3
 
 
 def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: int | None = None,
-                l2_prefetch: bool = False, refill_first: bool = False) -> KernelSpec:
-    stages = stages or default_stages(head_dim)
-    args = f"{head_dim}, {mt}, {stages}, {variant.decode_type()}, {_dtypes.to_ctype(dtype)}"
+                l2_prefetch: bool = False, refill_first: bool = False, kv_dtype: str | None = None) -> KernelSpec:
+    kv_dtype = kv_dtype or dtype
+    stages = stages or default_stages(head_dim, kv_dtype)
+    args = (f"{head_dim}, {mt}, {stages}, {variant.decode_type()}, {_dtypes.to_ctype(dtype)}, "
+            f"{_dtypes.to_ctype(kv_dtype)}")
     traits = f"kvattn::DecodeKernel<{args}>"
     return KernelSpec("decode.cuh", f"kvattn::decode_kernel<{args}>",
                       defines=(("KVATTN_L2_PREFETCH", int(l2_prefetch)), ("KVATTN_REFILL_FIRST", int(refill_first))),
                       prelude=variant.prelude(),
-                      checks=((f"{traits}::SMEM_BYTES", smem_bytes(head_dim, mt, stages)),
+                      checks=((f"{traits}::SMEM_BYTES", smem_bytes(head_dim, mt, stages, kv_dtype)),
                               (f"{traits}::THREADS", THREADS)))
 
 
-def smem_bytes(head_dim: int, mt: int, stages: int | None = None) -> int:
-    """Dynamic shared memory of decode_kernel (mirrors DecodeKernel::SMEM_BYTES)."""
-    stages = stages or default_stages(head_dim)
-    stage = 2 * 64 * head_dim + (4 * 16 * 4 * 4 + 2 * 4 * 16 * 4) // 2
-    return (stages * stage + stages * 16 * mt * head_dim) * 2
+def smem_bytes(head_dim: int, mt: int, stages: int | None = None, kv_dtype: str | None = None) -> int:
+    """Dynamic shared memory of decode_kernel (mirrors DecodeKernel::SMEM_BYTES; a static_assert checks it)."""
+    fp8 = kv_dtype is not None and _dtypes.is_fp8(kv_dtype)
+    stages = stages or default_stages(head_dim, kv_dtype)
+    rows = 16 * mt
+    merge_ml = 2 * 4 * 16 * 4                      # WarpMerge's m and l
+    if fp8:   # K, V fp8 tiles (128 tokens, 64 at head dim 256); Q slots; their row scales; m / l apart
+        tile = 128 if head_dim <= 128 else 64
+        return stages * (2 * tile * head_dim + rows * head_dim * 2) + stages * rows * 4 + merge_ml
+    stage = 4 * 16 * (head_dim + 4) * 4 + merge_ml   # the merge's scratch (larger than K and V)
+    return stages * (stage + rows * head_dim * 2)
 
 
-register("decode", [decode_spec(d, 1, Variant(), t) for d in HEAD_DIMS for t in DTYPES]
+register("decode", [decode_spec(d, 1, Variant(), t, kv_dtype=kv) for d in HEAD_DIMS for t in DTYPES
+                    for kv in (t, *_dtypes.FP8)]
          + [decode_spec(128, 1, Variant(soft_cap=True, window=True), "bfloat16")])
 
 
@@ -125,8 +138,11 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         """
         if not isinstance(page_table, PageTable):
             raise TypeError(f"page_table: expected a kvattn.PageTable, got {type(page_table).__name__}")
-        num_qo_heads, num_kv_heads, head_dim, q_dtype, window_left, logits_soft_cap = check_plan_args(
-            num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, window_left, logits_soft_cap)
+        num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, window_left, logits_soft_cap = check_plan_args(
+            num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, window_left, logits_soft_cap, fp8_kv=True)
+        if rope is not None and _dtypes.is_fp8(kv_dtype):
+            raise ValueError(f"rope: fused RoPE rotates the cache's keys in 16 bits; with kv_dtype {kv_dtype} store "
+                             f"rotated keys (apply RoPE before quantising) and pass rope=None")
         batch = page_table.batch_size
         nnz = int(page_table.indptr[-1])
         if self.use_cuda_graph:
@@ -138,6 +154,7 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
                                       alibi_slopes, sinks, variant_params, rope, rope_offsets,
                                       int(page_table.kv_lens.max(initial=0)))
         self._bake(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, q_dtype=q_dtype,
+                   kv_dtype=kv_dtype,
                    page_size=page_table.page_size, sm_scale=sm_scale, window_left=window_left,
                    logits_soft_cap=logits_soft_cap, variant=variant)
         num_sms = self.num_sms
@@ -145,8 +162,8 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         tn = self.tuning
         mt = tn["m_tiles"]                  # 16-row MMA tiles per CTA; larger groups are sliced over CTAs
         zsplit = -(-group // (16 * mt))
-        stages = tn["stages"] or default_stages(head_dim)
-        smem = smem_bytes(head_dim, mt, stages)
+        stages = tn["stages"] or default_stages(head_dim, kv_dtype)
+        smem = smem_bytes(head_dim, mt, stages, kv_dtype)
         ctas_per_sm = tn["ctas_per_sm"] or max(1, min(3, (228 * 1024) // (smem + 1024)))
 
         # Host buffers: plan region then page table (indptr, indices, last_page_len), one copy.
@@ -205,13 +222,14 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
               page_shift=(page_size.bit_length() - 1) if page_size & (page_size - 1) == 0 else -1,
               window_left=window_left, z_split=zsplit,
               score_scale=(scale / logits_soft_cap) if logits_soft_cap > 0 else scale * LOG2E,
-              cap_log2=logits_soft_cap * LOG2E, variant_data=variant_ptr)
+              cap_log2=logits_soft_cap * LOG2E, variant_data=variant_ptr, k_scale=1.0, v_scale=1.0)
         merge_rows = L.max_merge if self.use_cuda_graph else plan.num_merge
         merge, mp = self._merge_launch(merge_rows, dev["tmp_o"], dev["tmp_lse"], base, L.merge_indptr, L.merge_req,
                                        num_qo_heads, head_dim, plan.num_merge, q_dtype, variant, variant_ptr)
-        kernel = get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"], tn["refill_first"]))
+        kernel = get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"], tn["refill_first"],
+                                        kv_dtype))
         grid = (plan.num_chunks * zsplit, num_kv_heads, 1)
-        kv = PagedKV(self.kv_layout, page_size, num_kv_heads, head_dim, _dtypes.to_numpy(q_dtype),
+        kv = PagedKV(self.kv_layout, page_size, num_kv_heads, head_dim, _dtypes.to_numpy(kv_dtype),
                      int(page_table.indices.max(initial=-1)) + 1)
         return self._finish_plan(
             rows=batch, max_rows=self.max_batch_size if self.use_cuda_graph else batch, hq=num_qo_heads,
@@ -221,11 +239,16 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
 
     # -- run -------------------------------------------------------------------------------------
     @on_device
-    def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None):
+    def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None, k_scale=None,
+            v_scale=None):
         """Attention of each request's query against its pages.
 
         q: [batch, num_qo_heads, head_dim]; k_cache / v_cache: [pages, page_size, Hkv, D] ("NHD") or
-        [pages, Hkv, page_size, D] ("HND"), or k_cache [pages, 2, ...] with v_cache None.
+        [pages, Hkv, page_size, D] ("HND"), or k_cache [pages, 2, ...] with v_cache None; of the plan's kv_dtype
+        (an fp8 cache may also be given as uint8 bytes).
+        k_scale / v_scale (fp8 cache): the cache holds k / k_scale and v / v_scale: None (1), a positive float
+        (per tensor) or an array [num_kv_heads] float32 (per KV head). In graph mode a float is captured with the
+        graph; a device array's values may change between replays.
         out: [batch, num_qo_heads, head_dim] (q's dtype); lse: [batch, num_qo_heads] float32 natural log.
         Graph mode: q / out / lse may keep max_batch_size rows (rows past the batch are not touched).
         stream: None (the legacy default stream, as in PyTorch and CuPy) or any stream kvattn.stream accepts.
@@ -236,7 +259,11 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         p, s, capturing = self._begin_run(stream)
         q = import_array(q, s, capturing)
         k, v, kv_strides = p.kv.bind(k_cache, v_cache, s, capturing)
-        return self._execute(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse)
+        keep = (bind_kv_scales(p, k_scale, v_scale, s, capturing)
+                if p.set_scales is not None or k_scale is not None or v_scale is not None else None)
+        r = self._execute(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse)
+        del keep   # scale arrays copied from the host return to the stream-ordered pool after the launch
+        return r
 
 
 

@@ -64,7 +64,7 @@ class PagedKV:
             raise ValueError("v_cache: rows must be 16-byte aligned (pointer and strides)")
         if v.dtype is not k.dtype:
             self._check("v_cache", v)
-        ks, it = k.strides, k.dtype.itemsize
+        ks, it = k.strides, self.dtype.itemsize
         if self.layout == "NHD":
             return k, v, (ks[0] // it, ks[1] // it, ks[2] // it)
         return k, v, (ks[0] // it, ks[2] // it, ks[1] // it)
@@ -76,7 +76,8 @@ class PagedKV:
         if len(shape) != 4 or shape[1:] != want:
             raise ValueError(f"{name}: expected shape [num_pages, {', '.join(map(str, want))}] ({self.layout}), "
                              f"got {shape}")
-        check_array(a, name, shape, self.dtype)
+        raw = self.dtype.itemsize == 1 and a.dtype == np.uint8   # an fp8 cache held as bytes (e.g. torch uint8)
+        check_array(a, name, shape, a.dtype if raw else self.dtype)
         if shape[0] < self.pages_needed:
             raise ValueError(f"{name}: the page table uses page id {self.pages_needed - 1} but the cache holds "
                              f"{shape[0]} pages")
@@ -105,6 +106,41 @@ class RaggedKV:
         ks, it = k.strides, k.dtype.itemsize
         tok, head = (ks[0] // it, ks[1] // it) if self.layout == "NHD" else (ks[1] // it, ks[0] // it)
         return k, v, (tok, tok, head)
+
+
+def _kv_scale(x, name: str, num_kv_heads: int, s, capturing):
+    """(device pointer or 0, factor, the array to keep alive) of one cache scale: None, a float or [Hkv] float32."""
+    if x is None:
+        return 0, 1.0, None
+    if isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, bool):
+        f = float(x)
+        if not (np.isfinite(f) and f > 0):
+            raise ValueError(f"{name}: expected a positive finite scale, got {f}")
+        return 0, f, None
+    if isinstance(x, np.ndarray):   # host values are checked (a device array's are the caller's)
+        if x.dtype != F32:
+            raise TypeError(f"{name}: expected a float32 array [{num_kv_heads}], got dtype {x.dtype}")
+        if x.shape == (num_kv_heads,) and not (np.isfinite(x).all() and (x > 0).all()):
+            raise ValueError(f"{name}: every per-head scale must be positive and finite, got {x}")
+    a = import_array(x, s, capturing)
+    check_array(a, name, (num_kv_heads,), F32, rows16=False)
+    return a.ptr, 1.0, a
+
+
+def bind_kv_scales(p: "AttentionPlan", k_scale, v_scale, s, capturing):
+    """Pack run()'s k_scale / v_scale into the plan's parameters (fp8 cache), or check they are absent / 1 (a
+    16-bit cache takes no scales). Returns the arrays the launch reads (kept alive until it is issued)."""
+    if p.set_scales is None:
+        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if x is not None and not (isinstance(x, (int, float)) and float(x) == 1.0):
+                raise TypeError(f"{name}: scales apply to an fp8 cache; this plan's cache is "
+                                f"{_dtypes.dtype_name(p.kv.dtype)}")
+        return None
+    hkv = p.kv.num_kv_heads
+    kp, kf, ka = _kv_scale(k_scale, "k_scale", hkv, s, capturing)
+    vp, vf, va = _kv_scale(v_scale, "v_scale", hkv, s, capturing)
+    p.set_scales(kp, vp, kf, vf)
+    return ka, va
 
 
 def check_array(a: DeviceArray, name: str, shape: tuple, dtype: np.dtype, rows16: bool = True):
@@ -136,6 +172,7 @@ class AttentionPlan:
     merge: Launch | None         # the merge of partial states
     set_ptrs: object             # (q, k, v, o, lse) -> packs the kernel's pointer fields
     set_strides: object          # (q_n, q_h, o_n, o_h, lse_n, kv_page, kv_token, kv_head) -> packs its strides
+    set_scales: object           # fp8 cache: (k_scale_ptr, v_scale_ptr, k_scale, v_scale); None for a 16-bit cache
     merge_set_ptrs: object       # (o, lse)
     merge_set_strides: object    # (o_n, o_h, lse_n, lse_h)
     plan_stream: int             # the stream of the plan's copy
@@ -258,6 +295,8 @@ class AttentionOp:
             set_ptrs=params.setter("q", "k", "v", "o", "lse"),
             set_strides=params.setter("q_stride_n", "q_stride_h", "o_stride_n", "o_stride_h", "lse_stride_n",
                                       "kv_stride_page", "kv_stride_token", "kv_stride_head"),
+            set_scales=(params.setter("k_scale_ptr", "v_scale_ptr", "k_scale", "v_scale")
+                        if kv.dtype.itemsize == 1 else None),
             merge_set_ptrs=merge_params.setter("o_out", "lse_out"),
             merge_set_strides=merge_params.setter("so_row", "so_h", "lo_row", "lo_h"),
             plan_stream=s.ptr, copy_done=copy_done, wait_copy=not self.use_cuda_graph,

@@ -186,7 +186,7 @@ class _BatchPrefill(AttentionOp):
                      num_kv_heads, head_dim, causal, custom_mask, mask_indptr, sm_scale, window_left,
                      logits_soft_cap, q_dtype, kv_dtype, cta_rows, stream, variant=None, alibi_slopes=None,
                      sinks=None, variant_params=None, rope=None, rope_offsets=None):
-        hq, hkv, head_dim, q_dtype, window_left, cap = check_plan_args(
+        hq, hkv, head_dim, q_dtype, _, window_left, cap = check_plan_args(
             num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, window_left, logits_soft_cap)
         scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else _v.as_float(sm_scale, "sm_scale")
         causal = bool(causal)

@@ -279,22 +279,38 @@ def _paged_kv(k_cache, v_cache, page_table, kv_layout):
     return k4, v4
 
 
-def _fetch_paged(k4, v4, page_table):
+def _cache_scale(x, name, hkv):
+    """A cache scale (None, a positive float or [Hkv] positive floats) as float64 [Hkv, 1] (broadcasts over a
+    [kv, Hkv, D] request)."""
+    if x is None:
+        return np.ones((hkv, 1))
+    a = np.asarray(x, dtype=np.float64)
+    if a.ndim == 0:
+        a = np.full(hkv, float(a))
+    if a.shape != (hkv,):
+        raise ValueError(f"{name}: expected a float or [{hkv}] (one per KV head), got shape {a.shape}")
+    if not (np.isfinite(a).all() and (a > 0).all()):
+        raise ValueError(f"{name}: scales must be positive and finite")
+    return a[:, None]
+
+
+def _fetch_paged(k4, v4, page_table, k_scale=None, v_scale=None):
     kv_lens = page_table.kv_lens
+    ks, vs = _cache_scale(k_scale, "k_scale", k4.shape[2]), _cache_scale(v_scale, "v_scale", v4.shape[2])
 
     def fetch(i):
         pages = page_table.pages(i)
         n = int(kv_lens[i])
         kk = k4[pages].reshape((-1,) + k4.shape[2:])[:n]
         vv = v4[pages].reshape((-1,) + v4.shape[2:])[:n]
-        return kk.astype(np.float64), vv.astype(np.float64)
+        return kk.astype(np.float64) * ks, vv.astype(np.float64) * vs
 
     return fetch
 
 
 def batch_attention_paged(q, k_cache, v_cache, qo_indptr, page_table, *, kv_layout="NHD", causal=False,
                           sm_scale=None, window_left=-1, logits_soft_cap=0.0, alibi_slopes=None, sinks=None,
-                          custom_mask=None, return_lse=False):
+                          custom_mask=None, return_lse=False, k_scale=None, v_scale=None):
     """Batched attention with a paged KV cache (decode: every qo_len is 1).
 
     q: [qo_indptr[-1], Hq, D]; k_cache / v_cache: [num_pages, page_size, Hkv, D]
@@ -303,6 +319,8 @@ def batch_attention_paged(q, k_cache, v_cache, qo_indptr, page_table, *, kv_layo
     page_table: PageTable with B requests (page ids < num_pages);
     kv_layout: "NHD" / "HND" / PagedKVLayout.  custom_mask: flat bool
     [sum(qo_i * kv_i)] or a list of B bool [qo_i, kv_i].  Options as :func:`attention`.
+    k_scale / v_scale: a quantised (e.g. fp8) cache holds k / k_scale and v / v_scale: None (1), a float or
+    [Hkv] floats; the attention runs on the dequantised k_cache * k_scale, v_cache * v_scale.
     Returns o float64 [total_qo, Hq, Dv] (, lse float64 [total_qo, Hq]).
     """
     q = _v.as_float64(q, "q", ndim=3)
@@ -310,7 +328,8 @@ def batch_attention_paged(q, k_cache, v_cache, qo_indptr, page_table, *, kv_layo
     _check_heads(q.shape, k4.shape, v4.shape, "q", "k_cache", "v_cache")
     qo_indptr = _v.as_indptr(qo_indptr, "qo_indptr", length=page_table.indptr.size, total=q.shape[0])
     opt = _opts(q.shape[1], q.shape[2], sm_scale, window_left, logits_soft_cap, alibi_slopes, sinks)
-    return _batch(q, qo_indptr, page_table.kv_lens, _fetch_paged(k4, v4, page_table), v4.shape[3], opt, bool(causal),
+    return _batch(q, qo_indptr, page_table.kv_lens, _fetch_paged(k4, v4, page_table, k_scale, v_scale), v4.shape[3],
+                  opt, bool(causal),
                   custom_mask, return_lse)
 
 

@@ -67,6 +67,13 @@ def specs():
         out += [decode.decode_spec(d, 1, v, "bfloat16") for d in (64, 128)]
         out += [pf.prefill_spec(128, rows, v, "bfloat16") for rows in pf.CONFIGS] + [pf.sm90_spec(128, v, "bfloat16")]
         out.append(merge_spec("float32", "bfloat16", v))
+    for kv in ("float8_e4m3fn", "float8_e5m2"):   # fp8 caches (tests, scripts/bench_fp8.py and its stage sweep)
+        for d in decode.HEAD_DIMS:
+            for t in decode.DTYPES:
+                for v in (Variant(), Variant(True, False), Variant(False, True), Variant(True, True)):
+                    out.append(decode.decode_spec(d, 1, v, t, kv_dtype=kv))
+        for stages in (2, 3):
+            out += [decode.decode_spec(d, 1, Variant(), "bfloat16", stages, kv_dtype=kv) for d in decode.HEAD_DIMS]
     return list(dict.fromkeys(out))
 
 

@@ -1,0 +1,76 @@
+"""CPU tests of the fp8 KV cache: dtype and scale validation, every fp8 decode instance compiles without spills,
+the reference's dequantisation."""
+import numpy as np
+import pytest
+
+import kvattn
+from kvattn import _dtypes, decode, reference
+from kvattn._attn_args import check_plan_args
+from kvattn.opcore import _kv_scale
+from kvattn.variants import Variant
+
+ARCH = "sm_90a"
+
+
+@pytest.mark.parametrize("kv", ["float8_e4m3fn", "float8_e5m2", "e4m3", "e5m2"])
+def test_decode_accepts_fp8_caches(kv):
+    r = check_plan_args(32, 8, 128, "bfloat16", kv, -1, 0.0, fp8_kv=True)
+    assert r[4] == _dtypes.dtype_name(kv) and _dtypes.is_fp8(r[4])
+
+
+def test_fp8_refused_where_not_built():
+    with pytest.raises(TypeError, match="kv_dtype: expected q_dtype"):
+        check_plan_args(32, 8, 128, "bfloat16", "float8_e4m3fn", -1, 0.0)
+    with pytest.raises(TypeError, match="kv_dtype"):
+        check_plan_args(32, 8, 128, "bfloat16", "float16", -1, 0.0, fp8_kv=True)
+
+
+def test_fp8_with_rope_refused_before_any_gpu_call():
+    w = kvattn.BatchDecodeWithPagedKVCache()
+    pt = kvattn.PageTable.from_kv_lens(np.array([5]), 16)
+    with pytest.raises(ValueError, match="rope: fused RoPE"):
+        w.plan(pt, 8, 2, 128, kv_dtype="float8_e4m3fn", rope=kvattn.RoPE())
+
+
+@pytest.mark.parametrize("bad, exc, msg", [
+    (-1.0, ValueError, "k_scale: expected a positive finite"), (0.0, ValueError, "positive"),
+    (float("nan"), ValueError, "positive finite"), (float("inf"), ValueError, "positive finite"),
+    (np.array([1, 2], np.float64), TypeError, "k_scale: expected a float32 array"),
+    (np.array([1, -2, 1, 1], np.float32), ValueError, "k_scale: every per-head scale"),
+    (np.array([1, np.nan, 1, 1], np.float32), ValueError, "positive and finite"),
+])
+def test_scale_validation(bad, exc, msg):
+    with pytest.raises(exc, match=msg):
+        _kv_scale(bad, "k_scale", 4, None, False)
+
+
+def test_float_scales_pack_without_a_device():
+    assert _kv_scale(None, "k_scale", 4, None, False) == (0, 1.0, None)
+    assert _kv_scale(0.25, "v_scale", 4, None, False) == (0, 0.25, None)
+
+
+def test_reference_dequantises_the_cache():
+    rng = np.random.default_rng(1)
+    pt = kvattn.PageTable.from_kv_lens(np.array([40, 7]), 16, rng=rng)
+    shape = (pt.num_pages_used, 16, 2, 64)
+    k8 = rng.standard_normal(shape).astype(_dtypes.to_numpy("e4m3"))
+    v8 = rng.standard_normal(shape).astype(_dtypes.to_numpy("e5m2"))
+    q = rng.standard_normal((2, 4, 64))
+    ks, vs = np.array([0.5, 2.0]), 0.125
+    got = reference.batch_attention_paged(q, k8, v8, np.arange(3), pt, k_scale=ks, v_scale=vs)
+    kd = k8.astype(np.float64) * ks[None, None, :, None]
+    vd = v8.astype(np.float64) * vs
+    assert np.array_equal(got, reference.batch_attention_paged(q, kd, vd, np.arange(3), pt))
+    with pytest.raises(ValueError, match="k_scale: expected a float or \\[2\\]"):
+        reference.batch_attention_paged(q, k8, v8, np.arange(3), pt, k_scale=np.ones(3))
+
+
+@pytest.mark.parametrize("kv", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("q", ["bfloat16", "float16"])
+def test_fp8_decode_instances_compile_without_spills(kv, q):
+    for d in decode.HEAD_DIMS:
+        for v in (Variant(), Variant(soft_cap=True, window=True)):
+            spec = decode.decode_spec(d, 1, v, q, kv_dtype=kv)
+            compiled, _ = spec.compile(ARCH)
+            (res,) = compiled.resources.values()
+            assert res.spill_stores == 0 and res.spill_loads == 0, (d, v, res)
