@@ -3,7 +3,8 @@
     PYTHONPATH=. python scripts/bench_fp8.py [--no-peers] [--only NAME] [--json out.jsonl]
 
 The bf16 cache is random (+-[0.5, 4)); the fp8 cache holds it / 0.5 (k_scale = v_scale = 0.5), converted by torch.
-Bandwidth counts the fp8 bytes of the real lengths. err: relative L2 against the float64 reference on the dequantised
+Bandwidth counts the fp8 bytes of the real lengths. Every column is timed the same way (kvattn.timing.time_us:
+back-to-back calls, each between its own pair of events, median of 30), torch's and FlashInfer's calls included. err: relative L2 against the float64 reference on the dequantised
 cache (the bound); err_bf16: against the unquantised bf16 cache (what quantisation costs).
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import argparse
 import ml_dtypes
 import numpy as np
 
-from _bench import kvattn, record, table, torch_time_us, try_flashinfer
+from _bench import kvattn, record, table, try_flashinfer
 from bench_decode import MAIN, build, time_kvattn
 from kvattn import reference
 from kvattn.timing import copy_bandwidth_tbs, time_us
@@ -57,7 +58,7 @@ def run_case(name, lens, cfg, rng, ceiling, torch, fi, jsonl, kv_dtype):
             row.update(us=round(us, 1), TBps=round(nbytes / us / 1e6, 2), frac=round(nbytes / us / 1e6 / ceiling, 3),
                        vs_bf16=round(bf16_us / us, 2))
             tq = torch.from_dlpack(q)
-            tus = torch_time_us(lambda: w.run(tq, k8, v8, k_scale=SCALE, v_scale=SCALE))   # torch in, out=None
+            tus = time_us(lambda: w.run(tq, k8, v8, k_scale=SCALE, v_scale=SCALE))   # torch in, out=None
             row["torch_us"] = round(tus, 1)
             o = torch.from_dlpack(w.run(tq, k8, v8, k_scale=SCALE, v_scale=SCALE))
             e8, e16 = errors(rng, lens, pt, q, k, v, k8, v8, o, cfg, FP8[kv_dtype][1])
@@ -72,13 +73,13 @@ def run_case(name, lens, cfg, rng, ceiling, torch, fi, jsonl, kv_dtype):
             try:
                 fw = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
                 fw.plan(ind, idx, last, hq, hkv, d, page, q_data_type=torch.bfloat16, kv_data_type=t8)
-                row[col] = round(torch_time_us(lambda: fw.run(tq, (k8, v8), k_scale=SCALE, v_scale=SCALE)), 1)
+                row[col] = round(time_us(lambda: fw.run(tq, (k8, v8), k_scale=SCALE, v_scale=SCALE)), 1)
             except Exception as exc:
                 row[col] = f"error {exc.__class__.__name__}"
         try:
             fw = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
             fw.plan(ind, idx, last, hq, hkv, d, page, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-            row["fi16_tc"] = round(torch_time_us(lambda: fw.run(tq, (tk, tv))), 1)
+            row["fi16_tc"] = round(time_us(lambda: fw.run(tq, (tk, tv))), 1)
         except Exception as exc:
             row["fi16_tc"] = f"error {exc.__class__.__name__}"
         torch.cuda.synchronize()
