@@ -49,6 +49,29 @@ template <> struct Fp8<__nv_fp8_e5m2> {   // e5m2 is the high byte of an f16: a 
   }
 };
 
+// 16 fp8 values (one 16-byte chunk) -> 16 values of T (two 16-byte chunks, in order), each times `scale`: the
+// product of an fp8 value and a float, rounded once to T.
+template <typename KV, typename T>
+__device__ __forceinline__ void dequant16(const uint4& w, float scale, uint4& lo, uint4& hi) {
+  const unsigned src[4] = {w.x, w.y, w.z, w.w};
+  unsigned out[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    unsigned a, b;
+    Fp8<KV>::lo_hi(src[i], a, b);
+    const float2 fa = __half22float2(*reinterpret_cast<const half2*>(&a));
+    const float2 fb = __half22float2(*reinterpret_cast<const half2*>(&b));
+    out[2 * i] = Mma<T>::pack(fa.x * scale, fa.y * scale);
+    out[2 * i + 1] = Mma<T>::pack(fb.x * scale, fb.y * scale);
+  }
+  lo = make_uint4(out[0], out[1], out[2], out[3]);
+  hi = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
+__device__ __forceinline__ float kv_cache_scale(const float* per_head, float f, int kv_head) {
+  return per_head ? __ldg(per_head + kv_head) * f : f;
+}
+
 // Byte offset of 16-byte chunk c of row r in a [rows][ROW_BYTES] tile, XOR-swizzled so that 8 consecutive rows at
 // one chunk column hit 8 different bank groups (64-byte rows: two rows share a 128-byte line).
 template <int ROW_BYTES> __device__ __forceinline__ int swz_bytes(int r, int c) {

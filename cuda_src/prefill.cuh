@@ -16,8 +16,10 @@
 // The mainloop (load_q / issue_kv / compute) is the part the Hopper kernel (prefill_sm90.cuh: wgmma,
 // warp-specialised) replaces; it shares the plan, the item decoding (load_item), the variants (score,
 // needs_mask), the Q copy (copy_q) and the epilogue (store_rows) defined here.
+// An fp8 cache (KV = __nv_fp8_e4m3 / e5m2) streams through the ring as fp8; each tile is expanded (times
+// k_scale / v_scale, rounded once to T) into one 16-bit K/V tile that the unchanged mainloop reads.
 #pragma once
-#include "mma.cuh"
+#include "fp8.cuh"
 #include "variant.cuh"
 #include "warp_merge.cuh"
 
@@ -42,10 +44,14 @@ struct PrefillParams {
   float score_scale;           // log2(e) * sm_scale, or sm_scale / cap with a soft cap
   float cap_log2;              // log2(e) * cap (soft cap only)
   const float* variant_data;   // the variant's parameters (ALiBi: slopes [Hq]), may be null
+  const float* k_scale_ptr;    // fp8 cache: per-KV-head scales [Hkv] (may be null), times k_scale / v_scale
+  const float* v_scale_ptr;
+  float k_scale, v_scale;
 };
 
-template <int D, int WARPS_M, int MT, class V, typename T>
+template <int D, int WARPS_M, int MT, class V, typename T, typename KV = T>
 struct PrefillKernel {
+  static constexpr bool kFp8 = IsFp8<KV>::value;
   static constexpr int WARPS = 4;
   static constexpr int THREADS = WARPS * 32;
   static constexpr int WARPS_N = WARPS / WARPS_M;
@@ -91,12 +97,15 @@ struct PrefillKernel {
   static constexpr int Q_ELEMS = ROWS * D;
   static constexpr int RSTEP = THREADS / CHUNKS;     // rows per copy pass
   static constexpr int RPT = TILE / RSTEP;           // rows each thread copies per tile (of K and of V)
-  static constexpr int SMEM_BYTES = (Q_ELEMS + STAGES * 2 * KV_ELEMS) * (int)sizeof(T) + 2 * TILE * 8;
+  // K/V region: STAGES 16-bit stages, or (fp8) one 16-bit K/V tile then STAGES fp8 stages
+  static constexpr int FP8_STAGE = 2 * TILE * D;     // bytes of an fp8 stage (K then V, rows of D bytes)
+  static constexpr int KV_REGION = kFp8 ? 2 * KV_ELEMS * (int)sizeof(T) + STAGES * FP8_STAGE
+                                        : STAGES * 2 * KV_ELEMS * (int)sizeof(T);
+  static constexpr int SMEM_BYTES = Q_ELEMS * (int)sizeof(T) + KV_REGION + 2 * TILE * 8;
   static_assert(D % 64 == 0, "head_dim must be 64, 128 or 256");
   static_assert(WARPS_N == 1 || MT == 1, "warps split the KV tile only with one m-tile per warp");
   static_assert(SUBN % 16 == 0, "softmax step is a multiple of the MMA k");
-  static_assert(WARPS_N == 1 || WarpMerge<D, WARPS>::BYTES <= STAGES * 2 * KV_ELEMS * (int)sizeof(T),
-                "warp-merge scratch fits the K/V stages");
+  static_assert(WARPS_N == 1 || WarpMerge<D, WARPS>::BYTES <= KV_REGION, "warp-merge scratch fits the K/V stages");
 
   // Per-item state of this thread.
   struct Item {
@@ -111,6 +120,38 @@ struct PrefillKernel {
     if (p.page_shift >= 0) { pg = tok >> p.page_shift; in = tok & ((1 << p.page_shift) - 1); }
     else { pg = tok / p.page_size; in = tok - pg * p.page_size; }
     return (long long)__ldg(pages + pg) * p.kv_stride_page + (long long)in * p.kv_stride_token;
+  }
+
+  // fp8: the tile's rows as fp8 (row r of K at stage + r * D bytes, V after TILE rows), zero past ke.
+  __device__ __forceinline__ static void issue_kv8(const PrefillParams& p, unsigned char* stage, const long long* off,
+                                                   int t0, int ke, int kvh) {
+    constexpr int C8 = D / 16, RS8 = THREADS / C8;   // 16-byte chunks per row, rows per pass
+    const int chunk = threadIdx.x % C8;
+    const KV* kg = static_cast<const KV*>(p.k) + kvh * p.kv_stride_head + chunk * 16;
+    const KV* vg = static_cast<const KV*>(p.v) + kvh * p.kv_stride_head + chunk * 16;
+#pragma unroll
+    for (int j = 0; j < TILE / RS8; ++j) {
+      const int row = threadIdx.x / C8 + j * RS8;
+      const long long o = off[row];
+      const int bytes = t0 + row < ke ? 16 : 0;
+      cp_async16(stage + row * D + chunk * 16, kg + o, bytes);
+      cp_async16(stage + TILE * D + row * D + chunk * 16, vg + o, bytes);
+    }
+  }
+
+  // fp8: expand a landed fp8 stage into the 16-bit K/V tile (swizzled as the mainloop reads it).
+  __device__ __forceinline__ static void expand_kv8(const unsigned char* stage, T* tile, float ks, float vs) {
+    constexpr int C8 = D / 16;
+    for (int i = threadIdx.x; i < TILE * C8; i += THREADS) {
+      const int row = i / C8, c = i % C8;
+      uint4 lo, hi;
+      dequant16<KV, T>(*reinterpret_cast<const uint4*>(stage + row * D + c * 16), ks, lo, hi);
+      *reinterpret_cast<uint4*>(tile + swz<D>(row, 2 * c)) = lo;
+      *reinterpret_cast<uint4*>(tile + swz<D>(row, 2 * c + 1)) = hi;
+      dequant16<KV, T>(*reinterpret_cast<const uint4*>(stage + TILE * D + row * D + c * 16), vs, lo, hi);
+      *reinterpret_cast<uint4*>(tile + KV_ELEMS + swz<D>(row, 2 * c)) = lo;
+      *reinterpret_cast<uint4*>(tile + KV_ELEMS + swz<D>(row, 2 * c + 1)) = hi;
+    }
   }
 
   __device__ __forceinline__ static void issue_kv(const PrefillParams& p, T* stage, const long long* off, int t0,
@@ -391,7 +432,13 @@ struct PrefillKernel {
     Item it = load_item(p, p.plan, w);
     T* qs = smem;
     T* kvs = smem + Q_ELEMS;
-    long long* offs = reinterpret_cast<long long*>(kvs + STAGES * 2 * KV_ELEMS);   // [2][TILE]
+    long long* offs = reinterpret_cast<long long*>(reinterpret_cast<unsigned char*>(kvs) + KV_REGION);   // [2][TILE]
+    unsigned char* ring8 = reinterpret_cast<unsigned char*>(kvs + 2 * KV_ELEMS);   // fp8: the stages after the tile
+    // the ring slot of tile t, and the 16-bit K/V tile the mainloop reads at tile t
+    auto issue = [&](int t, int slot) {
+      if constexpr (kFp8) issue_kv8(p, ring8 + slot * FP8_STAGE, offs + (t & 1) * TILE, it.kb + t * TILE, it.ke, kvh);
+      else issue_kv(p, kvs + slot * 2 * KV_ELEMS, offs + (t & 1) * TILE, it.kb + t * TILE, it.ke, kvh);
+    };
 
     load_q(p, it, qs, kvh);
     const int ntiles = (it.ke - it.kb + TILE - 1) / TILE;
@@ -400,7 +447,7 @@ struct PrefillKernel {
       if (s < ntiles) {
         if (tid < TILE) offs[(s & 1) * TILE + tid] = tok_offset(p, it.pages, min(it.kb + s * TILE + tid, it.ke - 1));
         __syncthreads();
-        issue_kv(p, kvs + s * 2 * KV_ELEMS, offs + (s & 1) * TILE, it.kb + s * TILE, it.ke, kvh);
+        issue(s, s);
       }
       cp_async_commit();
     }
@@ -432,19 +479,24 @@ struct PrefillKernel {
       cp_async_wait<STAGES - 2>();
       __syncthreads();
       const int nt = ti + STAGES - 1;
-      if (nt < ntiles)
-        issue_kv(p, kvs + (nt % STAGES) * 2 * KV_ELEMS, offs + (nt & 1) * TILE, it.kb + nt * TILE, it.ke, kvh);
+      if (nt < ntiles) issue(nt, nt % STAGES);
       cp_async_commit();
       const bool pf_on = tid < TILE && nt + 1 < ntiles;
       long long pf = 0;
       if (pf_on) pf = tok_offset(p, it.pages, min(it.kb + (nt + 1) * TILE + tid, it.ke - 1));
 
+      T* const tile = kFp8 ? kvs : kvs + (ti % STAGES) * 2 * KV_ELEMS;   // this tile's 16-bit K and V
+      if constexpr (kFp8) {
+        expand_kv8(ring8 + (ti % STAGES) * FP8_STAGE, tile, kv_cache_scale(p.k_scale_ptr, p.k_scale, kvh),
+                   kv_cache_scale(p.v_scale_ptr, p.v_scale, kvh));
+        __syncthreads();
+      }
       if constexpr (V::kQK) {   // rotate Q (with tile 0) and this tile's keys in place; every warp reads them
         if (ti == 0)
           transform_rows<V, D>(p, qk_state, qs, 0, it.nrows, tid, THREADS, it.req, false,
                                [&](int r) { return it.delta + (it.row0 + r) / p.group_size; });
         const int t0 = it.kb + ti * TILE;
-        transform_rows<V, D>(p, qk_state, kvs + (ti % STAGES) * 2 * KV_ELEMS, 0, min(TILE, it.ke - t0), tid, THREADS,
+        transform_rows<V, D>(p, qk_state, tile, 0, min(TILE, it.ke - t0), tid, THREADS,
                              it.req, true, [&](int r) { return t0 + r; });
         __syncthreads();
       }
@@ -455,7 +507,7 @@ struct PrefillKernel {
             ldmatrix_x4(qf[kk], qs + swz<D>(warp_m * 16 + ((lane / 8) % 2) * 8 + lane % 8, 2 * kk + lane / 16));
         }
       }
-      const T* ks = kvs + (ti % STAGES) * 2 * KV_ELEMS;
+      const T* ks = tile;
       const int t0 = it.kb + ti * TILE;
       bool need = needs_mask(p, it, t0, TILE);
       if (KVATTN_PF_FOLD && !V::kLogits) need = need || !(p.score_scale > 0.f);
@@ -518,11 +570,11 @@ struct PrefillKernel {
   }
 };
 
-template <int D, int WARPS_M, int MT, class V, typename T>
+template <int D, int WARPS_M, int MT, class V, typename T, typename KV = T>
 __global__ void __launch_bounds__(128, 1) prefill_kernel(const __grid_constant__ PrefillParams p) {
   if ((int)blockIdx.x >= plan_header(p.plan).num_items) return;   // padded grid (graph mode) or fewer items than launched
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  PrefillKernel<D, WARPS_M, MT, V, T>::run(p, blockIdx.x, reinterpret_cast<T*>(smem_raw));
+  PrefillKernel<D, WARPS_M, MT, V, T, KV>::run(p, blockIdx.x, reinterpret_cast<T*>(smem_raw));
 }
 
 }  // namespace kvattn

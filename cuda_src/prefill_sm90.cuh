@@ -14,6 +14,9 @@
 //     runs while P(i) V(i) is on the tensor cores. The two consumers are not tied to each other by CTA
 //     barriers; they take turns issuing their products (ping-pong on two named barriers), so one's softmax
 //     overlaps the other's matrix products.
+// An fp8 cache (KV = __nv_fp8_e4m3 / e5m2): the producers load its rows into registers, expand them (times
+// k_scale / v_scale, rounded once to T) into the same 16-bit tiles, and arrive on `full` once their stores are
+// made visible to the tensor cores; the consumers are unchanged.
 // TMA copies (the plan's contiguous ragged K/V) and larger KV tiles are the next steps (BENCHMARKS.md).
 // Shared memory layout of every tile: 128-byte swizzle, i.e. per 64-column block of the head dim, 128-byte rows
 // whose 16-byte chunk c sits at chunk c ^ (row % 8).
@@ -24,14 +27,16 @@
 
 namespace kvattn {
 
-template <int D, class V, typename T>
+template <int D, class V, typename T, typename KV = T>
 struct PrefillSm90 {
+  static constexpr bool kFp8 = IsFp8<KV>::value;
   using Base = PrefillKernel<D, 4, 2, V, T>;   // helpers only (items, masks, epilogue)
   using Item = typename Base::Item;
   static constexpr int THREADS = 384;                 // producer warpgroup + two consumer warpgroups
   static constexpr int PRODUCERS = 128;
-  // A query / key transform (fused RoPE) runs in the producers: they get the registers for it.
-  static constexpr int PRODUCER_REGS = V::kQK ? 56 : 24, CONSUMER_REGS = V::kQK ? 224 : 240;
+  // A query / key transform (fused RoPE) or the fp8 expansion runs in the producers: they get the registers for it.
+  static constexpr int PRODUCER_REGS = V::kQK || kFp8 ? 56 : 24, CONSUMER_REGS = V::kQK || kFp8 ? 224 : 240;
+  static_assert(!(kFp8 && V::kQK), "fused RoPE needs a 16-bit cache");
   // setmaxnreg.inc waits for registers the CTA's other warps released: the two must balance exactly.
   static_assert(PRODUCERS * (168 - PRODUCER_REGS) == 2 * 128 * (CONSUMER_REGS - 168), "register budget");
   static constexpr int ROWS = 128;                    // packed query rows per CTA
@@ -70,6 +75,40 @@ struct PrefillSm90 {
       const int bytes = t0 + row < ke ? 16 : 0;
       cp_async16(stage + sw<N>(row, chunk), kg + o, bytes);
       cp_async16(stage + KV_ELEMS + sw<N>(row, chunk), vg + o, bytes);
+    }
+  }
+
+  // fp8: producer warp pw's 32 rows of K and V of the tile at t0, loaded, expanded and stored (zero past ke).
+  __device__ __forceinline__ static void expand_kv8(const PrefillParams& p, T* stage, long long off, int t0, int ke,
+                                                    int kvh, int pw, int lane) {
+    constexpr int C8 = D / 16, RPI8 = 32 / C8;   // 16-byte fp8 chunks per row, rows per warp-wide load
+    constexpr int GROUP = 4;                      // rows per lane loaded before any is expanded (bytes in flight)
+    const int chunk = lane % C8, sub = lane / C8;
+    const KV* kg = static_cast<const KV*>(p.k) + kvh * p.kv_stride_head + chunk * 16;
+    const KV* vg = static_cast<const KV*>(p.v) + kvh * p.kv_stride_head + chunk * 16;
+    const float ks = kv_cache_scale(p.k_scale_ptr, p.k_scale, kvh), vs = kv_cache_scale(p.v_scale_ptr, p.v_scale, kvh);
+#pragma unroll
+    for (int j0 = 0; j0 < C8; j0 += GROUP) {
+      uint4 kw[GROUP], vw[GROUP];
+#pragma unroll
+      for (int j = 0; j < GROUP; ++j) {
+        const int rr = (j0 + j) * RPI8 + sub;
+        const long long o = __shfl_sync(0xffffffffu, off, rr);
+        const bool ok = t0 + 32 * pw + rr < ke;
+        kw[j] = ok ? __ldg(reinterpret_cast<const uint4*>(kg + o)) : make_uint4(0, 0, 0, 0);
+        vw[j] = ok ? __ldg(reinterpret_cast<const uint4*>(vg + o)) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int j = 0; j < GROUP; ++j) {
+        const int row = 32 * pw + (j0 + j) * RPI8 + sub;
+        uint4 lo, hi;
+        dequant16<KV, T>(kw[j], ks, lo, hi);
+        *reinterpret_cast<uint4*>(stage + sw<N>(row, 2 * chunk)) = lo;
+        *reinterpret_cast<uint4*>(stage + sw<N>(row, 2 * chunk + 1)) = hi;
+        dequant16<KV, T>(vw[j], vs, lo, hi);
+        *reinterpret_cast<uint4*>(stage + KV_ELEMS + sw<N>(row, 2 * chunk)) = lo;
+        *reinterpret_cast<uint4*>(stage + KV_ELEMS + sw<N>(row, 2 * chunk + 1)) = hi;
+      }
     }
   }
 
@@ -184,6 +223,12 @@ struct PrefillSm90 {
     for (int t = 0; t < ntiles; ++t) {
       const int st = t % STAGES;
       if (t >= STAGES) mbar_wait(&empty[st], (t / STAGES - 1) & 1);
+      if constexpr (kFp8) {
+        expand_kv8(p, kvs + st * 2 * KV_ELEMS, off, it.kb + t * N, it.ke, kvh, pw, lane);
+        if (t == 0) asm volatile("cp.async.wait_all;\n" ::: "memory");   // this thread's Q copies, before tile 0
+        fence_proxy_async();   // the stores (generic proxy) before the tensor cores' reads (async proxy)
+        mbar_arrive(&full[st]);
+      } else {
       issue_kv(p, kvs + st * 2 * KV_ELEMS, off, it.kb + t * N, it.ke, kvh, pw, lane);
       if constexpr (V::kQK) {   // announce the previous tile, transformed, while this one is in flight
         cp_async_commit();
@@ -193,6 +238,7 @@ struct PrefillSm90 {
         }
       } else {
         cp_async_mbar_arrive(&full[st]);
+      }
       }
       if (t + 1 < ntiles) off = Base::tok_offset(p, it.pages, min(it.kb + (t + 1) * N + 32 * pw + lane, it.ke - 1));
     }
@@ -301,11 +347,11 @@ struct PrefillSm90 {
   }
 };
 
-template <int D, class V, typename T>
+template <int D, class V, typename T, typename KV = T>
 __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_constant__ PrefillParams p) {
   if ((int)blockIdx.x >= plan_header(p.plan).num_items) return;   // padded grid (graph mode) or fewer items than launched
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  PrefillSm90<D, V, T>::run(p, blockIdx.x, reinterpret_cast<T*>(smem_raw));
+  PrefillSm90<D, V, T, KV>::run(p, blockIdx.x, reinterpret_cast<T*>(smem_raw));
 }
 
 }  // namespace kvattn

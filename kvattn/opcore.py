@@ -100,10 +100,11 @@ class RaggedKV:
         for name, a in (("k", k), ("v", v)):
             if a.shape != want:
                 raise ValueError(f"{name}: expected shape {list(want)} ({self.layout}), got {a.shape}")
-            check_array(a, name, want, self.dtype)
+            raw = self.dtype.itemsize == 1 and a.dtype == np.uint8   # an fp8 cache held as bytes
+            check_array(a, name, want, a.dtype if raw else self.dtype)
         if k.strides != v.strides:
             raise ValueError("k, v: must have the same strides")
-        ks, it = k.strides, k.dtype.itemsize
+        ks, it = k.strides, self.dtype.itemsize
         tok, head = (ks[0] // it, ks[1] // it) if self.layout == "NHD" else (ks[1] // it, ks[0] // it)
         return k, v, (tok, tok, head)
 

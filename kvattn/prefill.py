@@ -38,7 +38,7 @@ from .decode import LOG2E, THREADS
 from .formats import PageTable, pack_mask
 from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
 from .memory import asarray
-from .opcore import AttentionOp, PagedKV, RaggedKV, on_device
+from .opcore import AttentionOp, PagedKV, RaggedKV, bind_kv_scales, on_device
 from .stream import as_stream
 from .variants import Variant, plan_variant
 
@@ -52,6 +52,7 @@ PREFILL_PARAMS = np.dtype([
     ("num_qo_heads", "i4"), ("group_size", "i4"), ("page_size", "i4"), ("page_shift", "i4"), ("causal", "i4"),
     ("window_left", "i4"),
     ("score_scale", "f4"), ("cap_log2", "f4"), ("variant_data", "u8"),
+    ("k_scale_ptr", "u8"), ("v_scale_ptr", "u8"), ("k_scale", "f4"), ("v_scale", "f4"),
 ], align=True)
 
 DEFAULT_WORKSPACE = 256 << 20
@@ -74,20 +75,26 @@ def choose_cta_rows(packed_len: float, head_dim: int) -> int:
 TUNING: dict = {}
 
 
-def prefill_spec(head_dim: int, cta_rows: int, variant: Variant, dtype: str) -> KernelSpec:
+def _kv_arg(dtype: str, kv_dtype: str | None) -> str:
+    """The kernels' trailing KV type argument: the cache's type (only spelled out when it differs from q's, so
+    16-bit instances keep their names)."""
+    return f", {_dtypes.to_ctype(kv_dtype)}" if kv_dtype and _dtypes.dtype_name(kv_dtype) != dtype else ""
+
+
+def prefill_spec(head_dim: int, cta_rows: int, variant: Variant, dtype: str, kv_dtype: str | None = None) -> KernelSpec:
     """The mma.sync kernel (backend "sm80") of prefill.cuh."""
     wm, mt = CONFIGS[cta_rows]
-    args = f"{head_dim}, {wm}, {mt}, {variant.prefill_type()}, {_dtypes.to_ctype(dtype)}"
+    args = f"{head_dim}, {wm}, {mt}, {variant.prefill_type()}, {_dtypes.to_ctype(dtype)}{_kv_arg(dtype, kv_dtype)}"
     traits = f"kvattn::PrefillKernel<{args}>"
     return KernelSpec("prefill.cuh", f"kvattn::prefill_kernel<{args}>", defines=tuple(TUNING.get(cta_rows, ())),
                       prelude=variant.prelude(),
-                      checks=((f"{traits}::SMEM_BYTES", smem_bytes(head_dim, cta_rows)), (f"{traits}::THREADS", THREADS),
-                              (f"{traits}::ROWS", cta_rows)))
+                      checks=((f"{traits}::SMEM_BYTES", smem_bytes(head_dim, cta_rows, kv_dtype)),
+                              (f"{traits}::THREADS", THREADS), (f"{traits}::ROWS", cta_rows)))
 
 
-def sm90_spec(head_dim: int, variant: Variant, dtype: str) -> KernelSpec:
+def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None = None) -> KernelSpec:
     """The wgmma kernel (backend "sm90") of prefill_sm90.cuh: 128-row query tiles, head_dim 64 or 128."""
-    args = f"{head_dim}, {variant.prefill_type()}, {_dtypes.to_ctype(dtype)}"
+    args = f"{head_dim}, {variant.prefill_type()}, {_dtypes.to_ctype(dtype)}{_kv_arg(dtype, kv_dtype)}"
     traits = f"kvattn::PrefillSm90<{args}>"
     return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{args}>", prelude=variant.prelude(),
                       checks=((f"{traits}::SMEM_BYTES", sm90_smem_bytes(head_dim)),
@@ -98,9 +105,15 @@ def stages(head_dim: int, cta_rows: int) -> int:
     return 3 if CONFIGS[cta_rows][0] == 1 and head_dim <= 128 else 2
 
 
-def smem_bytes(head_dim: int, cta_rows: int) -> int:
-    """Dynamic shared memory of prefill_kernel (mirrors PrefillKernel::SMEM_BYTES)."""
-    return (cta_rows * head_dim + stages(head_dim, cta_rows) * 2 * 64 * head_dim) * 2 + 2 * 64 * 8
+def smem_bytes(head_dim: int, cta_rows: int, kv_dtype: str | None = None) -> int:
+    """Dynamic shared memory of prefill_kernel (mirrors PrefillKernel::SMEM_BYTES, a static_assert checks it): Q,
+    the K/V stages (fp8: one 16-bit K/V tile and the fp8 stages), the offset slots."""
+    st = stages(head_dim, cta_rows)
+    if kv_dtype is not None and _dtypes.is_fp8(kv_dtype):
+        kv = 2 * 64 * head_dim * 2 + st * 2 * 64 * head_dim
+    else:
+        kv = st * 2 * 64 * head_dim * 2
+    return cta_rows * head_dim * 2 + kv + 2 * 64 * 8
 
 
 def sm90_smem_bytes(head_dim: int) -> int:
@@ -109,8 +122,8 @@ def sm90_smem_bytes(head_dim: int) -> int:
     return (128 * head_dim + SM90_STAGES * 2 * 128 * head_dim) * 2 + 2 * SM90_STAGES * 8
 
 
-def ctas_per_sm(head_dim: int, cta_rows: int, registers: int | None) -> int:
-    by_smem = (228 * 1024) // (smem_bytes(head_dim, cta_rows) + 1024)
+def ctas_per_sm(head_dim: int, cta_rows: int, registers: int | None, kv_dtype: str | None = None) -> int:
+    by_smem = (228 * 1024) // (smem_bytes(head_dim, cta_rows, kv_dtype) + 1024)
     regs = registers or 255
     by_regs = 65536 // (4 * (-(-regs * 32 // 256) * 256))
     return max(1, min(by_smem, by_regs, 16))
@@ -132,7 +145,8 @@ class LaunchConfig:
     ctas_per_sm: int
 
 
-def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, dtype: str) -> LaunchConfig:
+def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, dtype: str,
+                  kv_dtype: str | None = None) -> LaunchConfig:
     """backend "sm90" (the wgmma kernel) takes 128-row tiles of head_dim 64/128 on sm_90 GPUs; "auto" takes it
     there unless its ptxas report shows spills (the all-variants head_dim 128 instance), else "sm80"."""
     sm90_ok = cta_rows == 128 and head_dim in SM90_HEAD_DIMS and _driver.arch() == "sm_90a"
@@ -140,15 +154,15 @@ def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, 
         raise ValueError(f"backend: 'sm90' needs an sm_90 GPU, head_dim in {SM90_HEAD_DIMS} and cta_rows 128 "
                          f"(got {_driver.arch()}, head_dim {head_dim}, cta_rows {cta_rows})")
     if backend in ("auto", "sm90") and sm90_ok:
-        spec = sm90_spec(head_dim, variant, dtype)
+        spec = sm90_spec(head_dim, variant, dtype, kv_dtype)
         kernel = get_kernel(spec)
         spills = kernel.resources is not None and kernel.resources.spill_stores > 0
         if backend == "sm90" or not spills:
             return LaunchConfig("sm90", spec, SM90_THREADS, sm90_smem_bytes(head_dim), 1)
-    spec = prefill_spec(head_dim, cta_rows, variant, dtype)
+    spec = prefill_spec(head_dim, cta_rows, variant, dtype, kv_dtype)
     kernel = get_kernel(spec)
-    occ = ctas_per_sm(head_dim, cta_rows, kernel.resources.registers if kernel.resources else None)
-    return LaunchConfig("sm80", spec, THREADS, smem_bytes(head_dim, cta_rows), occ)
+    occ = ctas_per_sm(head_dim, cta_rows, kernel.resources.registers if kernel.resources else None, kv_dtype)
+    return LaunchConfig("sm80", spec, THREADS, smem_bytes(head_dim, cta_rows, kv_dtype), occ)
 
 
 register("prefill", [prefill_spec(128, r, Variant(), "bfloat16") for r in (128, 64, 16)]
@@ -181,13 +195,23 @@ class _BatchPrefill(AttentionOp):
         self.backend = backend
         self.deterministic = bool(deterministic)
 
+    def _run_with_scales(self, p, s, capturing, q, k, v, kv_strides, out, lse, return_lse, k_scale, v_scale):
+        keep = (bind_kv_scales(p, k_scale, v_scale, s, capturing)
+                if p.set_scales is not None or k_scale is not None or v_scale is not None else None)
+        r = self._execute(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse)
+        del keep   # scale arrays copied from the host return to the stream-ordered pool after the launch
+        return r
+
     # -- plan ------------------------------------------------------------------------------------
     def _plan_common(self, qo_indptr, kv_lens, page_indptr, page_indices, page_size, page_shift, num_qo_heads,
                      num_kv_heads, head_dim, causal, custom_mask, mask_indptr, sm_scale, window_left,
                      logits_soft_cap, q_dtype, kv_dtype, cta_rows, stream, variant=None, alibi_slopes=None,
                      sinks=None, variant_params=None, rope=None, rope_offsets=None):
-        hq, hkv, head_dim, q_dtype, _, window_left, cap = check_plan_args(
-            num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, window_left, logits_soft_cap)
+        hq, hkv, head_dim, q_dtype, kv_dtype, window_left, cap = check_plan_args(
+            num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, window_left, logits_soft_cap, fp8_kv=True)
+        if rope is not None and _dtypes.is_fp8(kv_dtype):
+            raise ValueError(f"rope: fused RoPE rotates the cache's keys in 16 bits; with kv_dtype {kv_dtype} store "
+                             f"rotated keys (apply RoPE before quantising) and pass rope=None")
         scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else _v.as_float(sm_scale, "sm_scale")
         causal = bool(causal)
         batch = qo_indptr.size - 1
@@ -221,13 +245,14 @@ class _BatchPrefill(AttentionOp):
         variant, vvals = plan_variant(variant, hq, batch, cap > 0, window_left >= 0, packed_mask is not None,
                                       alibi_slopes, sinks, variant_params, rope, rope_offsets,
                                       int(kv_lens.max(initial=0)))
-        self._bake(num_qo_heads=hq, num_kv_heads=hkv, head_dim=head_dim, q_dtype=q_dtype, page_size=page_size,
+        self._bake(num_qo_heads=hq, num_kv_heads=hkv, head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                   page_size=page_size,
                    sm_scale=scale, causal=causal, window_left=window_left, logits_soft_cap=cap,
                    custom_mask=packed_mask is not None, cta_rows=cta_rows, variant=variant)
-        cfg = launch_config(self.backend, head_dim, cta_rows, variant, q_dtype)
+        cfg = launch_config(self.backend, head_dim, cta_rows, variant, q_dtype, kv_dtype)
         if cfg.backend == "sm80" and variant.rope and auto_rows and cta_rows == 128:
             cta_rows = 64   # the 128-row mma.sync tile has no registers left for the rotation (ptxas spills)
-            cfg = launch_config(self.backend, head_dim, cta_rows, variant, q_dtype)
+            cfg = launch_config(self.backend, head_dim, cta_rows, variant, q_dtype, kv_dtype)
         kernel = get_kernel(cfg.spec)
         kernel._allow_smem(cfg.smem)   # now, not during a graph capture
         occ = cfg.ctas_per_sm
@@ -296,11 +321,11 @@ class _BatchPrefill(AttentionOp):
               num_qo_heads=hq, group_size=group, page_size=page_size, page_shift=page_shift, causal=int(causal),
               window_left=window_left,
               score_scale=(scale / cap) if cap > 0 else scale * LOG2E, cap_log2=cap * LOG2E,
-              variant_data=variant_ptr)
+              variant_data=variant_ptr, k_scale=1.0, v_scale=1.0)
         merge_rows = cap_m if self.use_cuda_graph else plan.num_merge
         merge, mp = self._merge_launch(merge_rows, dev["tmp_o"], dev["tmp_lse"], base, mi, off["merge_rows"], hq,
                                        head_dim, plan.num_merge, q_dtype, variant, variant_ptr)
-        npdtype = _dtypes.to_numpy(q_dtype)
+        npdtype = _dtypes.to_numpy(kv_dtype)
         kv = (PagedKV(self.kv_layout, page_size, hkv, head_dim, npdtype, int(page_indices.max(initial=-1)) + 1)
               if self._paged else RaggedKV(self.kv_layout, int(kv_lens.sum()), hkv, head_dim, npdtype))
         return self._finish_plan(
@@ -397,17 +422,21 @@ class BatchPrefillWithPagedKVCache(_BatchPrefill):
                                  rope_offsets)
 
     @on_device
-    def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None):
+    def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None, k_scale=None,
+            v_scale=None):
         """q: [qo_indptr[-1], Hq, D]; caches [pages, page_size, Hkv, D] ("NHD") / [pages, Hkv, page_size, D]
         ("HND"), or k_cache [pages, 2, ...] with v_cache None. out: [total_qo, Hq, D] in q's dtype; lse:
         [total_qo, Hq] float32, natural log (graph mode: q / out / lse may keep max_total_qo rows). stream: None
         (the legacy default stream) or any stream kvattn.stream accepts. Returns out, or (out, lse) with
         return_lse: the caller's arrays as given, or new kvattn arrays from the stream-ordered pool. Capturable
-        when every array is a device array and out (and lse) are given."""
+        when every array is a device array and out (and lse) are given.
+        k_scale / v_scale (fp8 cache, plan(kv_dtype=float8_e4m3fn / float8_e5m2)): the cache holds k / k_scale and
+        v / v_scale; None (1), a positive float or float32 [num_kv_heads] (see BatchDecodeWithPagedKVCache.run).
+        Each K / V tile is expanded to q's dtype (times its scale, rounded once) in shared memory."""
         p, s, capturing = self._begin_run(stream)
         q = import_array(q, s, capturing)
         k, v, kv_strides = p.kv.bind(k_cache, v_cache, s, capturing)
-        return self._execute(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse)
+        return self._run_with_scales(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse, k_scale, v_scale)
 
 
 class BatchPrefillWithRaggedKVCache(_BatchPrefill):
@@ -439,13 +468,13 @@ class BatchPrefillWithRaggedKVCache(_BatchPrefill):
                                  rope_offsets)
 
     @on_device
-    def run(self, q, k, v, out=None, lse=None, return_lse=False, stream=None):
+    def run(self, q, k, v, out=None, lse=None, return_lse=False, stream=None, k_scale=None, v_scale=None):
         """q: [qo_indptr[-1], Hq, D]; k, v: [kv_indptr[-1], Hkv, D] ("NHD") or [Hkv, kv_indptr[-1], D] ("HND").
         Returns out (and lse) as BatchPrefillWithPagedKVCache.run."""
         p, s, capturing = self._begin_run(stream)
         q = import_array(q, s, capturing)
         k, v, kv_strides = p.kv.bind(k, v, s, capturing)
-        return self._execute(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse)
+        return self._run_with_scales(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse, k_scale, v_scale)
 
 
 def single_prefill(q, k, v, causal=False, *, kv_layout="NHD", custom_mask=None, sm_scale=None, window_left=-1,

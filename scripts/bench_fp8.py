@@ -14,7 +14,11 @@ import argparse
 import ml_dtypes
 import numpy as np
 
-from _bench import kvattn, record, table, try_flashinfer
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from _bench import kvattn, record, table, try_flashinfer  # noqa: E402
 from bench_decode import MAIN, build, time_kvattn
 from kvattn import reference
 from kvattn.timing import copy_bandwidth_tbs, time_us
@@ -102,6 +106,60 @@ def warm_peers(torch, kv_dtypes):
             print("warm", kv, tc, flush=True)
 
 
+def prefill_rows(rng, ceiling):
+    """Causal prefill with an fp8 cache against the bf16 cache, ragged and paged (page 16, scattered), per backend:
+    TFLOP/s (2 B Hq S^2 D) and the error of sampled rows against the float64 reference on the dequantised cache."""
+    import torch
+    from _prefill_ref import request_ref, sample_rows
+    rows = []
+    hq, hkv, d = 32, 8, 128
+    for b, s_len in ((1, 8192), (8, 2048)):
+        indptr = np.arange(0, (b + 1) * s_len, s_len, dtype=np.int32)
+        tq = torch.randn((b * s_len, hq, d), dtype=torch.bfloat16, device="cuda")
+        tk = torch.randn((b * s_len, hkv, d), dtype=torch.bfloat16, device="cuda")
+        tv = torch.randn((b * s_len, hkv, d), dtype=torch.bfloat16, device="cuda")
+        flops = 2 * b * hq * s_len * s_len * d
+        pt = kvattn.PageTable.from_kv_lens(np.full(b, s_len), 16, rng=rng)
+        pk = torch.zeros((pt.num_pages_used * 16, hkv, d), dtype=torch.bfloat16, device="cuda")
+        order = torch.from_numpy(np.concatenate([np.arange(p * 16, p * 16 + 16) for p in pt.indices])).cuda()
+        pv = torch.zeros_like(pk)
+        pk[order], pv[order] = tk, tv
+        pk, pv = pk.view(-1, 16, hkv, d), pv.view(-1, 16, hkv, d)
+        for backend in ("sm90", "sm80"):
+            row = dict(case=f"prefill causal b{b}_S{s_len}", backend=backend)
+            for kv in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+                t8 = getattr(torch, kv)
+                k, v = (tk, tv) if kv == "bfloat16" else ((tk.float() / SCALE).to(t8), (tv.float() / SCALE).to(t8))
+                sc = {} if kv == "bfloat16" else dict(k_scale=SCALE, v_scale=SCALE)
+                for paged in (False, True):
+                    if paged:
+                        w = kvattn.BatchPrefillWithPagedKVCache(backend=backend)
+                        w.plan(indptr, pt, hq, hkv, d, causal=True, kv_dtype=kv)
+                        kk, vv = ((pk, pv) if kv == "bfloat16" else
+                                  ((pk.float() / SCALE).to(t8), (pv.float() / SCALE).to(t8)))
+                    else:
+                        w = kvattn.BatchPrefillWithRaggedKVCache(backend=backend)
+                        w.plan(indptr, indptr, hq, hkv, d, causal=True, kv_dtype=kv)
+                        kk, vv = k, v
+                    out = torch.empty_like(tq)
+                    us = time_us(lambda: w.run(tq, kk, vv, out=out, **sc))
+                    row[f"{kv[:9] if kv != 'bfloat16' else 'bf16'}{'_paged' if paged else ''}"] = round(flops / us / 1e6, 1)
+                if kv != "bfloat16":   # sampled rows of request 0 against the dequantised reference
+                    o = w.run(tq, kk, vv, **sc)
+                    o0 = torch.from_dlpack(o)[:s_len].float().cpu().numpy()
+                    q0 = tq[:s_len].float().cpu().numpy()
+                    kd = k[:s_len].float().cpu().numpy() * (SCALE if kv != "bfloat16" else 1.0)
+                    vd = v[:s_len].float().cpu().numpy() * (SCALE if kv != "bfloat16" else 1.0)
+                    r = sample_rows(s_len, 32, rng)
+                    ro, _ = request_ref(q0, kd, vd, r, True, -1, 0.0, 1 / np.sqrt(d))
+                    row[f"err_{kv[7:11]}"] = f"{np.linalg.norm(o0[r] - ro) / np.linalg.norm(ro):.1e}"
+            row["e4m3/bf16"] = round(row["float8_e4"] / row["bf16"], 3)
+            row["e4m3/bf16_paged"] = round(row["float8_e4_paged"] / row["bf16_paged"], 3)
+            print(row, flush=True)
+            rows.append(row)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-peers", action="store_true")
@@ -109,6 +167,7 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--kv", default="float8_e4m3fn,float8_e5m2")
     ap.add_argument("--warm-peers", action="store_true", help="only JIT-compile FlashInfer's modules for the cases")
+    ap.add_argument("--prefill", action="store_true", help="only the prefill table (fp8 cache vs bf16, TFLOP/s)")
     args = ap.parse_args()
     import torch
     if args.warm_peers:
@@ -116,6 +175,12 @@ def main():
     rng = np.random.default_rng(0)
     ceiling = copy_bandwidth_tbs()
     print(f"copy ceiling {ceiling:.3f} TB/s; GPU {kvattn._driver.device_name()}")
+    if args.prefill:
+        rows = prefill_rows(rng, ceiling)
+        print("\nfp8 cache in causal prefill, bf16 q, Hq32/Hkv8/D128, TFLOP/s (2 B Hq S^2 D); paged: page 16, scattered")
+        table(rows, ["case", "backend", "bf16", "float8_e4", "float8_e5", "e4m3/bf16", "bf16_paged", "float8_e4_paged",
+                     "float8_e5_paged", "e4m3/bf16_paged", "err_e4m3", "err_e5m2"])
+        return
     _, fi = (None, None) if args.no_peers else try_flashinfer()
     base = dict(hq=32, hkv=8, d=128, dtype="bfloat16", layout="NHD", page=16)
     cases = dict(MAIN)

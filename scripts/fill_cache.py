@@ -74,6 +74,15 @@ def specs():
                     out.append(decode.decode_spec(d, 1, v, t, kv_dtype=kv))
         for stages in (2, 3):
             out += [decode.decode_spec(d, 1, Variant(), "bfloat16", stages, kv_dtype=kv) for d in decode.HEAD_DIMS]
+    for kv in ("float8_e4m3fn", "float8_e5m2"):   # fp8 caches in prefill (tests: every variant flag, both paths)
+        for t in ("bfloat16", "float16"):
+            for v in flags:
+                for d in (64, 128, 256):
+                    for rows in pf.CONFIGS:
+                        if not (d == 256 and rows == 128):
+                            out.append(pf.prefill_spec(d, rows, v, t, kv))
+                for d in pf.SM90_HEAD_DIMS:
+                    out.append(pf.sm90_spec(d, v, t, kv))
     return list(dict.fromkeys(out))
 
 

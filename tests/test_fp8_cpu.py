@@ -74,3 +74,32 @@ def test_fp8_decode_instances_compile_without_spills(kv, q):
             compiled, _ = spec.compile(ARCH)
             (res,) = compiled.resources.values()
             assert res.spill_stores == 0 and res.spill_loads == 0, (d, v, res)
+
+
+def test_prefill_fp8_with_rope_refused_before_any_gpu_call():
+    w = kvattn.BatchPrefillWithRaggedKVCache()
+    indptr = np.array([0, 8], np.int32)
+    with pytest.raises(ValueError, match="rope: fused RoPE"):
+        w.plan(indptr, indptr, 8, 2, 128, kv_dtype="float8_e5m2", rope=kvattn.RoPE())
+
+
+@pytest.mark.parametrize("kv", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_prefill_instances_compile_without_spills(kv):
+    from kvattn import prefill
+    specs = [prefill.prefill_spec(d, rows, Variant(), "bfloat16", kv) for d in (64, 128, 256)
+             for rows in prefill.CONFIGS if not (d == 256 and rows == 128)]
+    specs += [prefill.sm90_spec(d, v, t, kv) for d in prefill.SM90_HEAD_DIMS for t in ("bfloat16", "float16")
+              for v in (Variant(), Variant(soft_cap=True, window=True))]
+    for spec in specs:
+        compiled, _ = spec.compile(ARCH)
+        (res,) = compiled.resources.values()
+        assert res.spill_stores == 0 and res.spill_loads == 0, (spec.kernel, res)
+        assert "__nv_fp8" in spec.kernel
+
+
+def test_16bit_prefill_instances_keep_their_names():
+    """A 16-bit cache spells no KV type: its kernels (and their cache entries) are the ones before fp8."""
+    from kvattn import prefill
+    assert prefill.prefill_spec(128, 128, Variant(), "bfloat16", "bfloat16").kernel == \
+        prefill.prefill_spec(128, 128, Variant(), "bfloat16").kernel
+    assert "fp8" not in prefill.sm90_spec(128, Variant(), "float16").kernel

@@ -38,10 +38,27 @@ def _request_kv(kc, vc, pt, i, layout):
     return k.reshape(-1, *k.shape[2:])[:n], v.reshape(-1, *v.shape[2:])[:n]
 
 
+def _quantise(rng, kc, vc, kv_dtype, head_axis):
+    """fp8 caches holding (kc, vc) / per-head scales: (k8, v8, k_scale, v_scale [Hkv] float32, and the dequantised
+    float64 caches the reference reads)."""
+    hkv = kc.shape[head_axis]
+    ks, vs = rng.uniform(0.005, 0.02, (2, hkv)).astype(np.float32)
+    b = [1] * kc.ndim
+    b[head_axis] = hkv
+    lim = 440.0 if kv_dtype == "float8_e4m3fn" else 57000.0
+    npk = _dtypes.to_numpy(kv_dtype)
+    k8 = np.clip(kc.astype(np.float64) / ks.reshape(b), -lim, lim).astype(npk)
+    v8 = np.clip(vc.astype(np.float64) / vs.reshape(b), -lim, lim).astype(npk)
+    return k8, v8, ks, vs, k8.astype(np.float64) * ks.reshape(b), v8.astype(np.float64) * vs.reshape(b)
+
+
 def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD", page_size=16, causal=False,
              window_left=-1, cap=0.0, custom=False, sm_scale=None, check_requests=None, cta_rows=None,
-             backend="auto"):
+             backend="auto", kv_dtype=None):
+    """kv_dtype: an fp8 cache (the random cache quantised with per-head scales; the reference reads it
+    dequantised)."""
     hq = hkv * group
+    scales = {}
     npd = _dtypes.to_numpy(dtype)
     qo_lens, kv_lens = np.asarray(qo_lens), np.asarray(kv_lens)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
@@ -52,8 +69,12 @@ def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD"
         kc, vc, pt = _kv_pages(rng, kv_lens, page_size, hkv, d, dtype, layout)
         w = BatchPrefillWithPagedKVCache(kv_layout=layout, backend=backend)
         w.plan(qo_indptr, pt, hq, hkv, d, causal=causal, custom_mask=flat, sm_scale=sm_scale,
-               window_left=window_left, logits_soft_cap=cap, q_dtype=dtype, cta_rows=cta_rows)
-        args = (kvattn.from_numpy(kc), kvattn.from_numpy(vc))
+               window_left=window_left, logits_soft_cap=cap, q_dtype=dtype, cta_rows=cta_rows, kv_dtype=kv_dtype)
+        if kv_dtype:
+            k8, v8, ks, vs, kc, vc = _quantise(rng, kc, vc, kv_dtype, 2 if layout == "NHD" else 1)
+            args, scales = (kvattn.from_numpy(k8), kvattn.from_numpy(v8)), dict(k_scale=ks, v_scale=vs)
+        else:
+            args = (kvattn.from_numpy(kc), kvattn.from_numpy(vc))
         fetch = lambda i: _request_kv(kc, vc, pt, i, layout)  # noqa: E731
     else:
         kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
@@ -62,8 +83,12 @@ def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD"
         k, v = rng.standard_normal(shape).astype(npd), rng.standard_normal(shape).astype(npd)
         w = BatchPrefillWithRaggedKVCache(kv_layout=layout, backend=backend)
         w.plan(qo_indptr, kv_indptr, hq, hkv, d, causal=causal, custom_mask=flat, sm_scale=sm_scale,
-               window_left=window_left, logits_soft_cap=cap, q_dtype=dtype, cta_rows=cta_rows)
-        args = (kvattn.from_numpy(k), kvattn.from_numpy(v))
+               window_left=window_left, logits_soft_cap=cap, q_dtype=dtype, cta_rows=cta_rows, kv_dtype=kv_dtype)
+        if kv_dtype:
+            k8, v8, ks, vs, k, v = _quantise(rng, k, v, kv_dtype, 1 if layout == "NHD" else 0)
+            args, scales = (kvattn.from_numpy(k8), kvattn.from_numpy(v8)), dict(k_scale=ks, v_scale=vs)
+        else:
+            args = (kvattn.from_numpy(k), kvattn.from_numpy(v))
 
         def fetch(i):
             s = slice(kv_indptr[i], kv_indptr[i + 1])
@@ -73,7 +98,7 @@ def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD"
     total = int(qo_indptr[-1])
     out = poisoned((total, hq, d), dtype)
     lse = poisoned((total, hq), "float32")
-    w.run(kvattn.from_numpy(q), *args, out=out, lse=lse)
+    w.run(kvattn.from_numpy(q), *args, out=out, lse=lse, **scales)
     o_h, l_h = out.numpy().astype(np.float64), lse.numpy()
     assert not np.isnan(o_h).any(), "output has unwritten (NaN) elements"
     assert not np.isnan(l_h).any(), "lse has unwritten (NaN) elements"
@@ -286,3 +311,20 @@ def test_deterministic_prefill_is_batch_invariant():
         o, lse = run(qo, kv, pos, num_sms=int(rng.choice([132, 66, 17])))
         assert np.array_equal(o.view(np.uint16), o0.view(np.uint16)), f"trial {trial}: output bits"
         assert np.array_equal(lse.view(np.uint32), l0.view(np.uint32)), f"trial {trial}: lse bits"
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(c=cases(), seed=st.integers(0, 2**31 - 1), kv=st.sampled_from(["float8_e4m3fn", "float8_e5m2"]),
+       paged=st.booleans())
+def test_fp8_cache_matches_reference(c, seed, kv, paged):
+    """fp8 caches (both formats, per-head scales) in paged and ragged prefill, both backends, every variant."""
+    if not paged:
+        c.pop("page_size")
+    run_case(np.random.default_rng(seed), paged=paged, kv_dtype=kv, **c)
+
+
+@pytest.mark.parametrize("backend", ["sm80", "sm90"])
+@pytest.mark.parametrize("kv", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_cache_long_causal(backend, kv):
+    run_case(np.random.default_rng(7), dtype="bfloat16", d=128, hkv=2, group=4, qo_lens=[1500, 3, 700],
+             kv_lens=[1500, 4000, 2000], paged=True, causal=True, backend=backend, kv_dtype=kv)
