@@ -185,9 +185,6 @@ class _BatchPrefill(AttentionOp):
                  deterministic=False):
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-        if deterministic and use_cuda_graph:
-            raise ValueError("deterministic: graph mode (use_cuda_graph=True) has no deterministic prefill yet "
-                             "(decode has); use one or the other")
         super().__init__(kv_layout, use_cuda_graph,
                          dict(max_batch_size=max_batch_size, max_total_qo=max_total_qo, max_num_pages=max_num_pages),
                          ("max_batch_size", "max_total_qo") + (("max_num_pages",) if self._paged else ()),
@@ -258,13 +255,15 @@ class _BatchPrefill(AttentionOp):
         occ = cfg.ctas_per_sm
         plan = scheduler.plan_prefill(qo_lens, kv_lens, group, hkv, cta_rows, causal=causal,
                                       window_left=window_left, num_sms=self.num_sms, ctas_per_sm=occ,
-                                      split_tokens=DETERMINISTIC_SPLIT_TOKENS if self.deterministic else None)
+                                      split_tokens=DETERMINISTIC_SPLIT_TOKENS if self.deterministic else None,
+                                      max_split_chunks=DETERMINISTIC_SPLIT_CHUNKS if self.deterministic else None)
 
         # Packed int32 buffer: header, qo_indptr, kv_len, page_indptr, mask_indptr, items, merge lists, pages.
         if self.use_cuda_graph:
             cap_b = self.max_batch_size
-            cap_w, cap_part, cap_m = scheduler.prefill_bounds(cap_b, self.max_total_qo, group, hkv, cta_rows,
-                                                              num_sms=self.num_sms, ctas_per_sm=occ)
+            cap_w, cap_part, cap_m = scheduler.prefill_bounds(
+                cap_b, self.max_total_qo, group, hkv, cta_rows, num_sms=self.num_sms, ctas_per_sm=occ,
+                max_split_chunks=DETERMINISTIC_SPLIT_CHUNKS if self.deterministic else None)
             cap_p = self.max_num_pages if self._paged else cap_b
         else:
             cap_b, cap_w, cap_part, cap_m = batch, plan.num_items, plan.num_partial_rows, plan.num_merge
@@ -375,8 +374,11 @@ class _BatchPrefill(AttentionOp):
         return np.ascontiguousarray(m.ravel()), mind
 
 #: The KV split of deterministic prefill, in tokens (a block's range longer than this is cut into near-equal
-#: 64-aligned chunks of at most this many tokens).
+#: 64-aligned chunks of at most this many tokens), and its cap of chunks per block (a longer range is cut into
+#: this many): both a function of the block alone. The cap bounds the partial states of any batch by
+#: max_total_qo * 4 rows, which is what graph mode sizes its workspace with.
 DETERMINISTIC_SPLIT_TOKENS = 4096
+DETERMINISTIC_SPLIT_CHUNKS = 4
 
 
 class BatchPrefillWithPagedKVCache(_BatchPrefill):
@@ -386,8 +388,9 @@ class BatchPrefillWithPagedKVCache(_BatchPrefill):
     use_cuda_graph: fix the buffers, query tile and grid from max_batch_size, max_num_pages and max_total_qo.
     device: the GPU (an ordinal or a kvattn Device; None: the current context's device at the first plan()).
     deterministic: batch-invariant results: a fixed query tile (128 rows; 64 at head_dim 256) and a fixed KV
-    split (DETERMINISTIC_SPLIT_TOKENS), so a request's bits do not depend on the rest of its batch or the GPU's
-    SM count (not in graph mode yet).
+    split (DETERMINISTIC_SPLIT_TOKENS, at most DETERMINISTIC_SPLIT_CHUNKS chunks per block), so a request's bits
+    do not depend on the rest of its batch or the GPU's SM count, in graph mode too (its workspace then holds
+    max_total_qo * 4 partial rows: 16 MB per 1024 query tokens at Hq 32, D 128).
     """
 
     _paged = True

@@ -701,13 +701,18 @@ def prefill_geometry(group_size: int, cta_rows: int):
 
 
 def prefill_bounds(max_batch_size: int, max_total_qo: int, group_size: int, num_kv_heads: int, cta_rows: int,
-                   *, num_sms: int = 132, ctas_per_sm: int = 2):
-    """(max_items, max_partial_rows, max_merge) of any plan within the bounds (graph mode sizes with them)."""
+                   *, num_sms: int = 132, ctas_per_sm: int = 2, max_split_chunks: Optional[int] = None):
+    """(max_items, max_partial_rows, max_merge) of any plan within the bounds (graph mode sizes with them).
+    ``max_split_chunks``: the fixed-split schedule's cap of chunks per block (each block at most that many items
+    per z slice, each of its query tokens at most that many partial rows)."""
     mb = _as_int("max_batch_size", max_batch_size, 1)
     mq = _as_int("max_total_qo", max_total_qo, 1)
     tpb, _, nz = prefill_geometry(group_size, cta_rows)
-    slots_h = max(1, (num_sms * ctas_per_sm) // num_kv_heads)
     max_blocks = min(mq, mq // tpb + mb)
+    if max_split_chunks is not None:
+        c = _as_int("max_split_chunks", max_split_chunks, 1)
+        return max_blocks * nz * c, mq * c, mq
+    slots_h = max(1, (num_sms * ctas_per_sm) // num_kv_heads)
     return max_blocks * nz + slots_h, 2 * tpb * slots_h, mq
 
 
@@ -716,11 +721,13 @@ def _ceil64(x):
 
 
 def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal=False, window_left=-1,
-                 num_sms=132, ctas_per_sm=2, split_tokens=None) -> PrefillPlan:
+                 num_sms=132, ctas_per_sm=2, split_tokens=None, max_split_chunks=None) -> PrefillPlan:
     """Schedule a prefill / append batch (see the section doc above).  qo_lens, kv_lens: int [B].
     ``split_tokens`` (a multiple of 64) is the batch-invariant schedule: ``L = split_tokens`` whatever the batch,
     so a block's chunks (near-equal 64-aligned pieces of its own KV range) and their merge order depend on the
-    block alone."""
+    block alone. ``max_split_chunks`` (with split_tokens) caps a block's chunks: a KV range longer than
+    ``split_tokens * max_split_chunks`` is cut into that many chunks (still a function of the block alone), so
+    the partial states of any batch are bounded by ``max_total_qo * max_split_chunks`` (graph mode)."""
     group = _as_int("group_size", group_size, 1)
     hkv = _as_int("num_kv_heads", num_kv_heads, 1)
     rows = _as_int("cta_rows", cta_rows, 16)
@@ -777,6 +784,8 @@ def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal
             else:
                 L = L0
             n = np.maximum(1, -(-ln // L))
+            if split_tokens is not None and max_split_chunks is not None:
+                n = np.minimum(n, _as_int("max_split_chunks", max_split_chunks, 1))
             csize = np.maximum(_ceil64(-(-ln // n)), 64)
             nchunk = np.maximum(1, -(-ln // csize))
             csize = np.where(nchunk > 1, csize, np.maximum(ln, 1))

@@ -263,7 +263,6 @@ def test_graph_mode_refuses_a_later_plan_that_changes_a_baked_value(change):
         plan(w, **change)
 
 
-def test_deterministic_prefill_is_refused_in_graph_mode():
-    with pytest.raises(ValueError, match="deterministic: graph mode .* has no deterministic prefill yet"):
-        BatchPrefillWithRaggedKVCache(deterministic=True, use_cuda_graph=True, max_batch_size=4, max_total_qo=64)
-    assert BatchPrefillWithRaggedKVCache(deterministic=True).deterministic
+def test_deterministic_prefill_takes_graph_mode():
+    w = BatchPrefillWithRaggedKVCache(deterministic=True, use_cuda_graph=True, max_batch_size=4, max_total_qo=64)
+    assert w.deterministic and w.use_cuda_graph

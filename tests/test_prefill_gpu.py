@@ -313,6 +313,69 @@ def test_deterministic_prefill_is_batch_invariant():
         assert np.array_equal(lse.view(np.uint32), l0.view(np.uint32)), f"trial {trial}: lse bits"
 
 
+def test_deterministic_prefill_graph_replay_is_batch_invariant():
+    """deterministic=True in graph mode: one captured run, replayed for 6 random batches of 0..7 companions around
+    one request (its KV over 4 splits long: the chunk cap), gives that request's output and LSE bits alone
+    (eager, deterministic)."""
+    rng = np.random.default_rng()
+    hkv, group, d, ps = 2, 4, 128, 16
+    hq = hkv * group
+    bf = _dtypes.to_numpy("bfloat16")
+    max_pages, max_qo, tq, tk = 3000, 2048, 300, 20000
+    kc = rng.standard_normal((max_pages, ps, hkv, d)).astype(bf)
+    vc = rng.standard_normal((max_pages, ps, hkv, d)).astype(bf)
+    kd, vd = kvattn.from_numpy(kc), kvattn.from_numpy(vc)
+    q0 = rng.standard_normal((tq, hq, d)).astype(bf)
+    n0 = -(-tk // ps)
+
+    def table(kv_lens, pos):
+        npages = [-(-n // ps) for n in kv_lens]
+        others = iter(rng.permutation(np.arange(n0, max_pages)))
+        ids = [np.arange(n0) if i == pos else np.array([next(others) for _ in range(p)], np.int64)
+               for i, p in enumerate(npages)]
+        return PageTable(np.concatenate([[0], np.cumsum(npages)]).astype(np.int32),
+                         np.concatenate(ids).astype(np.int32),
+                         np.array([n - (p - 1) * ps for n, p in zip(kv_lens, npages)], np.int32), ps)
+
+    eager = BatchPrefillWithPagedKVCache(deterministic=True)
+    eager.plan(np.array([0, tq], np.int32), table([tk], 0), hq, hkv, d, causal=True)
+    o0, l0 = eager.run(q0, kd, vd, return_lse=True)
+    o0, l0 = o0.numpy(), l0.numpy()
+    k0 = kc[:n0].reshape(-1, hkv, d)[:tk].astype(np.float64)
+    v0 = vc[:n0].reshape(-1, hkv, d)[:tk].astype(np.float64)
+    rows = sample_rows(tq, SAMPLE_ROWS, rng)
+    ro, rl = request_ref(q0, k0, v0, rows, True, -1, 0.0, 1 / np.sqrt(d))
+    assert rel_l2(o0[rows], ro) <= 1e-2
+    assert_lse(l0[rows], rl, 1e-2)
+    w = BatchPrefillWithPagedKVCache(deterministic=True, use_cuda_graph=True, max_batch_size=8,
+                                     max_num_pages=max_pages, max_total_qo=max_qo)
+    qbuf, obuf = kvattn.empty((max_qo, hq, d), "bfloat16"), kvattn.empty((max_qo, hq, d), "bfloat16")
+    lbuf = kvattn.empty((max_qo, hq), "float32")
+    s = kvattn.Stream()
+    graph = None
+    for trial in range(6):
+        n = int(rng.integers(0, 8))
+        qo = [int(x) for x in rng.integers(1, 200, n)]
+        kv = [a + int(rng.integers(0, 2000)) for a in qo]
+        pos = int(rng.integers(n + 1))
+        qo.insert(pos, tq)
+        kv.insert(pos, tk)
+        qi = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+        qh = rng.standard_normal((max_qo, hq, d)).astype(bf)
+        qh[qi[pos]:qi[pos + 1]] = q0
+        qbuf.copy_from_host(qh, s)
+        obuf.fill_bytes(0xFF, s)
+        w.plan(qi, table(kv, pos), hq, hkv, d, causal=True, stream=s)
+        if graph is None:
+            with graphs.capture(s) as cap:
+                w.run(qbuf, kd, vd, out=obuf, lse=lbuf, stream=s)
+            graph = cap.graph
+        graph.replay(s)
+        o, lse = obuf.numpy(s)[qi[pos]:qi[pos + 1]], lbuf.numpy(s)[qi[pos]:qi[pos + 1]]
+        assert np.array_equal(o.view(np.uint16), o0.view(np.uint16)), f"trial {trial}: output bits"
+        assert np.array_equal(lse.view(np.uint32), l0.view(np.uint32)), f"trial {trial}: lse bits"
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(c=cases(), seed=st.integers(0, 2**31 - 1), kv=st.sampled_from(["float8_e4m3fn", "float8_e5m2"]),
        paged=st.booleans())

@@ -674,3 +674,27 @@ def test_fixed_split_prefill_is_batch_invariant(qo, extra, group, causal, seed):
     alone = scheduler.plan_prefill(qo[r:r + 1], kv[r:r + 1], group, 2, 128, causal=causal, split_tokens=1024)
     assert items_of(batch, r) == items_of(alone, 0)
     assert all(ke - kb <= 1024 for _, _, kb, ke, _ in items_of(alone, 0))
+
+
+@HYP
+@given(qo=st.lists(st.integers(1, 700), min_size=1, max_size=12), extra=st.lists(st.integers(0, 40000), min_size=12,
+       max_size=12), group=st.sampled_from([1, 4, 8]), causal=st.booleans(), cap=st.integers(1, 6),
+       seed=st.integers(0, 2**31))
+def test_capped_fixed_split_prefill_is_batch_invariant_and_bounded(qo, extra, group, causal, cap, seed):
+    """split_tokens with max_split_chunks: a request's items are those it gets alone, no block has more than
+    `cap` chunks, and the plan fits prefill_bounds(max_split_chunks=cap) (graph mode's buffers)."""
+    rng = np.random.default_rng(seed)
+    qo = np.array(qo)
+    kv = qo + np.array(extra[:qo.size])
+    r = int(rng.integers(qo.size))
+    kw = dict(causal=causal, split_tokens=1024, max_split_chunks=cap)
+
+    def items_of(plan, req):
+        return sorted(tuple(int(x) for x in row[1:5]) + (int(row[6]),) for row in plan.items if row[0] == req)
+
+    batch = scheduler.plan_prefill(qo, kv, group, 2, 128, num_sms=int(rng.choice([132, 17])), **kw)
+    alone = scheduler.plan_prefill(qo[r:r + 1], kv[r:r + 1], group, 2, 128, **kw)
+    assert items_of(batch, r) == items_of(alone, 0)
+    assert int(batch.items[:, 6].max(initial=1)) <= cap
+    mi, mp, mm = scheduler.prefill_bounds(qo.size, int(qo.sum()), group, 2, 128, max_split_chunks=cap)
+    assert batch.num_items <= mi and batch.num_partial_rows <= mp and batch.num_merge <= mm
