@@ -52,13 +52,20 @@ def _quantise(rng, kc, vc, kv_dtype, head_axis):
     return k8, v8, ks, vs, k8.astype(np.float64) * ks.reshape(b), v8.astype(np.float64) * vs.reshape(b)
 
 
+def _device_cache(rng, k, v, kv_dtype, head_axis):
+    """(device k, v; run()'s scale arguments; the host k, v the reference reads): the cache as is, or quantised."""
+    if not kv_dtype:
+        return (kvattn.from_numpy(k), kvattn.from_numpy(v)), {}, k, v
+    k8, v8, ks, vs, kd, vd = _quantise(rng, k, v, kv_dtype, head_axis)
+    return (kvattn.from_numpy(k8), kvattn.from_numpy(v8)), dict(k_scale=ks, v_scale=vs), kd, vd
+
+
 def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD", page_size=16, causal=False,
              window_left=-1, cap=0.0, custom=False, sm_scale=None, check_requests=None, cta_rows=None,
              backend="auto", kv_dtype=None):
     """kv_dtype: an fp8 cache (the random cache quantised with per-head scales; the reference reads it
     dequantised)."""
     hq = hkv * group
-    scales = {}
     npd = _dtypes.to_numpy(dtype)
     qo_lens, kv_lens = np.asarray(qo_lens), np.asarray(kv_lens)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
@@ -70,11 +77,7 @@ def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD"
         w = BatchPrefillWithPagedKVCache(kv_layout=layout, backend=backend)
         w.plan(qo_indptr, pt, hq, hkv, d, causal=causal, custom_mask=flat, sm_scale=sm_scale,
                window_left=window_left, logits_soft_cap=cap, q_dtype=dtype, cta_rows=cta_rows, kv_dtype=kv_dtype)
-        if kv_dtype:
-            k8, v8, ks, vs, kc, vc = _quantise(rng, kc, vc, kv_dtype, 2 if layout == "NHD" else 1)
-            args, scales = (kvattn.from_numpy(k8), kvattn.from_numpy(v8)), dict(k_scale=ks, v_scale=vs)
-        else:
-            args = (kvattn.from_numpy(kc), kvattn.from_numpy(vc))
+        args, scales, kc, vc = _device_cache(rng, kc, vc, kv_dtype, 2 if layout == "NHD" else 1)
         fetch = lambda i: _request_kv(kc, vc, pt, i, layout)  # noqa: E731
     else:
         kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
@@ -84,11 +87,7 @@ def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD"
         w = BatchPrefillWithRaggedKVCache(kv_layout=layout, backend=backend)
         w.plan(qo_indptr, kv_indptr, hq, hkv, d, causal=causal, custom_mask=flat, sm_scale=sm_scale,
                window_left=window_left, logits_soft_cap=cap, q_dtype=dtype, cta_rows=cta_rows, kv_dtype=kv_dtype)
-        if kv_dtype:
-            k8, v8, ks, vs, k, v = _quantise(rng, k, v, kv_dtype, 1 if layout == "NHD" else 0)
-            args, scales = (kvattn.from_numpy(k8), kvattn.from_numpy(v8)), dict(k_scale=ks, v_scale=vs)
-        else:
-            args = (kvattn.from_numpy(k), kvattn.from_numpy(v))
+        args, scales, k, v = _device_cache(rng, k, v, kv_dtype, 1 if layout == "NHD" else 0)
 
         def fetch(i):
             s = slice(kv_indptr[i], kv_indptr[i + 1])
