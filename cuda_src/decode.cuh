@@ -101,9 +101,6 @@ struct DecodeKernel {
 
   // Byte offset of 16-byte chunk c of row r in a K or V tile.
   __device__ __forceinline__ static int kv_at(int r, int c) { return swz_bytes<ROW_BYTES>(r, c); }
-  __device__ __forceinline__ float cache_scale(const float* per_head, float f) const {
-    return per_head ? __ldg(per_head + h) * f : f;
-  }
 
   __device__ __forceinline__ void load_item(Cursor& c) const {
     if (c.w < c.w_end) {
@@ -191,7 +188,7 @@ struct DecodeKernel {
     float o[M_TILES][CHUNKS][4];
     float m[M_TILES][2], l[M_TILES][2];
     float sc[M_TILES][2];   // fp8: each row's score scale (score_scale * k_scale * the query row's factor)
-    const float k_factor = kFp8 ? p.score_scale * cache_scale(p.k_scale_ptr, p.k_scale) : 0.f;
+    const float k_factor = kFp8 ? p.score_scale * kv_cache_scale(p.k_scale_ptr, p.k_scale, h) : 0.f;
     int kv_len = 0;
     // the query / key transform's per-thread constants (the same dims for Q, by all threads, and K, by lanes)
     const typename V::QKState qk_state = V::template qk_init<D>(p, qk_dims<D>(threadIdx.x));
@@ -410,38 +407,38 @@ struct DecodeKernel {
     for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
       for (int ph = 0; ph < MERGE_PHASES; ++ph) {
-      __syncthreads();  // every warp is done with the stage's K/V (and the previous phase's scratch)
-      if constexpr (kFp8) {
-        if (ph == 0) wm.stash_ml(warp, lane, m[mt], l[mt]);
-        wm.stash_even_odd(warp, lane, o[mt], ph * PCH);
-      } else {
-        wm.stash(warp, lane, o[mt], m[mt], l[mt]);
-      }
-      __syncthreads();
-      const int rows = min(16, nrows - mt * 16);
-      for (int i = threadIdx.x; i < rows * PCH; i += THREADS) {
-        const int row = i / PCH, ch = ph * PCH + i % PCH;
-        float acc[8];
-        float lse = wm.merge(row, i % PCH, acc);
+        __syncthreads();  // every warp is done with the stage's K/V (and the previous phase's scratch)
         if constexpr (kFp8) {
-          const float vs = cache_scale(p.v_scale_ptr, p.v_scale);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[e] *= vs;
-        }
-        const int head = head0 + mt * 16 + row;
-        if (partial < 0) {
-          if constexpr (V::kOutput) {
-            const float f = V::output(p, head, lse);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] *= f;
-          }
-          Vec8<T>::store(static_cast<T*>(p.o) + c.req * p.o_stride_n + head * p.o_stride_h + ch * 8, acc);
-          if (p.lse && ch == 0) p.lse[c.req * p.lse_stride_n + head] = lse;
+          if (ph == 0) wm.stash_ml(warp, lane, m[mt], l[mt]);
+          wm.stash_even_odd(warp, lane, o[mt], ph * PCH);
         } else {
-          Vec8<float>::store(p.tmp_o + ((long long)partial * p.num_qo_heads + head) * D + ch * 8, acc);
-          if (ch == 0) p.tmp_lse[(long long)partial * p.num_qo_heads + head] = lse;
+          wm.stash(warp, lane, o[mt], m[mt], l[mt]);
         }
-      }
+        __syncthreads();
+        const int rows = min(16, nrows - mt * 16);
+        for (int i = threadIdx.x; i < rows * PCH; i += THREADS) {
+          const int row = i / PCH, ch = ph * PCH + i % PCH;
+          float acc[8];
+          float lse = wm.merge(row, i % PCH, acc);
+          if constexpr (kFp8) {
+            const float vs = kv_cache_scale(p.v_scale_ptr, p.v_scale, h);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] *= vs;
+          }
+          const int head = head0 + mt * 16 + row;
+          if (partial < 0) {
+            if constexpr (V::kOutput) {
+              const float f = V::output(p, head, lse);
+#pragma unroll
+              for (int e = 0; e < 8; ++e) acc[e] *= f;
+            }
+            Vec8<T>::store(static_cast<T*>(p.o) + c.req * p.o_stride_n + head * p.o_stride_h + ch * 8, acc);
+            if (p.lse && ch == 0) p.lse[c.req * p.lse_stride_n + head] = lse;
+          } else {
+            Vec8<float>::store(p.tmp_o + ((long long)partial * p.num_qo_heads + head) * D + ch * 8, acc);
+            if (ch == 0) p.tmp_lse[(long long)partial * p.num_qo_heads + head] = lse;
+          }
+        }
       }
     }
   }

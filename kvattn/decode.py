@@ -21,7 +21,7 @@ from .formats import PageTable
 from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
 from ._binding import import_array
 from .memory import asarray
-from .opcore import AttentionOp, PagedKV, bind_kv_scales, on_device
+from .opcore import AttentionOp, PagedKV, on_device
 from .stream import as_stream
 from .variants import Variant, plan_variant
 
@@ -259,11 +259,7 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         p, s, capturing = self._begin_run(stream)
         q = import_array(q, s, capturing)
         k, v, kv_strides = p.kv.bind(k_cache, v_cache, s, capturing)
-        keep = (bind_kv_scales(p, k_scale, v_scale, s, capturing)
-                if p.set_scales is not None or k_scale is not None or v_scale is not None else None)
-        r = self._execute(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse)
-        del keep   # scale arrays copied from the host return to the stream-ordered pool after the launch
-        return r
+        return self._execute(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse, k_scale, v_scale)
 
 
 

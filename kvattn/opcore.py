@@ -34,6 +34,12 @@ F32 = np.dtype(np.float32)
 
 
 # -- KV accessors -------------------------------------------------------------------------------------------
+def _accepted_dtype(a: DeviceArray, dtype: np.dtype) -> np.dtype:
+    """The dtype a cache array is checked against: the plan's, or uint8 for an fp8 cache held as raw bytes (e.g. a
+    torch uint8 view)."""
+    return a.dtype if dtype.itemsize == 1 and a.dtype == np.uint8 else dtype
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class PagedKV:
     """A paged cache: k / v [pages, page_size, Hkv, D] ("NHD") or [pages, Hkv, page_size, D] ("HND"), or k_cache
@@ -76,8 +82,7 @@ class PagedKV:
         if len(shape) != 4 or shape[1:] != want:
             raise ValueError(f"{name}: expected shape [num_pages, {', '.join(map(str, want))}] ({self.layout}), "
                              f"got {shape}")
-        raw = self.dtype.itemsize == 1 and a.dtype == np.uint8   # an fp8 cache held as bytes (e.g. torch uint8)
-        check_array(a, name, shape, a.dtype if raw else self.dtype)
+        check_array(a, name, shape, _accepted_dtype(a, self.dtype))
         if shape[0] < self.pages_needed:
             raise ValueError(f"{name}: the page table uses page id {self.pages_needed - 1} but the cache holds "
                              f"{shape[0]} pages")
@@ -100,8 +105,7 @@ class RaggedKV:
         for name, a in (("k", k), ("v", v)):
             if a.shape != want:
                 raise ValueError(f"{name}: expected shape {list(want)} ({self.layout}), got {a.shape}")
-            raw = self.dtype.itemsize == 1 and a.dtype == np.uint8   # an fp8 cache held as bytes
-            check_array(a, name, want, a.dtype if raw else self.dtype)
+            check_array(a, name, want, _accepted_dtype(a, self.dtype))
         if k.strides != v.strides:
             raise ValueError("k, v: must have the same strides")
         ks, it = k.strides, self.dtype.itemsize
@@ -314,8 +318,12 @@ class AttentionOp:
         return p, s, capturing
 
     def _execute(self, p: AttentionPlan, s, capturing, q: DeviceArray, k: DeviceArray, v: DeviceArray,
-                 kv_strides, out, lse, return_lse):
-        """run()'s generic tail: check q, provide out / lse, bind pointers and strides, launch the plan."""
+                 kv_strides, out, lse, return_lse, k_scale=None, v_scale=None):
+        """run()'s generic tail: check q, provide out / lse, bind pointers, strides and (fp8) the cache scales,
+        launch the plan."""
+        # scale arrays copied from the host stay referenced here until the launch is issued
+        keep = (bind_kv_scales(p, k_scale, v_scale, s, capturing)
+                if p.set_scales is not None or k_scale is not None or v_scale is not None else None)
         rows = p.rows
         if q.shape[0] != rows and q.shape[0] == p.max_rows:
             rows = p.max_rows   # graph mode: the arrays keep their maximum rows; rows past the batch are not touched
@@ -343,6 +351,7 @@ class AttentionOp:
             p.merge_set_ptrs(out.ptr, lse_ptr)
             p.merge_set_strides(os_[0] // it, os_[1] // it, lse_row, 1)
             merge.launch(handle)
+        del keep
         out.stream = s.ptr
         if lse is not None:
             lse.stream = s.ptr

@@ -38,7 +38,7 @@ from .decode import LOG2E, THREADS
 from .formats import PageTable, pack_mask
 from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
 from .memory import asarray
-from .opcore import AttentionOp, PagedKV, RaggedKV, bind_kv_scales, on_device
+from .opcore import AttentionOp, PagedKV, RaggedKV, on_device
 from .stream import as_stream
 from .variants import Variant, plan_variant
 
@@ -191,13 +191,6 @@ class _BatchPrefill(AttentionOp):
                          workspace_bytes, num_sms, device)
         self.backend = backend
         self.deterministic = bool(deterministic)
-
-    def _run_with_scales(self, p, s, capturing, q, k, v, kv_strides, out, lse, return_lse, k_scale, v_scale):
-        keep = (bind_kv_scales(p, k_scale, v_scale, s, capturing)
-                if p.set_scales is not None or k_scale is not None or v_scale is not None else None)
-        r = self._execute(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse)
-        del keep   # scale arrays copied from the host return to the stream-ordered pool after the launch
-        return r
 
     # -- plan ------------------------------------------------------------------------------------
     def _plan_common(self, qo_indptr, kv_lens, page_indptr, page_indices, page_size, page_shift, num_qo_heads,
@@ -439,7 +432,7 @@ class BatchPrefillWithPagedKVCache(_BatchPrefill):
         p, s, capturing = self._begin_run(stream)
         q = import_array(q, s, capturing)
         k, v, kv_strides = p.kv.bind(k_cache, v_cache, s, capturing)
-        return self._run_with_scales(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse, k_scale, v_scale)
+        return self._execute(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse, k_scale, v_scale)
 
 
 class BatchPrefillWithRaggedKVCache(_BatchPrefill):
@@ -477,7 +470,7 @@ class BatchPrefillWithRaggedKVCache(_BatchPrefill):
         p, s, capturing = self._begin_run(stream)
         q = import_array(q, s, capturing)
         k, v, kv_strides = p.kv.bind(k, v, s, capturing)
-        return self._run_with_scales(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse, k_scale, v_scale)
+        return self._execute(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse, k_scale, v_scale)
 
 
 def single_prefill(q, k, v, causal=False, *, kv_layout="NHD", custom_mask=None, sm_scale=None, window_left=-1,

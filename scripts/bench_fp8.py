@@ -29,13 +29,14 @@ FP8 = {"float8_e4m3fn": ("float8_e4m3fn", ml_dtypes.float8_e4m3fn), "float8_e5m2
 
 def errors(rng, lens, pt, q, k, v, k8, v8, out, cfg, np8):
     """(error vs the dequantised cache, error vs the bf16 cache), worst of the longest request and 3 random ones."""
+    import torch
     sample = sorted({int(np.argmax(lens)), *rng.choice(len(lens), min(3, len(lens)), replace=False).tolist()})
     sub = kvattn.PageTable(np.concatenate([[0], np.cumsum([pt.indptr[i + 1] - pt.indptr[i] for i in sample])]),
                            np.concatenate([pt.indices[pt.indptr[i]:pt.indptr[i + 1]] for i in sample]),
                            pt.last_page_len[sample], cfg["page"])
     qh, oh = q.numpy()[sample], out.float().cpu().numpy()[sample]
-    k8h = k8.view(__import__("torch").uint8).cpu().numpy().view(np8)
-    v8h = v8.view(__import__("torch").uint8).cpu().numpy().view(np8)
+    k8h = k8.view(torch.uint8).cpu().numpy().view(np8)
+    v8h = v8.view(torch.uint8).cpu().numpy().view(np8)
     ref8 = reference.batch_attention_paged(qh, k8h, v8h, np.arange(len(sample) + 1), sub, k_scale=SCALE, v_scale=SCALE)
     ref16 = reference.batch_attention_paged(qh, k.numpy(), v.numpy(), np.arange(len(sample) + 1), sub)
     rel = lambda r: max(float(np.linalg.norm(oh[j] - r[j]) / np.linalg.norm(r[j])) for j in range(len(sample)))
@@ -148,8 +149,8 @@ def prefill_rows(rng, ceiling):
                     o = w.run(tq, kk, vv, **sc)
                     o0 = torch.from_dlpack(o)[:s_len].float().cpu().numpy()
                     q0 = tq[:s_len].float().cpu().numpy()
-                    kd = k[:s_len].float().cpu().numpy() * (SCALE if kv != "bfloat16" else 1.0)
-                    vd = v[:s_len].float().cpu().numpy() * (SCALE if kv != "bfloat16" else 1.0)
+                    kd = k[:s_len].float().cpu().numpy() * SCALE
+                    vd = v[:s_len].float().cpu().numpy() * SCALE
                     r = sample_rows(s_len, 32, rng)
                     ro, _ = request_ref(q0, kd, vd, r, True, -1, 0.0, 1 / np.sqrt(d))
                     row[f"err_{kv[7:11]}"] = f"{np.linalg.norm(o0[r] - ro) / np.linalg.norm(ro):.1e}"
