@@ -8,6 +8,8 @@ from .formats import BlockSparse, CascadeLevels, PagedKVLayout, PageTable, Ragge
 from .merge import merge_state, merge_state_in_place, merge_states
 from .decode import BatchDecodeWithPagedKVCache, single_decode
 from .prefill import BatchPrefillWithPagedKVCache, BatchPrefillWithRaggedKVCache, single_prefill
+from .cascade import MultiLevelCascadeAttentionWrapper
+from .page import append_paged_kv_cache, get_batch_indices_positions
 from .variants import RoPE, Variant
 from . import device, graphs, reference, scheduler
 

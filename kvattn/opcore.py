@@ -173,10 +173,10 @@ class AttentionPlan:
     head_dim: int
     dtype: np.dtype              # q / out element type
     kv: object                   # PagedKV or RaggedKV
-    launch: Launch | None        # the attention kernel (None: nothing to compute)
+    launches: tuple              # the attention kernels, in order (cascade: one per level; empty: nothing to do)
     merge: Launch | None         # the merge of partial states
-    set_ptrs: object             # (q, k, v, o, lse) -> packs the kernel's pointer fields
-    set_strides: object          # (q_n, q_h, o_n, o_h, lse_n, kv_page, kv_token, kv_head) -> packs its strides
+    set_ptrs: object             # (q, k, v, o, lse) -> packs every attention launch's pointer fields
+    set_strides: object          # (q_n, q_h, o_n, o_h, lse_n, kv_page, kv_token, kv_head) -> packs their strides
     set_scales: object           # fp8 cache: (k_scale_ptr, v_scale_ptr, k_scale, v_scale); None for a 16-bit cache
     merge_set_ptrs: object       # (o, lse)
     merge_set_strides: object    # (o_n, o_h, lse_n, lse_h)
@@ -184,6 +184,18 @@ class AttentionPlan:
     copy_done: object            # its event
     wait_copy: bool              # run() on another stream waits for copy_done (not in graph mode)
     info: types.MappingProxyType  # read-only facts for inspection (schedule, grid, backend, ...)
+
+
+def _setter(params: list, *names):
+    """One setter of the named fields over every launch's ParamBuffer (the single-launch ops keep the plain one)."""
+    setters = [p.setter(*names) for p in params]
+    if len(setters) == 1:
+        return setters[0]
+
+    def set_all(*values):
+        for f in setters:
+            f(*values)
+    return set_all
 
 
 def on_device(method):
@@ -292,20 +304,25 @@ class AttentionOp:
 
     def _finish_plan(self, *, rows, max_rows, hq, d, dtype, kv, launch, params, merge, merge_params, s, copy_done,
                      **info):
+        """launch / params: the attention Launch (or None) and its ParamBuffer, or lists of them (one per
+        launch, issued in order; every one takes run()'s arrays)."""
         if self.use_cuda_graph and self._baked is None:
             self._baked = self._pending_bake
+        launches = launch if isinstance(launch, (list, tuple)) else [launch]
+        params = params if isinstance(params, (list, tuple)) else [params]
         self._plan = AttentionPlan(
             rows=rows, max_rows=max_rows, num_qo_heads=hq, head_dim=d, dtype=_dtypes.to_numpy(dtype), kv=kv,
-            launch=launch, merge=merge,
-            set_ptrs=params.setter("q", "k", "v", "o", "lse"),
-            set_strides=params.setter("q_stride_n", "q_stride_h", "o_stride_n", "o_stride_h", "lse_stride_n",
-                                      "kv_stride_page", "kv_stride_token", "kv_stride_head"),
-            set_scales=(params.setter("k_scale_ptr", "v_scale_ptr", "k_scale", "v_scale")
+            launches=tuple(x for x in launches if x is not None), merge=merge,
+            set_ptrs=_setter(params, "q", "k", "v", "o", "lse"),
+            set_strides=_setter(params, "q_stride_n", "q_stride_h", "o_stride_n", "o_stride_h", "lse_stride_n",
+                                "kv_stride_page", "kv_stride_token", "kv_stride_head"),
+            set_scales=(_setter(params, "k_scale_ptr", "v_scale_ptr", "k_scale", "v_scale")
                         if kv.dtype.itemsize == 1 else None),
             merge_set_ptrs=merge_params.setter("o_out", "lse_out"),
             merge_set_strides=merge_params.setter("so_row", "so_h", "lo_row", "lo_h"),
             plan_stream=s.ptr, copy_done=copy_done, wait_copy=not self.use_cuda_graph,
-            info=types.MappingProxyType(dict(info, params=params, merge_params=merge_params)))
+            info=types.MappingProxyType(dict(info, params=params[0] if len(params) == 1 else tuple(params),
+                                             merge_params=merge_params)))
         return self
 
     # -- run -----------------------------------------------------------------------------------------------
@@ -344,8 +361,8 @@ class AttentionOp:
         p.set_ptrs(q.ptr, k.ptr, v.ptr, out.ptr, lse_ptr)
         p.set_strides(qs[0] // it, qs[1] // it, os_[0] // it, os_[1] // it, lse_row, *kv_strides)
         handle = s.handle
-        if p.launch is not None:
-            p.launch.launch(handle)
+        for launch in p.launches:
+            launch.launch(handle)
         merge = p.merge
         if merge is not None:
             p.merge_set_ptrs(out.ptr, lse_ptr)

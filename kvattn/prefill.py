@@ -174,6 +174,66 @@ register("prefill", [prefill_spec(128, r, Variant(), "bfloat16") for r in (128, 
 
 
 
+# -- one prefill launch's share of a plan buffer (the paged / ragged ops have one, cascade one per level) -----
+def level_layout(cap_b: int, cap_w: int, cap_m: int, cap_p: int, vdata) -> tuple[dict, int]:
+    """({region: int32 offset}, int32 size) of one launch's plan buffer: header, qo_indptr, kv_len, page_indptr,
+    mask_indptr, items, merge lists, pages, variant data; regions sized by the capacities (graph mode: bounds)."""
+    off, pos = {}, HEADER_INT32
+    for name, n in (("qo_indptr", cap_b + 1), ("kv_len", cap_b), ("page_indptr", cap_b + 1),
+                    ("mask_indptr", cap_b), ("items", 8 * cap_w), ("merge_indptr", cap_m + 1),
+                    ("merge_rows", cap_m), ("page_indices", cap_p),
+                    ("variant", vdata.size if vdata is not None else 0)):
+        off[name] = pos
+        pos += align4(max(n, 1))
+    return off, pos
+
+
+def write_level(h: np.ndarray, off: dict, items: np.ndarray, batch: int, qo_indptr, kv_lens, page_indptr,
+                page_indices, vdata=None, mask_offsets=None, *, num_partial_rows: int, merge=None):
+    """Fill one launch's int32 plan buffer h (zeroed first). items: int32 [W, 8]; qo_indptr, page_indptr: int
+    [batch + 1]; kv_lens: int [batch]; page_indices: int [pages]; merge: (indptr [M + 1], rows [M], capacity)
+    of the split rows, the unused tail of indptr repeating its last value (graph mode's fixed merge grid)."""
+    h[:] = 0
+    nm = merge[1].size if merge is not None else 0
+    write_header(h, num_items=items.shape[0], num_merge=nm, batch_size=batch, num_partial_rows=num_partial_rows)
+    h[off["qo_indptr"]:off["qo_indptr"] + batch + 1] = qo_indptr
+    h[off["kv_len"]:off["kv_len"] + batch] = kv_lens
+    h[off["page_indptr"]:off["page_indptr"] + batch + 1] = page_indptr
+    if mask_offsets is not None:
+        h[off["mask_indptr"]:off["mask_indptr"] + batch] = mask_offsets[:batch]
+    h[off["items"]:off["items"] + items.size] = items.ravel()
+    if merge is not None:
+        indptr, rows, cap_m = merge
+        mi = off["merge_indptr"]
+        h[mi:mi + nm + 1] = indptr
+        h[mi + nm + 1:mi + cap_m + 1] = indptr[-1]
+        h[off["merge_rows"]:off["merge_rows"] + nm] = rows
+    h[off["page_indices"]:off["page_indices"] + page_indices.size] = page_indices
+    if vdata is not None:
+        h[off["variant"]:off["variant"] + vdata.size] = vdata.view(np.int32)
+
+
+def level_params(base: int, off: dict, tmp_o: int, tmp_lse: int, mask: int, *, hq, group, page_size, page_shift,
+                 causal, window_left, scale, cap, variant_ptr) -> ParamBuffer:
+    """The kernel parameters of one launch whose plan buffer starts at device address base (array pointers and
+    strides are bound by run())."""
+    p = ParamBuffer(PREFILL_PARAMS)
+    p.set(tmp_o=tmp_o, tmp_lse=tmp_lse, plan=base, mask=mask,
+          off_qo_indptr=off["qo_indptr"], off_kv_len=off["kv_len"], off_page_indptr=off["page_indptr"],
+          off_page_indices=off["page_indices"], off_mask_indptr=off["mask_indptr"], off_items=off["items"],
+          num_qo_heads=hq, group_size=group, page_size=page_size, page_shift=page_shift, causal=int(causal),
+          window_left=window_left,
+          score_scale=(scale / cap) if cap > 0 else scale * LOG2E, cap_log2=cap * LOG2E,
+          variant_data=variant_ptr, k_scale=1.0, v_scale=1.0)
+    return p
+
+
+def page_size_shift(page_size: int) -> int:
+    """log2(page_size) for a power of two (the kernels shift), else -1 (they divide)."""
+    return (page_size.bit_length() - 1) if page_size & (page_size - 1) == 0 else -1
+
+
+
 class _BatchPrefill(AttentionOp):
     """What the paged and ragged wrappers share: the schedule, the packing, the variants (on the plan/run core)."""
 
@@ -264,33 +324,12 @@ class _BatchPrefill(AttentionOp):
         if plan.num_items > cap_w or plan.num_partial_rows > cap_part or plan.num_merge > cap_m:
             raise AssertionError("prefill plan exceeds its graph-mode bounds")  # prefill_bounds guarantees it
         vdata = variant.data(hq, batch, cap_b, **vvals)
-        off = {}
-        pos = HEADER_INT32
-        for name, n in (("qo_indptr", cap_b + 1), ("kv_len", cap_b), ("page_indptr", cap_b + 1),
-                        ("mask_indptr", cap_b), ("items", 8 * cap_w), ("merge_indptr", cap_m + 1),
-                        ("merge_rows", cap_m), ("page_indices", cap_p), ("variant", vdata.size if vdata is not None else 0)):
-            off[name] = pos
-            pos += align4(max(n, 1))
-        total_i32 = pos
+        off, total_i32 = level_layout(cap_b, cap_w, cap_m, cap_p, vdata)
         mask_bytes = packed_mask.size if packed_mask is not None else 0
         host = self._stage((total_i32 * 4 + mask_bytes + 15) // 16 * 16)
         h = host.view(np.int32)
-        h[:total_i32] = 0
-        write_header(h, num_items=plan.num_items, num_merge=plan.num_merge, batch_size=batch,
-                     num_partial_rows=plan.num_partial_rows)
-        h[off["qo_indptr"]:off["qo_indptr"] + batch + 1] = qo_indptr
-        h[off["kv_len"]:off["kv_len"] + batch] = kv_lens
-        h[off["page_indptr"]:off["page_indptr"] + batch + 1] = page_indptr
-        if mask_offsets is not None:
-            h[off["mask_indptr"]:off["mask_indptr"] + batch] = mask_offsets[:batch]
-        h[off["items"]:off["items"] + 8 * plan.num_items] = plan.items.ravel()
-        mi = off["merge_indptr"]
-        h[mi:mi + plan.num_merge + 1] = plan.merge_indptr
-        h[mi + plan.num_merge + 1:mi + cap_m + 1] = plan.merge_indptr[-1]
-        h[off["merge_rows"]:off["merge_rows"] + plan.num_merge] = plan.merge_rows
-        h[off["page_indices"]:off["page_indices"] + page_indices.size] = page_indices
-        if vdata is not None:
-            h[off["variant"]:off["variant"] + vdata.size] = vdata.view(np.int32)
+        write_level(h[:total_i32], off, plan.items, batch, qo_indptr, kv_lens, page_indptr, page_indices, vdata,
+                    mask_offsets, num_partial_rows=plan.num_partial_rows, merge=(plan.merge_indptr, plan.merge_rows, cap_m))
         if mask_bytes:
             host[total_i32 * 4:total_i32 * 4 + mask_bytes] = packed_mask
 
@@ -305,15 +344,10 @@ class _BatchPrefill(AttentionOp):
 
         base = dev["plan"].ptr
         variant_ptr = base + off["variant"] * 4 if vdata is not None else 0
-        p = ParamBuffer(PREFILL_PARAMS)
-        p.set(tmp_o=dev["tmp_o"].ptr, tmp_lse=dev["tmp_lse"].ptr, plan=base,
-              mask=dev["mask"].ptr if mask_bytes else 0,
-              off_qo_indptr=off["qo_indptr"], off_kv_len=off["kv_len"], off_page_indptr=off["page_indptr"],
-              off_page_indices=off["page_indices"], off_mask_indptr=off["mask_indptr"], off_items=off["items"],
-              num_qo_heads=hq, group_size=group, page_size=page_size, page_shift=page_shift, causal=int(causal),
-              window_left=window_left,
-              score_scale=(scale / cap) if cap > 0 else scale * LOG2E, cap_log2=cap * LOG2E,
-              variant_data=variant_ptr, k_scale=1.0, v_scale=1.0)
+        p = level_params(base, off, dev["tmp_o"].ptr, dev["tmp_lse"].ptr, dev["mask"].ptr if mask_bytes else 0,
+                         hq=hq, group=group, page_size=page_size, page_shift=page_shift, causal=causal,
+                         window_left=window_left, scale=scale, cap=cap, variant_ptr=variant_ptr)
+        mi = off["merge_indptr"]
         merge_rows = cap_m if self.use_cuda_graph else plan.num_merge
         merge, mp = self._merge_launch(merge_rows, dev["tmp_o"], dev["tmp_lse"], base, mi, off["merge_rows"], hq,
                                        head_dim, plan.num_merge, q_dtype, variant, variant_ptr)
@@ -410,9 +444,8 @@ class BatchPrefillWithPagedKVCache(_BatchPrefill):
             raise TypeError(f"page_table: expected a kvattn.PageTable, got {type(page_table).__name__}")
         qo_indptr = _v.as_indptr(qo_indptr, "qo_indptr", length=page_table.indptr.size)
         ps = page_table.page_size
-        shift = (ps.bit_length() - 1) if ps & (ps - 1) == 0 else -1
         return self._plan_common(qo_indptr, page_table.kv_lens.astype(np.int64), page_table.indptr,
-                                 page_table.indices, ps, shift, num_qo_heads, num_kv_heads, head_dim, causal,
+                                 page_table.indices, ps, page_size_shift(ps), num_qo_heads, num_kv_heads, head_dim, causal,
                                  custom_mask, mask_indptr, sm_scale, window_left, logits_soft_cap, q_dtype,
                                  kv_dtype, cta_rows, stream, variant, alibi_slopes, sinks, variant_params, rope,
                                  rope_offsets)

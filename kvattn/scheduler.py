@@ -720,6 +720,53 @@ def _ceil64(x):
     return (x + 63) // 64 * 64
 
 
+def _prefill_blocks(qo, kv, group, rows, causal, window_left):
+    """The query blocks of a batch: (tpb, hs, nz, request, first token t0, end token t1, KV range [lo, hi)) with
+    the int64 arrays of length NB (see the section doc)."""
+    tpb, hs, nz = prefill_geometry(group, rows)
+    nblk = -(-qo // tpb)
+    NB = int(nblk.sum())
+    bfirst = np.cumsum(nblk) - nblk
+    breq = np.repeat(np.arange(qo.size, dtype=np.int64), nblk)
+    t0 = (np.arange(NB, dtype=np.int64) - bfirst[breq]) * tpb
+    t1 = np.minimum(t0 + tpb, qo[breq])
+    kvb = kv[breq]
+    delta = kvb - qo[breq]
+    hi = np.minimum(kvb, delta + t1) if causal else kvb.copy()
+    hi = np.maximum(hi, 0)
+    if window_left >= 0:
+        lo = np.clip(delta + t0 - window_left, 0, hi)
+    else:
+        lo = np.zeros(NB, np.int64)
+    return tpb, hs, nz, breq, t0, t1, lo, hi
+
+
+def _prefill_items(breq, t0, ntok, lo, hi, csize, nchunk, nz, hs, group, pbase, pstride, chunked):
+    """The work items (int32 [W, 8], longest KV range first, stable) of blocks cut into nchunk[b] chunks of
+    csize[b] tokens from lo[b] (clipped to hi[b]; a chunk past hi is empty), nz head slices each. Chunk k of a
+    chunked block writes partial rows from pbase[b] + k with stride pstride[b]; other blocks pbase[b] (-1: the
+    output) and pstride[b] as given."""
+    per = nchunk * nz
+    W = int(per.sum())
+    bidx = np.repeat(np.arange(breq.size, dtype=np.int64), per)
+    q = np.arange(W, dtype=np.int64) - (np.cumsum(per) - per)[bidx]
+    k, z = q // nz, q % nz
+    items = np.zeros((W, PREFILL_ITEM_FIELDS), np.int32)
+    kb = np.minimum(lo[bidx] + k * csize[bidx], hi[bidx])
+    ke = np.minimum(kb + csize[bidx], hi[bidx])
+    items[:, 0] = breq[bidx]
+    items[:, 1] = t0[bidx] * group + z * hs
+    items[:, 2] = ntok[bidx] * group if nz == 1 else np.minimum(hs, group - z * hs)
+    items[:, 3] = kb
+    items[:, 4] = ke
+    sb = chunked[bidx]
+    items[:, 5] = np.where(sb, pbase[bidx] + k, pbase[bidx])
+    items[:, 6] = pstride[bidx]
+    order = np.argsort(-(ke - kb), kind="stable")
+    return np.ascontiguousarray(items[order])
+
+
+
 def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal=False, window_left=-1,
                  num_sms=132, ctas_per_sm=2, split_tokens=None, max_split_chunks=None) -> PrefillPlan:
     """Schedule a prefill / append batch (see the section doc above).  qo_lens, kv_lens: int [B].
@@ -740,22 +787,8 @@ def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal
     if causal and (kv < qo).any():
         i = int(np.argmax(kv < qo))
         raise ValueError(f"causal: requires kv_len >= qo_len, request {i} has qo_len {int(qo[i])} > kv_len {int(kv[i])}")
-    B = qo.size
-    tpb, hs, nz = prefill_geometry(group, rows)
-    nblk = -(-qo // tpb)
-    NB = int(nblk.sum())
-    bfirst = np.cumsum(nblk) - nblk
-    breq = np.repeat(np.arange(B, dtype=np.int64), nblk)
-    t0 = (np.arange(NB, dtype=np.int64) - bfirst[breq]) * tpb
-    t1 = np.minimum(t0 + tpb, qo[breq])
-    kvb = kv[breq]
-    delta = kvb - qo[breq]
-    hi = np.minimum(kvb, delta + t1) if causal else kvb.copy()
-    hi = np.maximum(hi, 0)
-    if window_left >= 0:
-        lo = np.clip(delta + t0 - window_left, 0, hi)
-    else:
-        lo = np.zeros(NB, np.int64)
+    tpb, hs, nz, breq, t0, t1, lo, hi = _prefill_blocks(qo, kv, group, rows, causal, window_left)
+    NB = breq.size
     ln = hi - lo
     slots_h = max(1, (num_sms * ctas_per_sm) // hkv)
     total = int(ln.sum()) * nz
@@ -795,24 +828,9 @@ def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal
     pbase = np.cumsum(pcount) - pcount
     num_partial = int(pcount.sum())
 
-    per = nchunk * nz
-    W = int(per.sum())
-    bidx = np.repeat(np.arange(NB, dtype=np.int64), per)
-    q = np.arange(W, dtype=np.int64) - (np.cumsum(per) - per)[bidx]
-    k, z = q // nz, q % nz
-    items = np.zeros((W, PREFILL_ITEM_FIELDS), np.int32)
-    kb = lo[bidx] + k * csize[bidx]
-    ke = np.minimum(kb + csize[bidx], hi[bidx])
-    items[:, 0] = breq[bidx]
-    items[:, 1] = t0[bidx] * group + z * hs
-    items[:, 2] = ntok[bidx] * group if nz == 1 else np.minimum(hs, group - z * hs)
-    items[:, 3] = kb
-    items[:, 4] = ke
-    sb = split_blk[bidx]
-    items[:, 5] = np.where(sb, pbase[bidx] + k, -1)
-    items[:, 6] = np.where(sb, nchunk[bidx], 1)
-    order = np.argsort(-(ke - kb), kind="stable")
-    items = np.ascontiguousarray(items[order])
+    sb = split_blk
+    items = _prefill_items(breq, t0, ntok, lo, hi, csize, nchunk, nz, hs, group,
+                           np.where(sb, pbase, -1), np.where(sb, nchunk, 1), sb)
 
     # merges: every token of every split block, its chunks' partial rows are consecutive
     sblk = np.nonzero(split_blk)[0]
@@ -824,5 +842,52 @@ def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal
     return PrefillPlan(items, merge_indptr, merge_rows, num_partial, bool(sblk.size), int(L), tpb, nz)
 
 
+def cascade_chunks(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal=False, num_sms=132,
+                   ctas_per_sm=2) -> int:
+    """The chunk count of one cascade level: every block of the level is cut into this many chunks, enough for
+    the level's items to fill one wave (``slots_h`` per KV head) without chunks under ``PREFILL_MIN_CHUNK``
+    tokens (of its longest block)."""
+    group = _as_int("group_size", group_size, 1)
+    rows = _as_int("cta_rows", cta_rows, 16)
+    qo, _ = _as_kv_lens(qo_lens)
+    kv, _ = _as_kv_lens(kv_lens)
+    _, _, nz, breq, _, _, lo, hi = _prefill_blocks(qo, kv, group, rows, causal, -1)
+    if not breq.size:
+        return 1
+    slots_h = max(1, (num_sms * ctas_per_sm) // _as_int("num_kv_heads", num_kv_heads, 1))
+    want = -(-slots_h // (breq.size * nz))
+    return int(max(1, min(want, -(-int((hi - lo).max()) // PREFILL_MIN_CHUNK))))
+
+
+def plan_cascade_level(qo_lens, kv_lens, group_size, cta_rows, chunks, slots, slot0, *, causal=False):
+    """The work items (int32 [W, 8]) of one cascade level (see the section doc): every block's KV range is cut
+    into ``chunks`` near-equal 64-aligned chunks (trailing ones may be empty), and chunk k of the block holding
+    query token t (global index) writes the float32 partial row ``t * slots + slot0 + k``: every query token
+    owns ``slots`` consecutive partial rows, one per (level, chunk), that one stacked merge combines; an empty
+    chunk writes lse -inf there. qo_lens, kv_lens: int [G] (the level's groups)."""
+    group = _as_int("group_size", group_size, 1)
+    rows = _as_int("cta_rows", cta_rows, 16)
+    n = _as_int("chunks", chunks, 1)
+    S = _as_int("slots", slots, 1)
+    off = _as_int("slot0", slot0, 0)
+    if off + n > S:
+        raise ValueError(f"slot0 + chunks ({off} + {n}) exceeds slots {S}")
+    qo, _ = _as_kv_lens(qo_lens)
+    kv, _ = _as_kv_lens(kv_lens)
+    if qo.shape != kv.shape:
+        raise ValueError(f"qo_lens and kv_lens must have the same length, got {qo.size} and {kv.size}")
+    if causal and (kv < qo).any():
+        i = int(np.argmax(kv < qo))
+        raise ValueError(f"causal: requires kv_len >= qo_len, request {i} has qo_len {int(qo[i])} > kv_len {int(kv[i])}")
+    tpb, hs, nz, breq, t0, t1, lo, hi = _prefill_blocks(qo, kv, group, rows, causal, -1)
+    NB = breq.size
+    csize = np.maximum(_ceil64(-(-(hi - lo) // n)), 64) if n > 1 else np.maximum(hi - lo, 1)
+    qo_start = np.cumsum(qo) - qo
+    every = np.ones(NB, bool)
+    return _prefill_items(breq, t0, t1 - t0, lo, hi, csize, np.full(NB, n, np.int64), nz, hs, group,
+                          (qo_start[breq] + t0) * S + off, np.full(NB, S, np.int64), every)
+
+
 __all__ += ["PREFILL_TILE_KV", "PREFILL_MIN_CHUNK", "PREFILL_ITEM_FIELDS", "PrefillPlan", "prefill_geometry",
-            "prefill_bounds", "plan_prefill"]
+            "prefill_bounds", "plan_prefill",
+            "cascade_chunks", "plan_cascade_level"]

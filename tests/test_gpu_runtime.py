@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import kvattn
-from kvattn import _dtypes, compiler, contract, decode, kernels, merge, reference
+from kvattn import _dtypes, compiler, contract, decode, kernels, merge, page, reference
 from _gpu import assert_lse, poisoned, rel_l2, requires_gpu
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
@@ -68,7 +68,8 @@ def test_torch_interop_zero_copy_bfloat16():
 
 @pytest.mark.parametrize("struct,dtype,header", [("kvattn::MergeParams", merge.MERGE_PARAMS, "merge.cuh"),
                                                  ("kvattn::DecodeParams", decode.DECODE_PARAMS, "decode.cuh"),
-                                                 ("kvattn::PlanHeader", contract.PLAN_HEADER, "common.cuh")])
+                                                 ("kvattn::PlanHeader", contract.PLAN_HEADER, "common.cuh"),
+                                                 ("kvattn::AppendParams", page.APPEND_PARAMS, "page.cuh")])
 def test_param_struct_offsets_match_on_device(struct, dtype, header):
     src = f'#include "{header}"\n' + kernels.layout_probe(struct, dtype)
     spec = kernels.KernelSpec(header, "kvattn_layout_probe", (), ())

@@ -1,0 +1,211 @@
+"""Multi-level cascade attention: shared prefixes computed once for all the query rows that share them.
+
+    levels = kvattn.CascadeLevels.from_shared_prefixes(page_lists, kv_lens, qo_lens, page_size=16)
+    w = kvattn.MultiLevelCascadeAttentionWrapper(num_levels=2)
+    w.plan(levels, num_qo_heads=32, num_kv_heads=8, head_dim=128)
+    o = w.run(q, k_cache, v_cache)       # q [total_qo, Hq, D]; caches as BatchPrefillWithPagedKVCache
+
+A level is a (qo_indptr, PageTable) pair: its groups partition the query rows, and every row of a group attends
+to the group's pages. Level 0 is usually one group per shared prefix: all its rows (e.g. one decode token of
+each of 128 requests, times the GQA group) are packed into full tensor-core query tiles, so the prefix's KV is
+read once per tile instead of once per request. The causal mask (bottom-right aligned) applies to the last
+level only: a row sees every token of the coarser levels.
+
+One plan, one workspace, one host-to-device copy, one captured graph: plan() schedules every level with the
+prefill kernels (each level its own query tile, so a 512-row shared level takes the 128-row wgmma tile and a
+4-row suffix level the 16-row tile), packs every level's work list into one plan buffer and issues one copy.
+Every query row owns `slots` consecutive float32 partial states, one per (level, KV chunk): each block of level l
+is cut into chunks[l] KV chunks (an empty chunk writes lse = -inf). run() launches one prefill kernel per level
+and one stacked merge that combines each row's slots, level 0 first (deterministic: fixed order, no atomics).
+Graph mode bakes the levels' query tiles and chunk counts from the first plan(); later plans within the bounds
+(max_batch_size groups per level, max_total_qo rows, max_num_pages pages per level) reuse the captured graph.
+Workspace: max_total_qo (or the rows) * slots * Hq * D * 4 bytes of partial states.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _dtypes, _validate as _v, scheduler
+from ._attn_args import check_plan_args
+from ._binding import import_array
+from .contract import NUM_MERGE
+from .formats import CascadeLevels, PageTable
+from .kernels import Launch, ParamBuffer, get_kernel
+from .merge import MERGE_PARAMS, merge_spec
+from .opcore import AttentionOp, PagedKV, on_device
+from .prefill import (BACKENDS, DEFAULT_WORKSPACE, choose_cta_rows, launch_config, level_layout, level_params,
+                      page_size_shift, write_level)
+from .variants import Variant, plan_variant
+
+
+def as_levels(levels, page_tables) -> CascadeLevels:
+    """A CascadeLevels from plan()'s first arguments: a CascadeLevels (page_tables None), or a list of qo_indptr
+    arrays with a list of PageTables."""
+    if isinstance(levels, CascadeLevels):
+        if page_tables is not None:
+            raise ValueError("page_tables: give either a CascadeLevels or qo_indptr and page_table lists, not both")
+        return levels
+    if page_tables is None:
+        raise TypeError("levels: expected a kvattn.CascadeLevels, or a list of qo_indptr arrays with page_tables "
+                        "(a list of kvattn.PageTable)")
+    levels, page_tables = list(levels), list(page_tables)
+    if len(levels) != len(page_tables):
+        raise ValueError(f"page_tables: expected one per level ({len(levels)}), got {len(page_tables)}")
+    return CascadeLevels(list(zip(levels, page_tables)))
+
+
+class MultiLevelCascadeAttentionWrapper(AttentionOp):
+    """Cascade attention over a paged KV cache (see the module docstring).
+
+    num_levels: the levels every plan() gives. kv_layout: "NHD" or "HND" (as BatchPrefillWithPagedKVCache).
+    use_cuda_graph: fix the buffers and grids from max_batch_size (groups of any level), max_total_qo (query
+    rows) and max_num_pages (pages of any level). backend: "auto", "sm80" or "sm90" (as the prefill wrappers).
+    """
+
+    DEFAULT_WORKSPACE = DEFAULT_WORKSPACE
+
+    def __init__(self, num_levels, kv_layout="NHD", use_cuda_graph=False, max_batch_size=None, max_total_qo=None,
+                 max_num_pages=None, workspace_bytes=None, num_sms=None, backend="auto", device=None):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        self.num_levels = _v.as_int(num_levels, "num_levels", min_value=1)
+        super().__init__(kv_layout, use_cuda_graph,
+                         dict(max_batch_size=max_batch_size, max_total_qo=max_total_qo, max_num_pages=max_num_pages),
+                         ("max_batch_size", "max_total_qo", "max_num_pages"), workspace_bytes, num_sms, device)
+        self.backend = backend
+
+    @on_device
+    def plan(self, levels, page_tables=None, num_qo_heads=None, num_kv_heads=None, head_dim=None, *, causal=False,
+             sm_scale=None, logits_soft_cap=0.0, q_dtype="bfloat16", kv_dtype=None, stream=None):
+        """Schedule the levels (host arrays are read now).
+
+        levels: a kvattn.CascadeLevels, or a list of num_levels qo_indptr arrays (int [G_l + 1]) with page_tables
+        a list of kvattn.PageTable (G_l groups each). causal: bottom-right causal mask on the last level.
+        kv_dtype: q's dtype or an fp8 type (run() then takes k_scale / v_scale).
+        """
+        lv = as_levels(levels, page_tables)
+        if len(lv) != self.num_levels:
+            raise ValueError(f"levels: this wrapper was built for num_levels={self.num_levels}, got {len(lv)}")
+        for name, x in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if x is None:
+                raise TypeError(f"{name}: required")
+        hq, hkv, d, q_dtype, kv_dtype, _, cap = check_plan_args(num_qo_heads, num_kv_heads, head_dim, q_dtype,
+                                                                 kv_dtype, -1, logits_soft_cap, fp8_kv=True)
+        scale = (1.0 / math.sqrt(d)) if sm_scale is None else _v.as_float(sm_scale, "sm_scale")
+        causal = bool(causal)
+        group = hq // hkv
+        total_qo = int(lv[0][0][-1])
+        ps = lv.page_size
+        shapes = []
+        for li, (qo_indptr, pt) in enumerate(lv):
+            qo = np.diff(qo_indptr).astype(np.int64)
+            kv = pt.kv_lens.astype(np.int64)
+            last = li == len(lv) - 1
+            if causal and last and (kv < qo).any():
+                i = int(np.argmax(kv < qo))
+                raise ValueError(f"causal: the last level needs kv_len >= qo_len for every request; request {i} "
+                                 f"has qo_len {int(qo[i])} > kv_len {int(kv[i])}")
+            if self.use_cuda_graph:
+                if qo.size > self.max_batch_size:
+                    raise ValueError(f"levels[{li}]: {qo.size} groups exceed max_batch_size {self.max_batch_size}")
+                if pt.indices.size > self.max_num_pages:
+                    raise ValueError(f"levels[{li}]: {pt.indices.size} pages exceed max_num_pages "
+                                     f"{self.max_num_pages}")
+            shapes.append((qo, kv, causal and last))
+        if self.use_cuda_graph and total_qo > self.max_total_qo:
+            raise ValueError(f"levels: {total_qo} query rows exceed max_total_qo {self.max_total_qo}")
+        variant, _ = plan_variant(None, hq, lv[-1][1].batch_size, cap > 0, False, False, None, None, None)
+
+        # every level's query tile and kernel, then its chunk count (graph mode: the first plan()'s)
+        tiles, cfgs = [], []
+        for qo, kv, _ in shapes:
+            packed = qo.sum() * group / max(int(np.count_nonzero(qo)), 1)
+            tiles.append(choose_cta_rows(packed, d))
+        if self.use_cuda_graph and self._baked is not None:
+            tiles = list(self._baked["cta_rows"])
+        for rows in tiles:
+            cfg = launch_config(self.backend, d, rows, variant, q_dtype, kv_dtype)
+            get_kernel(cfg.spec)._allow_smem(cfg.smem)   # now, not during a graph capture
+            cfgs.append(cfg)
+        chunks = [scheduler.cascade_chunks(qo, kv, group, hkv, rows, causal=c, num_sms=self.num_sms,
+                                           ctas_per_sm=cfg.ctas_per_sm)
+                  for (qo, kv, c), rows, cfg in zip(shapes, tiles, cfgs)]
+        if self.use_cuda_graph and self._baked is not None:
+            chunks = list(self._baked["chunks"])
+        self._bake(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=ps,
+                   sm_scale=scale, causal=causal, logits_soft_cap=cap, cta_rows=tuple(tiles), chunks=tuple(chunks))
+        slots = sum(chunks)
+        slot0 = np.cumsum([0] + chunks[:-1])
+
+        # one plan buffer: every level's header, lengths, work list and pages
+        items, offs, bases, caps = [], [], [], []
+        pos = 0
+        for li, ((qo, kv, c), rows) in enumerate(zip(shapes, tiles)):
+            it = scheduler.plan_cascade_level(qo, kv, group, rows, chunks[li], slots, int(slot0[li]), causal=c)
+            if self.use_cuda_graph:
+                nb = self.max_batch_size
+                cap_w = scheduler.prefill_bounds(nb, self.max_total_qo, group, hkv, rows,
+                                                 max_split_chunks=chunks[li])[0]
+                cap_p = self.max_num_pages
+            else:
+                nb, cap_w, cap_p = qo.size, it.shape[0], lv[li][1].indices.size
+            off, size = level_layout(nb, cap_w, 0, cap_p, None)
+            items.append(it)
+            offs.append(off)
+            bases.append(pos)
+            caps.append(cap_w)
+            pos += size
+        total_i32 = pos
+        host = self._stage(total_i32 * 4)
+        h = host.view(np.int32)
+        for li, (qo_indptr, pt) in enumerate(lv):
+            end = bases[li + 1] if li + 1 < len(lv) else total_i32
+            write_level(h[bases[li]:end], offs[li], items[li], pt.batch_size, qo_indptr, pt.kv_lens, pt.indptr,
+                        pt.indices, num_partial_rows=total_qo * slots)
+        h[bases[0] + NUM_MERGE] = total_qo   # the stacked merge's row count (read by the graph-mode merge)
+        max_rows = self.max_total_qo if self.use_cuda_graph else total_qo
+        regions = {
+            "plan": ((total_i32,), "int32"),
+            "tmp_o": ((max(max_rows * slots, 1), hq, d), "float32"),
+            "tmp_lse": ((max(max_rows * slots, 1), hq), "float32"),
+        }
+        dev, s, copy_done = self._upload(host, [("plan", 0, total_i32 * 4)], regions, stream)
+
+        base = dev["plan"].ptr
+        launches, params = [], []
+        for li, cfg in enumerate(cfgs):
+            p = level_params(base + 4 * bases[li], offs[li], dev["tmp_o"].ptr, dev["tmp_lse"].ptr, 0, hq=hq,
+                             group=group, page_size=ps, page_shift=page_size_shift(ps), causal=shapes[li][2],
+                             window_left=-1, scale=scale, cap=cap, variant_ptr=0)
+            params.append(p)
+            launches.append(Launch(get_kernel(cfg.spec), (caps[li], hkv, 1), cfg.threads, cfg.smem, p)
+                            if caps[li] else None)
+        mp = ParamBuffer(MERGE_PARAMS)
+        mp.set(o_in=dev["tmp_o"].ptr, lse_in=dev["tmp_lse"].ptr, indptr=0, out_rows=0,
+               num_rows_dev=base + NUM_MERGE * 4 if self.use_cuda_graph else 0,
+               s_row=slots * hq * d, s_n=hq * d, s_h=d, l_row=slots * hq, l_n=hq, l_h=1,
+               num_rows=total_qo, n=slots, num_heads=hq, head_dim=d, variant_data=0)
+        merge = (Launch(get_kernel(merge_spec("float32", q_dtype, Variant())), -(-max_rows * hq * (d // 8) // 256),
+                        256, 0, mp) if max_rows else None)
+        pages = max((int(pt.indices.max(initial=-1)) + 1 for _, pt in lv), default=0)
+        kv = PagedKV(self.kv_layout, ps, hkv, d, _dtypes.to_numpy(kv_dtype), pages)
+        return self._finish_plan(
+            rows=total_qo, max_rows=max_rows, hq=hq, d=d, dtype=q_dtype, kv=kv, launch=launches, params=params,
+            merge=merge, merge_params=mp, s=s, copy_done=copy_done,
+            levels=tuple(dict(cta_rows=rows, chunks=n, backend=cfg.backend, items=it.shape[0])
+                         for rows, n, cfg, it in zip(tiles, chunks, cfgs, items)),
+            slots=slots, variant=variant, num_kv_heads=hkv)
+
+    @on_device
+    def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None, k_scale=None,
+            v_scale=None):
+        """q: [total_qo, Hq, D]; caches as BatchPrefillWithPagedKVCache.run (NHD / HND, or one [pages, 2, ...]
+        array). out: [total_qo, Hq, D] in q's dtype; lse: [total_qo, Hq] float32, natural log (graph mode: the
+        arrays may keep max_total_qo rows). Returns out, or (out, lse) with return_lse. Capturable when every
+        array is a device array and out (and lse) are given."""
+        p, s, capturing = self._begin_run(stream)
+        q = import_array(q, s, capturing)
+        k, v, kv_strides = p.kv.bind(k_cache, v_cache, s, capturing)
+        return self._execute(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse, k_scale, v_scale)

@@ -1,0 +1,156 @@
+"""CPU tests of cascade attention's schedule: a float64 emulation of the level work items and the stacked merge
+matches reference.cascade_attention, every (row, head, KV token) is covered once per level and every partial slot
+is written once; plan() argument errors are raised before any GPU call."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import kvattn
+from kvattn import reference, scheduler
+from kvattn.formats import CascadeLevels, PageTable
+
+NEG = -np.inf
+
+
+def _items_run(items, qo_indptr, kv_lens, group, causal):
+    """Per item (kv head 0): [(global row, head in group, kv begin, kv end, partial row)] for every packed row."""
+    out = []
+    for req, row0, nrows, kb, ke, partial, pstride, _ in items:
+        qs = int(qo_indptr[req])
+        tok_lo = row0 // group
+        for pr in range(row0, row0 + nrows):
+            t, hg = pr // group, pr % group
+            out.append((qs + t, hg, int(kb), int(ke), int(partial) + (t - tok_lo) * int(pstride), int(req)))
+    return out
+
+
+def _emulate(q, k4, v4, levels, group, cta_rows, chunks, causal, sm_scale):
+    """float64 result of the cascade plan: each level's items write partial (o, lse) slots, one stacked merge."""
+    rows, hq, d = q.shape
+    slots = sum(chunks)
+    slot0 = np.cumsum([0] + list(chunks[:-1]))
+    po = np.full((rows * slots, hq, d), np.nan)
+    pl = np.full((rows * slots, hq), np.nan)
+    written = np.zeros((rows * slots, hq), int)
+    hkv = hq // group
+    for li, (qo_indptr, pt) in enumerate(levels):
+        last = li == len(levels) - 1
+        qo = np.diff(qo_indptr)
+        items = scheduler.plan_cascade_level(qo, pt.kv_lens, group, cta_rows, chunks[li], slots, int(slot0[li]),
+                                             causal=causal and last)
+        for row, hg, kb, ke, prow, req in _items_run(items, qo_indptr, pt.kv_lens, group, causal):
+            pages = pt.pages(req)
+            kvl = int(pt.kv_lens[req])
+            kk = k4[pages].reshape(-1, hkv, d)[:kvl]
+            vv = v4[pages].reshape(-1, hkv, d)[:kvl]
+            t = row - int(qo_indptr[req])
+            hi = ke
+            if causal and last:
+                hi = min(ke, kvl - int(qo[req]) + t + 1)
+            for kh in range(hkv):
+                h = kh * group + hg
+                written[prow, h] += 1
+                if hi <= kb:
+                    po[prow, h], pl[prow, h] = 0.0, NEG
+                    continue
+                s = kk[kb:hi, kh] @ q[row, h] * sm_scale
+                m = s.max()
+                p = np.exp(s - m)
+                po[prow, h] = p @ vv[kb:hi, kh] / p.sum()
+                pl[prow, h] = m + np.log(p.sum())
+    assert (written == 1).all(), "every (row, slot, head) partial is written exactly once"
+    o, lse = reference.merge_states(po.reshape(rows, slots, hq, d), pl.reshape(rows, slots, hq))
+    return o, lse
+
+
+@st.composite
+def cascades(draw):
+    ps = draw(st.sampled_from([1, 4, 16]))
+    b = draw(st.integers(1, 6))
+    qo = draw(st.lists(st.integers(0, 5), min_size=b, max_size=b))
+    nlev = draw(st.integers(1, 3))
+    # levels: coarse groupings of the last level's requests
+    cuts = [sorted(set(draw(st.lists(st.integers(1, b - 1), max_size=b))) if b > 1 else []) for _ in range(nlev - 1)]
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    cq = np.concatenate([[0], np.cumsum(qo)])
+    num_pages = 64
+    lv = []
+    for li in range(nlev):
+        bounds = [0] + (cuts[li] if li < nlev - 1 else list(range(1, b))) + [b]
+        qo_indptr = cq[bounds]
+        g = len(bounds) - 1
+        kv = rng.integers(0, 3 * ps + 3, g)
+        if li == nlev - 1:
+            kv = np.maximum(kv, np.diff(qo_indptr))   # causal needs kv >= qo on the last level
+        lv.append((qo_indptr, PageTable.from_kv_lens(kv, ps, num_pages=num_pages, rng=rng)))
+    return CascadeLevels(lv), ps, num_pages, rng
+
+
+@settings(max_examples=40)
+@given(cascades(), st.sampled_from([1, 4]), st.sampled_from([16, 64]), st.booleans())
+def test_cascade_schedule_matches_reference(c, group, cta_rows, causal):
+    levels, ps, num_pages, rng = c
+    hkv, d = 2, 8
+    hq = hkv * group
+    rows = int(levels[0][0][-1])
+    q = rng.standard_normal((rows, hq, d))
+    k4 = rng.standard_normal((num_pages, ps, hkv, d))
+    v4 = rng.standard_normal((num_pages, ps, hkv, d))
+    chunks = [int(rng.integers(1, 4)) for _ in levels]
+    o, lse = _emulate(q, k4, v4, levels, group, cta_rows, chunks, causal, 1 / np.sqrt(d))
+    ro, rl = reference.cascade_attention(q, k4, v4, levels, causal=causal, return_lse=True)
+    np.testing.assert_allclose(o, ro, atol=1e-12)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(rl))
+    fin = np.isfinite(rl)
+    np.testing.assert_allclose(lse[fin], rl[fin], atol=1e-12)
+
+
+def test_cascade_chunks_fill_one_wave():
+    # the benchmark's shared level: 128 rows x group 4 in 128-row tiles = 4 blocks, one wave of 16 slots per head
+    assert scheduler.cascade_chunks([128], [32768], 4, 8, 128, num_sms=132, ctas_per_sm=1) == 4
+    # short KV is not cut below PREFILL_MIN_CHUNK tokens; a full batch is not cut at all
+    assert scheduler.cascade_chunks([1], [300], 4, 8, 16, num_sms=132, ctas_per_sm=4) == 2
+    assert scheduler.cascade_chunks([1] * 256, [4096] * 256, 4, 8, 16, num_sms=132, ctas_per_sm=4) == 1
+    assert scheduler.cascade_chunks([], [], 4, 8, 16) == 1
+
+
+def test_plan_cascade_level_errors():
+    with pytest.raises(ValueError, match="slots"):
+        scheduler.plan_cascade_level([1], [10], 1, 16, 3, 2, 0)
+    with pytest.raises(ValueError, match="causal"):
+        scheduler.plan_cascade_level([5], [3], 1, 16, 1, 1, 0, causal=True)
+
+
+def _two_level():
+    lv0 = (np.array([0, 3]), PageTable([0, 2], [0, 1], [4], 4))
+    lv1 = (np.array([0, 1, 2, 3]), PageTable([0, 1, 2, 3], [2, 3, 4], [1, 2, 3], 4))
+    return CascadeLevels([lv0, lv1])
+
+
+def test_cascade_plan_argument_errors():
+    w = kvattn.MultiLevelCascadeAttentionWrapper(2)
+    with pytest.raises(ValueError, match="num_levels=2"):
+        w.plan(CascadeLevels([_two_level()[0]]), None, 8, 2, 64)
+    with pytest.raises(TypeError, match="page_tables"):
+        w.plan([np.array([0, 3])], None, 8, 2, 64)
+    with pytest.raises(ValueError, match="page_tables: expected one per level"):
+        w.plan([np.array([0, 3]), np.array([0, 3])], [_two_level()[0][1]], 8, 2, 64)
+    with pytest.raises(ValueError, match="head_dim"):
+        w.plan(_two_level(), None, 8, 2, 48)
+    with pytest.raises(ValueError, match="num_qo_heads"):
+        w.plan(_two_level(), None, 7, 2, 64)
+    with pytest.raises(TypeError, match="num_kv_heads: required"):
+        w.plan(_two_level(), None, 8)
+    lv = _two_level()
+    short = CascadeLevels([lv[0], (lv[1][0], PageTable([0, 1, 2, 3], [2, 3, 4], [1, 1, 1], 4))])
+    # request 0 of the last level: qo 1, kv 1 is fine; make one with qo 2 > kv 1
+    bad = CascadeLevels([(np.array([0, 3]), lv[0][1]), (np.array([0, 2, 3]), PageTable([0, 1, 2], [2, 3], [1, 1], 4))])
+    with pytest.raises(ValueError, match="causal: the last level"):
+        w.plan(bad, None, 8, 2, 64, causal=True)
+    del short
+    g = kvattn.MultiLevelCascadeAttentionWrapper(2, use_cuda_graph=True, max_batch_size=2, max_total_qo=8,
+                                                 max_num_pages=8)
+    with pytest.raises(ValueError, match="groups exceed max_batch_size 2"):
+        g.plan(_two_level(), None, 8, 2, 64)
+    with pytest.raises(ValueError, match="needs max_batch_size"):
+        kvattn.MultiLevelCascadeAttentionWrapper(2, use_cuda_graph=True)

@@ -1,0 +1,179 @@
+"""GPU tests of MultiLevelCascadeAttentionWrapper against the float64 reference (reference.cascade_attention):
+1..3 levels with empty groups and empty requests, both kernels (the shared level's 128-row tile takes sm90),
+fp8 caches, graph replay across re-plans, poisoned outputs."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import kvattn
+from kvattn import _dtypes, graphs, reference
+from kvattn.formats import CascadeLevels, PageTable
+
+from _gpu import assert_lse, poisoned, rel_l2, requires_gpu
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+TOL = {"bfloat16": 1e-2, "float16": 2e-3}
+
+
+def _levels(rng, qo_lens, group_sizes, level_kv, page_size, num_pages):
+    """CascadeLevels whose level l groups the requests by group_sizes[l] (the last level: one group per request)
+    with kv lengths level_kv[l] (random scattered pages, distinct across levels)."""
+    cq = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int64)
+    free = rng.permutation(num_pages).astype(np.int32)
+    used = 0
+    out = []
+    for sizes, kv in zip(group_sizes, level_kv):
+        bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        npg = [-(-int(n) // page_size) for n in kv]
+        ids = free[used:used + sum(npg)]
+        used += sum(npg)
+        last = [int(n) - (p - 1) * page_size if p else 0 for n, p in zip(kv, npg)]
+        out.append((cq[bounds], PageTable(np.concatenate([[0], np.cumsum(npg)]), ids, last, page_size)))
+    assert used <= num_pages
+    return CascadeLevels(out)
+
+
+def run_case(rng, levels, *, hkv, group, d, dtype="bfloat16", causal=False, layout="NHD", num_pages=None,
+             kv_dtype=None, cap=0.0, backend="auto"):
+    hq = hkv * group
+    npd = _dtypes.to_numpy(dtype)
+    ps = levels.page_size
+    num_pages = num_pages or max(int(pt.indices.max(initial=-1)) + 1 for _, pt in levels) + 2
+    rows = int(levels[0][0][-1])
+    q = rng.standard_normal((rows, hq, d)).astype(npd)
+    shape = (num_pages, ps, hkv, d) if layout == "NHD" else (num_pages, hkv, ps, d)
+    kc = rng.standard_normal(shape).astype(npd)
+    vc = rng.standard_normal(shape).astype(npd)
+    scales = {}
+    if kv_dtype:
+        ks, vs = rng.uniform(0.005, 0.02, (2, hkv)).astype(np.float32)
+        b = [1, 1, hkv, 1] if layout == "NHD" else [1, hkv, 1, 1]
+        kc = (kc.astype(np.float64) / ks.reshape(b)).astype(_dtypes.to_numpy(kv_dtype))
+        vc = (vc.astype(np.float64) / vs.reshape(b)).astype(_dtypes.to_numpy(kv_dtype))
+        scales = dict(k_scale=ks, v_scale=vs)
+        kref, vref = kc.astype(np.float64) * ks.reshape(b), vc.astype(np.float64) * vs.reshape(b)
+    else:
+        kref, vref = kc, vc
+    w = kvattn.MultiLevelCascadeAttentionWrapper(len(levels), kv_layout=layout, backend=backend)
+    w.plan(levels, None, hq, hkv, d, causal=causal, q_dtype=dtype, kv_dtype=kv_dtype, logits_soft_cap=cap)
+    out = poisoned((rows, hq, d), dtype)
+    lse = poisoned((rows, hq), "float32")
+    w.run(kvattn.from_numpy(q), kvattn.from_numpy(kc), kvattn.from_numpy(vc), out=out, lse=lse, **scales)
+    ro, rl = reference.cascade_attention(q, kref, vref, levels, kv_layout=layout, causal=causal,
+                                         logits_soft_cap=cap, return_lse=True)
+    o, l = out.numpy(), lse.numpy()
+    if rows:
+        assert rel_l2(o, ro) <= TOL[dtype], (rel_l2(o, ro), w.last_plan.info["levels"])
+        assert_lse(l, rl, TOL[dtype])
+    return w
+
+
+@st.composite
+def level_sets(draw):
+    b = draw(st.integers(1, 12))
+    qo = draw(st.lists(st.integers(0, 40), min_size=b, max_size=b))
+    nlev = draw(st.integers(1, 3))
+    sizes = []
+    for _ in range(nlev - 1):   # coarse levels: consecutive runs of requests (a run may be empty)
+        parts, left = [], b
+        while left:
+            n = draw(st.integers(0, left))
+            parts.append(n)
+            left -= n
+        sizes.append(parts)
+    sizes.append([1] * b)
+    ps = draw(st.sampled_from([1, 5, 16]))
+    level_kv = [draw(st.lists(st.integers(0, 700), min_size=len(s), max_size=len(s))) for s in sizes]
+    if draw(st.booleans()):   # causal on the last level needs kv >= qo
+        level_kv[-1] = [max(k, q) for k, q in zip(level_kv[-1], qo)]
+        causal = True
+    else:
+        causal = False
+    return qo, sizes, level_kv, ps, causal
+
+
+@settings(max_examples=50, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(level_sets(), st.sampled_from([(1, 4, 128), (2, 8, 64), (4, 1, 128), (1, 16, 64)]),
+       st.sampled_from(["bfloat16", "float16"]), st.sampled_from(["NHD", "HND"]), st.integers(0, 2**31))
+def test_cascade_matches_reference(ls, heads, dtype, layout, seed):
+    qo, sizes, level_kv, ps, causal = ls
+    rng = np.random.default_rng(seed)
+    hkv, group, d = heads
+    npages = sum(-(-k // ps) for kv in level_kv for k in kv) + 2
+    levels = _levels(rng, qo, sizes, level_kv, ps, npages)
+    run_case(rng, levels, hkv=hkv, group=group, d=d, dtype=dtype, causal=causal, layout=layout, num_pages=npages)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
+@pytest.mark.parametrize("backend", ["auto", "sm80"])
+def test_shared_prefix_decode(kv_dtype, backend):
+    """The benchmark's shape, smaller: 64 decode rows share a 4096-token prefix (128-row tiles: sm90 under auto),
+    each with its own suffix; 3 levels with a per-conversation middle level; soft cap on one."""
+    rng = np.random.default_rng(7)
+    b = 64
+    lv = _levels(rng, [1] * b, [[b], [1] * b], [[4096], rng.integers(1, 600, b)], 16, 600)
+    w = run_case(rng, lv, hkv=8, group=4, d=128, kv_dtype=kv_dtype, backend=backend)
+    if backend == "auto" and kvattn._driver.arch() == "sm_90a":
+        assert w.last_plan.info["levels"][0]["backend"] == "sm90"
+    lv3 = _levels(rng, [3] * 16, [[16], [4] * 4, [1] * 16], [[2048], [512, 0, 300, 1024], rng.integers(3, 200, 16)],
+                  16, 400)
+    run_case(rng, lv3, hkv=2, group=4, d=128, causal=True, cap=30.0, backend=backend)
+
+
+def test_cascade_graph_replay_after_replan():
+    rng = np.random.default_rng(3)
+    hkv, group, d, ps = 2, 4, 128, 16
+    hq = hkv * group
+    bf = _dtypes.to_numpy("bfloat16")
+    max_pages, max_rows = 1500, 64
+    kc = rng.standard_normal((max_pages, ps, hkv, d)).astype(bf)
+    vc = rng.standard_normal((max_pages, ps, hkv, d)).astype(bf)
+    kd, vd = kvattn.from_numpy(kc), kvattn.from_numpy(vc)
+    w = kvattn.MultiLevelCascadeAttentionWrapper(2, use_cuda_graph=True, max_batch_size=32, max_total_qo=max_rows,
+                                                 max_num_pages=max_pages // 2)
+    qbuf = kvattn.empty((max_rows, hq, d), "bfloat16")
+    obuf = poisoned((max_rows, hq, d), "bfloat16")
+    lbuf = poisoned((max_rows, hq), "float32")
+    s = kvattn.Stream()
+
+    def one(qo_lens, prefix, suffix):
+        b = len(qo_lens)
+        lv = _levels(rng, qo_lens, [[b], [1] * b], [[prefix], suffix], ps, max_pages)
+        rows = int(sum(qo_lens))
+        q = rng.standard_normal((max_rows, hq, d)).astype(bf)
+        tmp = kvattn.from_numpy(q)
+        kvattn._driver.call("cuMemcpyDtoDAsync", qbuf.ptr, tmp.ptr, tmp.nbytes, s.handle)
+        w.plan(lv, None, hq, hkv, d, causal=True, stream=s)
+        return lv, q[:rows], rows
+
+    lv, q, rows = one([1] * 8, 3000, [5] * 8)
+    with graphs.capture(s) as cap:
+        w.run(qbuf, kd, vd, out=obuf, lse=lbuf, stream=s)
+    for qo_lens, prefix, suffix in (None, ([2] * 32, 1000, list(rng.integers(2, 300, 32))), ([40], 9000, [100])):
+        if qo_lens is not None:
+            obuf.fill_bytes(0xFF)
+            lv, q, rows = one(qo_lens, prefix, suffix)
+        cap.graph.replay(s)
+        s.synchronize()
+        ro, rl = reference.cascade_attention(q, kc, vc, lv, causal=True, return_lse=True)
+        o, l = obuf.numpy(), lbuf.numpy()
+        assert rel_l2(o[:rows], ro) <= 1e-2
+        assert_lse(l[:rows], rl, 1e-2)
+        assert np.isnan(o[rows:].astype(np.float32)).all(), "rows past the batch are not touched"
+
+
+def test_cascade_numpy_inputs_and_errors():
+    rng = np.random.default_rng(1)
+    lv = _levels(rng, [2, 1], [[2], [1, 1]], [[64], [10, 20]], 16, 16)
+    bf = _dtypes.to_numpy("bfloat16")
+    q = rng.standard_normal((3, 8, 64)).astype(bf)
+    kc = rng.standard_normal((16, 16, 2, 64)).astype(bf)
+    vc = rng.standard_normal((16, 16, 2, 64)).astype(bf)
+    w = kvattn.MultiLevelCascadeAttentionWrapper(2)
+    w.plan(lv, None, 8, 2, 64)
+    o = w.run(q, kc, vc)
+    assert rel_l2(o.numpy(), reference.cascade_attention(q, kc, vc, lv)) <= 1e-2
+    with pytest.raises(ValueError, match="q: expected shape"):
+        w.run(q[:2], kc, vc)
+    with pytest.raises(ValueError, match="the page table uses page id"):
+        w.run(q, kc[:3], vc[:3])

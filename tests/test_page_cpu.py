@@ -1,0 +1,55 @@
+"""CPU tests of append_paged_kv_cache's host checks (every bad index named before anything is written) and of
+its parameter struct."""
+import numpy as np
+import pytest
+
+from kvattn import compiler, kernels
+from kvattn.formats import PageTable
+from kvattn.page import APPEND_PARAMS, _host_indices, get_batch_indices_positions
+
+
+def _pt():
+    # request 0: 2 pages (kv 7 at page 4), request 1: 1 page (kv 2), request 2: none
+    return PageTable([0, 2, 3, 3], [5, 1, 0], [3, 2, 0], 4)
+
+
+def test_batch_indices_positions_from_indptr():
+    b, pos = get_batch_indices_positions([0, 3, 5, 5], _pt())
+    assert b.tolist() == [0, 0, 0, 1, 1] and pos.tolist() == [4, 5, 6, 0, 1]
+    assert b.dtype == np.int32 and pos.dtype == np.int32
+    b2, pos2 = get_batch_indices_positions([0, 3, 5, 5], [7, 2, 0])
+    assert b2.tolist() == b.tolist() and pos2.tolist() == pos.tolist()
+
+
+def test_host_indices_pack_every_array():
+    h = _host_indices(5, [0, 3, 5, 5], None, None, _pt(), 6)
+    assert h.dtype == np.int32
+    assert h.tolist() == [0, 0, 0, 1, 1, 4, 5, 6, 0, 1] + [0, 2, 3, 3] + [5, 1, 0] + [3, 2, 0]
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(append_indptr=[0, 3, 5, 6]), "request 2 appends 1 tokens but its kv_len is only 0"),
+    (dict(append_indptr=[0, 8, 8, 8]), "request 0 appends 8 tokens but its kv_len is only 7"),
+    (dict(batch_indices=[0, 3], positions=[0, 0]), "batch_indices: token 1 names request 3"),
+    (dict(batch_indices=[0, 1], positions=[7, 0]), r"positions: token 0 has position 7, outside \[0, kv_len 7\)"),
+    (dict(batch_indices=[0, 1], positions=[0, -1]), "positions: must be >= 0|positions: token 1"),
+    (dict(batch_indices=[0, 1], positions=[0]), "positions: expected 2 entries"),
+    (dict(batch_indices=[0, 1]), "both required"),
+    (dict(append_indptr=[0, 1, 2, 2], batch_indices=[0, 1], positions=[0, 0]), "not both"),
+])
+def test_host_indices_errors(kw, msg):
+    args = dict(append_indptr=None, batch_indices=None, positions=None)
+    args.update(kw)
+    nnz = 2 if kw.get("append_indptr") is None else int(kw["append_indptr"][-1])
+    with pytest.raises(ValueError, match=msg):
+        _host_indices(nnz, args["append_indptr"], args["batch_indices"], args["positions"], _pt(), 6)
+
+
+def test_host_indices_page_ids_beyond_the_cache():
+    with pytest.raises(ValueError, match="page ids must be < num_pages = 5, got 5"):
+        _host_indices(1, None, [0], [0], _pt(), 5)
+
+
+def test_append_param_struct_size_matches_c_struct():
+    src = '#include "page.cuh"\n' + kernels.size_assert("kvattn::AppendParams", APPEND_PARAMS)
+    compiler.compile_cubin(src, "page_asserts.cu", [], [], "sm_90a")

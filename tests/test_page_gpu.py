@@ -1,0 +1,124 @@
+"""GPU tests of append_paged_kv_cache against reference.append_paged_kv_cache: NHD / HND, page sizes 1..16 with
+partial last pages, scattered pages, host and device index arrays, fused RoPE, graph capture; bad device indices
+write nothing."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import kvattn
+from kvattn import _dtypes, graphs, reference
+from kvattn.formats import PageTable
+
+from _gpu import requires_gpu
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+
+def _case(rng, old_lens, new_lens, ps, hkv, d, dtype, layout, spare=3):
+    """(k_cache, v_cache numpy, PageTable after the append, append_indptr, k_new, v_new)."""
+    kv = np.asarray(old_lens) + np.asarray(new_lens)
+    pt = PageTable.from_kv_lens(kv, ps, num_pages=int((-(-kv // ps)).sum()) + spare, rng=rng)
+    n = pt.indices.size + spare
+    shape = (n, ps, hkv, d) if layout == "NHD" else (n, hkv, ps, d)
+    npd = _dtypes.to_numpy(dtype)
+    kc = rng.standard_normal(shape).astype(npd)
+    vc = rng.standard_normal(shape).astype(npd)
+    ind = np.concatenate([[0], np.cumsum(new_lens)]).astype(np.int32)
+    kn = rng.standard_normal((int(ind[-1]), hkv, d)).astype(npd)
+    vn = rng.standard_normal((int(ind[-1]), hkv, d)).astype(npd)
+    return kc, vc, pt, ind, kn, vn
+
+
+@settings(max_examples=50, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 70), st.integers(0, 40)), min_size=1, max_size=9),
+       st.sampled_from([1, 5, 16]), st.sampled_from([(1, 64), (4, 128), (2, 256)]),
+       st.sampled_from(["bfloat16", "float16"]), st.sampled_from(["NHD", "HND"]), st.booleans(),
+       st.integers(0, 2**31))
+def test_append_matches_reference(lens, ps, heads, dtype, layout, on_device, seed):
+    rng = np.random.default_rng(seed)
+    hkv, d = heads
+    old, new = zip(*lens)
+    kc, vc, pt, ind, kn, vn = _case(rng, old, new, ps, hkv, d, dtype, layout)
+    kd, vd = kvattn.from_numpy(kc), kvattn.from_numpy(vc)
+    if on_device:
+        b, pos = kvattn.get_batch_indices_positions(ind, pt)
+        dev = tuple(kvattn.from_numpy(a) for a in (pt.indptr, pt.indices, pt.last_page_len))
+        kvattn.append_paged_kv_cache(kvattn.from_numpy(kn), kvattn.from_numpy(vn), None, kd, vd, dev, layout,
+                                     batch_indices=kvattn.from_numpy(b), positions=kvattn.from_numpy(pos))
+    else:
+        kvattn.append_paged_kv_cache(kn, vn, ind, kd, vd, pt, layout)
+    b, pos = reference.batch_indices_positions(ind, pt.kv_lens)
+    rk, rv = reference.append_paged_kv_cache(kn, vn, b, pos, kc, vc, pt, kv_layout=layout)
+    assert np.array_equal(kd.numpy().view(np.uint16), rk.view(np.uint16)), "K cache differs (a copy is exact)"
+    assert np.array_equal(vd.numpy().view(np.uint16), rv.view(np.uint16)), "V cache differs"
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_append_with_rope(interleave, layout):
+    rng = np.random.default_rng(4)
+    kc, vc, pt, ind, kn, vn = _case(rng, [100, 3000, 0], [1, 17, 40], 16, 2, 128, "bfloat16", layout)
+    kd, vd = kvattn.from_numpy(kc), kvattn.from_numpy(vc)
+    rope = kvattn.RoPE(theta=5e5, scale=2.0, interleave=interleave)
+    kvattn.append_paged_kv_cache(kn, vn, ind, kd, vd, pt, layout, rope=rope)
+    b, pos = reference.batch_indices_positions(ind, pt.kv_lens)
+    kr = reference.apply_rope(kn, pos, interleave=interleave, rope_scale=2.0, rope_theta=5e5)
+    rk, rv = reference.append_paged_kv_cache(kr, vn, b, pos, kc.astype(np.float64), vc, pt, kv_layout=layout)
+    got = kd.numpy().astype(np.float64)
+    # the rotated rows differ from the reference by the bf16 rounding of the stored values (2^-8 relative) and
+    # float32 angles; every other slot is untouched
+    assert np.all(np.abs(got - rk) <= 2 ** -7 * np.abs(rk) + 1e-2), np.max(np.abs(got - rk))
+    untouched = rk == kc.astype(np.float64)
+    assert np.array_equal(got[untouched], rk[untouched])
+    assert np.array_equal(vd.numpy().view(np.uint16), rv.view(np.uint16))
+
+
+def test_append_device_indices_out_of_range_write_nothing():
+    rng = np.random.default_rng(2)
+    kc, vc, pt, ind, kn, vn = _case(rng, [10, 20], [2, 2], 4, 2, 64, "bfloat16", "NHD")
+    kd, vd = kvattn.from_numpy(kc), kvattn.from_numpy(vc)
+    dev = tuple(kvattn.from_numpy(a) for a in (pt.indptr, pt.indices, pt.last_page_len))
+    b = np.array([0, 5, -1, 1], np.int32)        # requests 5 and -1 do not exist
+    pos = np.array([12, 0, 0, 22], np.int32)     # 12 >= kv_len 12 of request 0: out of range
+    kvattn.append_paged_kv_cache(kn, vn, None, kd, vd, dev, batch_indices=kvattn.from_numpy(b),
+                                 positions=kvattn.from_numpy(pos))
+    rk, rv = reference.append_paged_kv_cache(kn[3:], vn[3:], b[3:], pos[3:], kc, vc, pt)
+    assert np.array_equal(kd.numpy().view(np.uint16), rk.view(np.uint16))
+    assert np.array_equal(vd.numpy().view(np.uint16), rv.view(np.uint16))
+
+
+def test_append_errors_before_any_write():
+    rng = np.random.default_rng(3)
+    kc, vc, pt, ind, kn, vn = _case(rng, [10, 20], [2, 2], 4, 2, 64, "bfloat16", "NHD")
+    kd, vd = kvattn.from_numpy(kc), kvattn.from_numpy(vc)
+    with pytest.raises(ValueError, match="positions: token 0 has position 12"):
+        kvattn.append_paged_kv_cache(kn, vn, None, kd, vd, pt, batch_indices=[0, 0, 1, 1], positions=[12, 0, 0, 1])
+    with pytest.raises(TypeError, match="k_cache: expected dtype bfloat16, got float16"):
+        kvattn.append_paged_kv_cache(kn, vn, ind, kvattn.from_numpy(kc.astype(np.float16)), vd, pt)
+    with pytest.raises(ValueError, match="k_cache: expected shape"):
+        kvattn.append_paged_kv_cache(kn, vn, ind, kd, vd, pt, "HND")
+    with pytest.raises(ValueError, match="page_size 4 differs from the cache's 8"):
+        kvattn.append_paged_kv_cache(kn, vn, ind, kc.reshape(-1, 8, 2, 64), vc.reshape(-1, 8, 2, 64), pt)
+    with pytest.raises(ValueError, match="v_new: expected shape"):
+        kvattn.append_paged_kv_cache(kn, vn[:3], ind, kd, vd, pt)
+    assert np.array_equal(kd.numpy().view(np.uint16), kc.view(np.uint16)), "nothing written"
+    assert np.array_equal(vd.numpy().view(np.uint16), vc.view(np.uint16)), "nothing written"
+
+
+def test_append_captured_in_a_graph():
+    rng = np.random.default_rng(6)
+    kc, vc, pt, ind, kn, vn = _case(rng, [30, 7, 100], [1, 1, 1], 16, 4, 128, "bfloat16", "NHD")
+    kd, vd = kvattn.from_numpy(kc), kvattn.from_numpy(vc)
+    dev = tuple(kvattn.from_numpy(a) for a in (pt.indptr, pt.indices, pt.last_page_len))
+    b, pos = kvattn.get_batch_indices_positions(ind, pt)
+    bd, pd = kvattn.from_numpy(b), kvattn.from_numpy(pos)
+    knd, vnd = kvattn.from_numpy(kn), kvattn.from_numpy(vn)
+    s = kvattn.Stream()
+    with graphs.capture(s) as cap:
+        kvattn.append_paged_kv_cache(knd, vnd, None, kd, vd, dev, batch_indices=bd, positions=pd, stream=s)
+    assert np.array_equal(kd.numpy().view(np.uint16), kc.view(np.uint16)), "capture runs nothing"
+    cap.graph.replay(s)
+    s.synchronize()
+    rk, rv = reference.append_paged_kv_cache(kn, vn, b, pos, kc, vc, pt)
+    assert np.array_equal(kd.numpy().view(np.uint16), rk.view(np.uint16))
+    assert np.array_equal(vd.numpy().view(np.uint16), rv.view(np.uint16))
