@@ -2,6 +2,7 @@
 // K optionally rotated (fused RoPE) on the way. Memory bound: 16-byte loads and stores, no shared memory.
 #pragma once
 #include "common.cuh"
+#include "fp8.cuh"
 #include "variant.cuh"
 
 namespace kvattn {
@@ -21,23 +22,45 @@ struct AppendParams {
   long long c_page, c_token, c_head;
   int nnz, num_kv_heads, batch_size, page_size, num_pages;
   float rope_log2_theta, rope_rcp_scale;   // ROPE != 0: angle = pos * rcp_scale * theta^(-2 i / D)
+  const float* k_scale_ptr;     // fp8 cache: per-KV-head scales [Hkv] (null: k_scale alone); it stores x / scale
+  const float* v_scale_ptr;
+  float k_scale, v_scale;
 };
 
-// One thread moves 16 dims of one (token, head) row of K or V: [d0, d0 + 8) and [d0 + D/2, d0 + D/2 + 8), the
-// pairs NeoX RoPE rotates together; D / 8 threads per (token, head): K's, then V's. A token whose request,
-// position or page is out of range (device-side index arrays are not checked on the host) is not written.
-// ROPE: 0 none, 1 NeoX halves, 2 GPT-J interleaved pairs (variant.cuh's rope_rotate).
-template <typename T, int D, int ROPE>
+template <typename KV> struct Fp8Kind;
+template <> struct Fp8Kind<__nv_fp8_e4m3> { static constexpr __nv_fp8_interpretation_t value = __NV_E4M3; };
+template <> struct Fp8Kind<__nv_fp8_e5m2> { static constexpr __nv_fp8_interpretation_t value = __NV_E5M2; };
+
+// 8 values / scale (IEEE division, as numpy's float32), rounded to nearest and saturated to the finite range.
+template <typename KV>
+__device__ __forceinline__ void store8_fp8(KV* out, const float (&f)[8], float scale) {
+  unsigned w[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const unsigned pair = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(f[2 * i], scale),
+                                                               __fdiv_rn(f[2 * i + 1], scale)),
+                                                   __NV_SATFINITE, Fp8Kind<KV>::value);
+    w[i / 2] |= pair << (16 * (i % 2));
+  }
+  *reinterpret_cast<uint2*>(out) = make_uint2(w[0], w[1]);
+}
+
+// One thread moves 16 dims of up to HPT heads of one token, in K and in V: dims [d0, d0 + 8) and [d0 + D/2,
+// d0 + D/2 + 8), the pairs NeoX RoPE rotates together; D / 16 threads per (token, group of HPT heads). The
+// token's page is found once for its heads, and every 16-byte load of a thread is issued before its stores. A
+// token whose request, position or page is out of range (device-side index arrays are not checked on the host)
+// is not written. ROPE: 0 none, 1 NeoX halves, 2 GPT-J interleaved pairs (variant.cuh's rope_rotate). KV: the
+// cache's element type (T, or fp8: each value is stored as value / its head's scale).
+template <typename T, int D, int ROPE, int HPT = 4, typename KV = T>
 __global__ void __launch_bounds__(256) append_paged_kernel(const __grid_constant__ AppendParams p) {
-  constexpr int PER = D / 8;
+  constexpr int PER = D / 16;
   const unsigned gid = blockIdx.x * blockDim.x + threadIdx.x;
   const unsigned row = gid / PER;
-  const int lane = int(gid - row * PER);
-  const int t = int(row / unsigned(p.num_kv_heads));
-  const int h = int(row - unsigned(t) * unsigned(p.num_kv_heads));
+  const int d0 = int(gid - row * PER) * 8;
+  const unsigned groups = unsigned(p.num_kv_heads + HPT - 1) / HPT;
+  const int t = int(row / groups);
+  const int h0 = int(row - unsigned(t) * groups) * HPT;
   if (t >= p.nnz) return;
-  const bool is_v = lane >= PER / 2;
-  const int d0 = (is_v ? lane - PER / 2 : lane) * 8;
   const int b = __ldg(p.batch_indices + t), pos = __ldg(p.positions + t);
   if (b < 0 || b >= p.batch_size || pos < 0) return;
   const int first = __ldg(p.page_indptr + b), npages = __ldg(p.page_indptr + b + 1) - first;
@@ -46,27 +69,61 @@ __global__ void __launch_bounds__(256) append_paged_kernel(const __grid_constant
   const int pg = pos / p.page_size;
   const int page = __ldg(p.page_indices + first + pg);
   if (page < 0 || page >= p.num_pages) return;
-  const long long src = (long long)t * p.new_stride_n + (long long)h * p.new_stride_h + d0;
-  const long long dst = (long long)page * p.c_page + (long long)(pos - pg * p.page_size) * p.c_token +
-                        (long long)h * p.c_head + d0;
-  const T* in = static_cast<const T*>(is_v ? p.v_new : p.k_new) + src;
-  T* out = static_cast<T*>(is_v ? p.v_cache : p.k_cache) + dst;
-  const uint4 lo = __ldg(reinterpret_cast<const uint4*>(in));
-  const uint4 hi = __ldg(reinterpret_cast<const uint4*>(in + D / 2));
-  if constexpr (ROPE != 0) {
-    if (!is_v) {
-      float a[8], c[8], inv[8];
-      Vec8<T>::load(in, a);
-      Vec8<T>::load(in + D / 2, c);
-      rope_inv_freq<ROPE == 2, D>(inv, d0, p.rope_log2_theta);
-      rope_rotate<ROPE == 2>(a, c, inv, (float)pos * p.rope_rcp_scale);
-      Vec8<T>::store(out, a);
-      Vec8<T>::store(out + D / 2, c);
-      return;
+  const T* kin = static_cast<const T*>(p.k_new) + (long long)t * p.new_stride_n + d0;
+  const T* vin = static_cast<const T*>(p.v_new) + (long long)t * p.new_stride_n + d0;
+  const long long dst = (long long)page * p.c_page + (long long)(pos - pg * p.page_size) * p.c_token + d0;
+  uint4 k_lo[HPT], k_hi[HPT], v_lo[HPT], v_hi[HPT];
+#pragma unroll
+  for (int i = 0; i < HPT; ++i) {
+    const long long hs = (long long)(h0 + i) * p.new_stride_h;
+    if (h0 + i < p.num_kv_heads) {
+      k_lo[i] = __ldg(reinterpret_cast<const uint4*>(kin + hs));
+      k_hi[i] = __ldg(reinterpret_cast<const uint4*>(kin + hs + D / 2));
+      v_lo[i] = __ldg(reinterpret_cast<const uint4*>(vin + hs));
+      v_hi[i] = __ldg(reinterpret_cast<const uint4*>(vin + hs + D / 2));
     }
   }
-  *reinterpret_cast<uint4*>(out) = lo;
-  *reinterpret_cast<uint4*>(out + D / 2) = hi;
+  float inv[8];
+  if constexpr (ROPE != 0) rope_inv_freq<ROPE == 2, D>(inv, d0, p.rope_log2_theta);
+#pragma unroll
+  for (int i = 0; i < HPT; ++i) {
+    if (h0 + i >= p.num_kv_heads) break;
+    const long long off = dst + (long long)(h0 + i) * p.c_head;
+    KV* kout = static_cast<KV*>(p.k_cache) + off;
+    KV* vout = static_cast<KV*>(p.v_cache) + off;
+    if constexpr (IsFp8<KV>::value) {
+      Raw8<T> r;
+      float a[8], c[8];
+      r.w[0] = k_lo[i]; r.to_float(a);
+      r.w[0] = k_hi[i]; r.to_float(c);
+      if constexpr (ROPE != 0) rope_rotate<ROPE == 2>(a, c, inv, (float)pos * p.rope_rcp_scale);
+      const float ks = kv_cache_scale(p.k_scale_ptr, p.k_scale, h0 + i);
+      store8_fp8(kout, a, ks);
+      store8_fp8(kout + D / 2, c, ks);
+      const float vs = kv_cache_scale(p.v_scale_ptr, p.v_scale, h0 + i);
+      r.w[0] = v_lo[i]; r.to_float(a);
+      r.w[0] = v_hi[i]; r.to_float(c);
+      store8_fp8(vout, a, vs);
+      store8_fp8(vout + D / 2, c, vs);
+    } else {
+      if constexpr (ROPE != 0) {
+        Raw8<T> lo, hi;
+        lo.w[0] = k_lo[i];
+        hi.w[0] = k_hi[i];
+        float a[8], c[8];
+        lo.to_float(a);
+        hi.to_float(c);
+        rope_rotate<ROPE == 2>(a, c, inv, (float)pos * p.rope_rcp_scale);
+        Vec8<T>::store(kout, a);
+        Vec8<T>::store(kout + D / 2, c);
+      } else {
+        *reinterpret_cast<uint4*>(kout) = k_lo[i];
+        *reinterpret_cast<uint4*>(kout + D / 2) = k_hi[i];
+      }
+      *reinterpret_cast<uint4*>(vout) = v_lo[i];
+      *reinterpret_cast<uint4*>(vout + D / 2) = v_hi[i];
+    }
+  }
 }
 
 }  // namespace kvattn

@@ -10,6 +10,7 @@ from .decode import BatchDecodeWithPagedKVCache, single_decode
 from .prefill import BatchPrefillWithPagedKVCache, BatchPrefillWithRaggedKVCache, single_prefill
 from .cascade import MultiLevelCascadeAttentionWrapper
 from .page import append_paged_kv_cache, get_batch_indices_positions
+from .block_sparse import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper
 from .variants import RoPE, Variant
 from . import device, graphs, reference, scheduler
 

@@ -31,7 +31,7 @@ from . import _dtypes, _validate as _v, scheduler
 from ._attn_args import check_plan_args
 from ._binding import import_array
 from .contract import NUM_MERGE
-from .formats import CascadeLevels, PageTable
+from .formats import CascadeLevels
 from .kernels import Launch, ParamBuffer, get_kernel
 from .merge import MERGE_PARAMS, merge_spec
 from .opcore import AttentionOp, PagedKV, on_device

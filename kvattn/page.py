@@ -19,6 +19,9 @@ Two ways in, by where the index arrays live:
 """
 from __future__ import annotations
 
+import functools
+import threading
+
 import numpy as np
 
 from . import _driver, _dtypes, _validate as _v
@@ -26,7 +29,7 @@ from ._binding import begin, import_array
 from .pool import pool_empty
 from .formats import PageTable
 from .kernels import KernelSpec, ParamBuffer, get_kernel, register
-from .opcore import PagedKV, check_array
+from .opcore import PagedKV, _kv_scale, check_array
 from .variants import RoPE
 
 APPEND_PARAMS = np.dtype([
@@ -36,18 +39,24 @@ APPEND_PARAMS = np.dtype([
     ("new_stride_n", "i8"), ("new_stride_h", "i8"), ("c_page", "i8"), ("c_token", "i8"), ("c_head", "i8"),
     ("nnz", "i4"), ("num_kv_heads", "i4"), ("batch_size", "i4"), ("page_size", "i4"), ("num_pages", "i4"),
     ("rope_log2_theta", "f4"), ("rope_rcp_scale", "f4"),
+    ("k_scale_ptr", "u8"), ("v_scale_ptr", "u8"), ("k_scale", "f4"), ("v_scale", "f4"),
 ], align=True)
 THREADS = 256
+HEADS_PER_THREAD = 4   # append_paged_kernel's HPT: the KV heads one thread moves (16 dims of each)
 I32 = np.dtype(np.int32)
 
 
-def append_spec(dtype: str, head_dim: int, rope: int = 0) -> KernelSpec:
-    """rope: 0 none, 1 NeoX halves, 2 GPT-J interleaved pairs."""
-    return KernelSpec("page.cuh", f"kvattn::append_paged_kernel<{_dtypes.to_ctype(dtype)}, {head_dim}, {rope}>")
+def append_spec(dtype: str, head_dim: int, rope: int = 0, kv_dtype: str | None = None) -> KernelSpec:
+    """rope: 0 none, 1 NeoX halves, 2 GPT-J interleaved pairs; kv_dtype: the cache's type when it is not dtype (an
+    fp8 cache: the kernel quantises)."""
+    kv = f", {_dtypes.to_ctype(kv_dtype)}" if kv_dtype and kv_dtype != dtype else ""
+    return KernelSpec("page.cuh", f"kvattn::append_paged_kernel<{_dtypes.to_ctype(dtype)}, {head_dim}, {rope}, "
+                                  f"{HEADS_PER_THREAD}{kv}>")
 
 
 register("page", [append_spec(t, 128) for t in ("bfloat16", "float16")] + [append_spec("bfloat16", 64),
-                                                                          append_spec("bfloat16", 128, 1)])
+                                                                          append_spec("bfloat16", 128, 1),
+                                                                          append_spec("bfloat16", 128, 0, "float8_e4m3fn")])
 
 
 def get_batch_indices_positions(append_indptr, page_table) -> tuple[np.ndarray, np.ndarray]:
@@ -97,7 +106,8 @@ def _device_index(x, name: str, n: int | None, s, capturing):
 
 
 def append_paged_kv_cache(k_new, v_new, append_indptr, k_cache, v_cache, page_table, kv_layout="NHD", *,
-                          batch_indices=None, positions=None, rope: RoPE | None = None, stream=None):
+                          batch_indices=None, positions=None, rope: RoPE | None = None, stream=None,
+                          k_scale=None, v_scale=None, kv_dtype=None):
     """Write k_new / v_new [nnz, Hkv, D] into the paged caches (see the module docstring).
 
     append_indptr: int [B + 1] (host; new tokens of request i are rows append_indptr[i]:append_indptr[i + 1]), or
@@ -106,6 +116,9 @@ def append_paged_kv_cache(k_new, v_new, append_indptr, k_cache, v_cache, page_ta
     page_table: a kvattn.PageTable, or (indptr [B + 1], indices, last_page_len [B]) int32 arrays (device: the
     capturable path). rope: a kvattn.RoPE rotating K at its position (head_dim 64 / 128 / 256). stream: None (the
     legacy default stream) or any stream kvattn.stream accepts. Returns None; the caches are written on stream.
+    An fp8 cache (float8_e4m3fn / float8_e5m2 arrays, or raw uint8 with kv_dtype=) stores k / k_scale and
+    v / v_scale, rounded to nearest and saturated to the finite range (after RoPE); scales as the attention
+    wrappers' run(): None (1), a positive float or float32 [num_kv_heads].
     """
     s, capturing = begin(stream)
     layout = _v.check_layout(kv_layout)
@@ -171,22 +184,65 @@ def append_paged_kv_cache(k_new, v_new, append_indptr, k_cache, v_cache, page_ta
         keep = (indptr, indices, lpl, bi, po)
         ptrs = dict(batch_indices=bi.ptr, positions=po.ptr, page_indptr=indptr.ptr, page_indices=indices.ptr,
                     last_page_len=lpl.ptr)
-    kv = PagedKV(layout, ps, hkv, d, dtype, 0)
+    cache_dtype = _cache_dtype(kc, kn, kv_dtype)
+    kv = _accessor(layout, ps, hkv, d, cache_dtype)
     k, v, (c_page, c_token, c_head) = kv.bind(kc, v_cache, s, capturing)
+    if cache_dtype.itemsize == 1:
+        kp, kf, ka = _kv_scale(k_scale, "k_scale", hkv, s, capturing)
+        vp, vf, va = _kv_scale(v_scale, "v_scale", hkv, s, capturing)
+        scales = (kp, vp, kf, vf)
+        keep = (keep, ka, va)
+    else:
+        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if x is not None and not (isinstance(x, (int, float)) and float(x) == 1.0):
+                raise TypeError(f"{name}: scales apply to an fp8 cache; this cache is {_dtypes.dtype_name(cache_dtype)}")
+        scales = (0, 0, 1.0, 1.0)
     if not nnz:
         return None
-    p = ParamBuffer(APPEND_PARAMS)
-    it = dtype.itemsize
-    p.set(k_new=kn.ptr, v_new=vn.ptr, k_cache=k.ptr, v_cache=v.ptr, **ptrs,
-          new_stride_n=kn.strides[0] // it, new_stride_h=kn.strides[1] // it, c_page=c_page, c_token=c_token,
-          c_head=c_head, nnz=nnz, num_kv_heads=hkv, batch_size=batch, page_size=ps, num_pages=k.shape[0],
-          rope_log2_theta=float(np.log2(rope.theta)) if rope else 0.0,
-          rope_rcp_scale=1.0 / rope.scale if rope else 1.0)
     mode = 0 if rope is None else (2 if rope.interleave else 1)
-    kernel = get_kernel(append_spec(kn.dtype_name, d, mode))
-    threads = nnz * hkv * (d // 8)
-    kernel.launch(-(-threads // THREADS), THREADS, 0, p, s)
+    kernel, params, set_all = _launcher(kn.dtype_name, d, mode, _dtypes.dtype_name(cache_dtype))
+    it = dtype.itemsize
+    set_all(kn.ptr, vn.ptr, k.ptr, v.ptr, ptrs["batch_indices"], ptrs["positions"], ptrs["page_indptr"],
+            ptrs["page_indices"], ptrs["last_page_len"], kn.strides[0] // it, kn.strides[1] // it, c_page, c_token,
+            c_head, nnz, hkv, batch, ps, k.shape[0], _LOG2_THETA(rope.theta) if rope else 0.0,
+            1.0 / rope.scale if rope else 1.0, *scales)
+    threads = nnz * -(-hkv // HEADS_PER_THREAD) * (d // 16)
+    kernel.launch(-(-threads // THREADS), THREADS, 0, params, s)
     del keep
-    for a in (k, v):
-        a.stream = s.ptr
+    k.stream = v.stream = s.ptr
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _accessor(layout, page_size, hkv, d, dtype) -> PagedKV:
+    return PagedKV(layout, page_size, hkv, d, dtype, 0)
+
+
+_LOG2_THETA = functools.lru_cache(maxsize=None)(lambda theta: float(np.log2(theta)))
+_launchers: dict = {}
+
+
+def _cache_dtype(kc, kn, kv_dtype) -> np.dtype:
+    """The cache's element type: k_new's, or an fp8 type (the cache's own, or kv_dtype for raw uint8 bytes)."""
+    if kv_dtype is not None:
+        name = _dtypes.dtype_name(kv_dtype)
+        if name not in _dtypes.FP8:
+            raise TypeError(f"kv_dtype: names an fp8 cache held as uint8 ({', '.join(_dtypes.FP8)}), got {name}")
+        return _dtypes.to_numpy(name)
+    if kc.dtype_name in _dtypes.FP8:
+        return kc.dtype
+    if kc.dtype == np.uint8:
+        raise TypeError("k_cache: a uint8 cache needs kv_dtype= (float8_e4m3fn or float8_e5m2)")
+    return kn.dtype
+
+
+def _launcher(dtype: str, head_dim: int, rope: int, kv_dtype: str):
+    """(Kernel, its ParamBuffer, a setter of every field): one per instance, device and thread, reused by every
+    call (a launch copies the parameters, so the buffer is free again once cuLaunchKernel returns)."""
+    key = (dtype, head_dim, rope, kv_dtype, _driver.current_context_id(), threading.get_ident())
+    got = _launchers.get(key)
+    if got is None:
+        params = ParamBuffer(APPEND_PARAMS)
+        got = _launchers[key] = (get_kernel(append_spec(dtype, head_dim, rope, kv_dtype)), params,
+                                 params.setter(*APPEND_PARAMS.names))
+    return got

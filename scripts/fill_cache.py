@@ -83,6 +83,9 @@ def specs():
                             out.append(pf.prefill_spec(d, rows, v, t, kv))
                 for d in pf.SM90_HEAD_DIMS:
                     out.append(pf.sm90_spec(d, v, t, kv))
+    from kvattn.page import append_spec   # append_paged_kv_cache (tests, scripts/bench_append.py)
+    out += [append_spec(t, d, r, kv) for t in ("bfloat16", "float16") for d in (64, 128, 256) for r in (0, 1, 2)
+            for kv in (None, "float8_e4m3fn", "float8_e5m2")]
     return list(dict.fromkeys(out))
 
 

@@ -15,11 +15,13 @@ pytestmark = [pytest.mark.gpu, requires_gpu]
 TOL = {"bfloat16": 1e-2, "float16": 2e-3}
 
 
-def _levels(rng, qo_lens, group_sizes, level_kv, page_size, num_pages):
+def _levels(rng, qo_lens, group_sizes, level_kv, page_size, num_pages=None):
     """CascadeLevels whose level l groups the requests by group_sizes[l] (the last level: one group per request)
-    with kv lengths level_kv[l] (random scattered pages, distinct across levels)."""
+    with kv lengths level_kv[l] (random scattered pages of a pool of num_pages, default: the pages needed + 2;
+    distinct across levels)."""
     cq = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int64)
-    free = rng.permutation(num_pages).astype(np.int32)
+    need = sum(-(-int(n) // page_size) for kv in level_kv for n in kv)
+    free = rng.permutation(need + 2 if num_pages is None else num_pages).astype(np.int32)
     used = 0
     out = []
     for sizes, kv in zip(group_sizes, level_kv):
@@ -29,7 +31,7 @@ def _levels(rng, qo_lens, group_sizes, level_kv, page_size, num_pages):
         used += sum(npg)
         last = [int(n) - (p - 1) * page_size if p else 0 for n, p in zip(kv, npg)]
         out.append((cq[bounds], PageTable(np.concatenate([[0], np.cumsum(npg)]), ids, last, page_size)))
-    assert used <= num_pages
+    assert used <= free.size
     return CascadeLevels(out)
 
 
@@ -111,12 +113,12 @@ def test_shared_prefix_decode(kv_dtype, backend):
     each with its own suffix; 3 levels with a per-conversation middle level; soft cap on one."""
     rng = np.random.default_rng(7)
     b = 64
-    lv = _levels(rng, [1] * b, [[b], [1] * b], [[4096], rng.integers(1, 600, b)], 16, 600)
+    lv = _levels(rng, [1] * b, [[b], [1] * b], [[4096], rng.integers(1, 600, b)], 16)
     w = run_case(rng, lv, hkv=8, group=4, d=128, kv_dtype=kv_dtype, backend=backend)
     if backend == "auto" and kvattn._driver.arch() == "sm_90a":
         assert w.last_plan.info["levels"][0]["backend"] == "sm90"
     lv3 = _levels(rng, [3] * 16, [[16], [4] * 4, [1] * 16], [[2048], [512, 0, 300, 1024], rng.integers(3, 200, 16)],
-                  16, 400)
+                  16)
     run_case(rng, lv3, hkv=2, group=4, d=128, causal=True, cap=30.0, backend=backend)
 
 
@@ -149,8 +151,9 @@ def test_cascade_graph_replay_after_replan():
     lv, q, rows = one([1] * 8, 3000, [5] * 8)
     with graphs.capture(s) as cap:
         w.run(qbuf, kd, vd, out=obuf, lse=lbuf, stream=s)
-    for qo_lens, prefix, suffix in (None, ([2] * 32, 1000, list(rng.integers(2, 300, 32))), ([40], 9000, [100])):
-        if qo_lens is not None:
+    for case in (None, ([2] * 32, 1000, list(rng.integers(2, 300, 32))), ([40], 9000, [100])):
+        if case is not None:
+            qo_lens, prefix, suffix = case
             obuf.fill_bytes(0xFF)
             lv, q, rows = one(qo_lens, prefix, suffix)
         cap.graph.replay(s)

@@ -79,7 +79,7 @@ def test_append_device_indices_out_of_range_write_nothing():
     kd, vd = kvattn.from_numpy(kc), kvattn.from_numpy(vc)
     dev = tuple(kvattn.from_numpy(a) for a in (pt.indptr, pt.indices, pt.last_page_len))
     b = np.array([0, 5, -1, 1], np.int32)        # requests 5 and -1 do not exist
-    pos = np.array([12, 0, 0, 22], np.int32)     # 12 >= kv_len 12 of request 0: out of range
+    pos = np.array([12, 0, 0, 21], np.int32)     # 12 >= kv_len 12 of request 0: out of range
     kvattn.append_paged_kv_cache(kn, vn, None, kd, vd, dev, batch_indices=kvattn.from_numpy(b),
                                  positions=kvattn.from_numpy(pos))
     rk, rv = reference.append_paged_kv_cache(kn[3:], vn[3:], b[3:], pos[3:], kc, vc, pt)
@@ -95,8 +95,8 @@ def test_append_errors_before_any_write():
         kvattn.append_paged_kv_cache(kn, vn, None, kd, vd, pt, batch_indices=[0, 0, 1, 1], positions=[12, 0, 0, 1])
     with pytest.raises(TypeError, match="k_cache: expected dtype bfloat16, got float16"):
         kvattn.append_paged_kv_cache(kn, vn, ind, kvattn.from_numpy(kc.astype(np.float16)), vd, pt)
-    with pytest.raises(ValueError, match="k_cache: expected shape"):
-        kvattn.append_paged_kv_cache(kn, vn, ind, kd, vd, pt, "HND")
+    with pytest.raises(ValueError, match="k_cache: expected shape"):   # one KV head where k_new has two
+        kvattn.append_paged_kv_cache(kn, vn, ind, np.ascontiguousarray(kc[:, :, :1]), vd, pt)
     with pytest.raises(ValueError, match="page_size 4 differs from the cache's 8"):
         kvattn.append_paged_kv_cache(kn, vn, ind, kc.reshape(-1, 8, 2, 64), vc.reshape(-1, 8, 2, 64), pt)
     with pytest.raises(ValueError, match="v_new: expected shape"):
@@ -122,3 +122,44 @@ def test_append_captured_in_a_graph():
     rk, rv = reference.append_paged_kv_cache(kn, vn, b, pos, kc, vc, pt)
     assert np.array_equal(kd.numpy().view(np.uint16), rk.view(np.uint16))
     assert np.array_equal(vd.numpy().view(np.uint16), rv.view(np.uint16))
+
+
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("rope", [False, True])
+def test_append_quantises_into_an_fp8_cache(kv_dtype, per_head, rope):
+    """k / k_scale rounded to nearest, saturated (values past the finite range included); V likewise; without RoPE
+    bit for bit what numpy's float32 division and ml_dtypes' rounding give, with RoPE within one fp8 step."""
+    rng = np.random.default_rng(11)
+    hkv, d = 4, 128
+    kc, vc, pt, ind, kn, vn = _case(rng, [33, 0, 500], [3, 16, 1], 16, hkv, d, "bfloat16", "NHD")
+    f8 = _dtypes.to_numpy(kv_dtype)
+    kn[0, 0, :4] = np.array([3000.0, -3000.0, 1e5, -1e5]).astype(kn.dtype)   # beyond e4m3's 448 (e5m2: 57344)
+    k8 = rng.standard_normal(kc.shape).astype(f8)
+    v8 = rng.standard_normal(vc.shape).astype(f8)
+    ks = rng.uniform(0.01, 0.05, hkv).astype(np.float32) if per_head else 0.02
+    vs = rng.uniform(0.01, 0.05, hkv).astype(np.float32) if per_head else 0.03
+    kd, vd = kvattn.from_numpy(k8), kvattn.from_numpy(v8.view(np.uint8))   # V as raw bytes: kv_dtype names it
+    r = kvattn.RoPE(theta=1e4) if rope else None
+    kvattn.append_paged_kv_cache(kn, vn, ind, kd, vd, pt, k_scale=ks, v_scale=vs, kv_dtype=kv_dtype, rope=r)
+    b, pos = reference.batch_indices_positions(ind, pt.kv_lens)
+    lim = float(np.finfo(f8).max)
+    sk = np.broadcast_to(np.asarray(ks, np.float32), (hkv,))[None, :, None]
+    sv = np.broadcast_to(np.asarray(vs, np.float32), (hkv,))[None, :, None]
+    kf = (reference.apply_rope(kn, pos) if rope else kn.astype(np.float32)).astype(np.float32)
+    qk = np.clip(kf / sk, -lim, lim).astype(f8)
+    qv = np.clip(vn.astype(np.float32) / sv, -lim, lim).astype(f8)
+    rk, rv = reference.append_paged_kv_cache(qk, qv, b, pos, k8, v8, pt)
+    got_k = kd.numpy().view(np.uint8).view(f8)
+    got_v = vd.numpy().view(f8)
+    assert np.array_equal(got_v.view(np.uint8), rv.astype(f8).view(np.uint8)), "V quantised differently"
+    if not rope:
+        assert np.array_equal(got_k.view(np.uint8), rk.astype(f8).view(np.uint8)), "K quantised differently"
+    else:
+        step = 2.0 ** -3 if kv_dtype == "float8_e4m3fn" else 2.0 ** -2
+        g, want = got_k.astype(np.float64), rk.astype(np.float64)
+        assert np.all(np.abs(g - want) <= step * np.abs(want) + 2 * float(np.finfo(f8).smallest_subnormal))
+    with pytest.raises(TypeError, match="kv_dtype= "):
+        kvattn.append_paged_kv_cache(kn, vn, ind, vd, vd, pt)   # raw bytes without kv_dtype
+    with pytest.raises(TypeError, match="k_scale: scales apply to an fp8 cache"):
+        kvattn.append_paged_kv_cache(kn, vn, ind, kvattn.from_numpy(kc), kvattn.from_numpy(vc), pt, k_scale=0.5)
