@@ -18,12 +18,12 @@ struct AppendParams {
   const int* page_indptr;       // [batch + 1]
   const int* page_indices;      // [page_indptr[batch]]
   const int* last_page_len;     // [batch]
+  const float* k_scale_ptr;     // fp8 cache: per-KV-head scales [Hkv] (null: k_scale alone); it stores x / scale
+  const float* v_scale_ptr;
   long long new_stride_n, new_stride_h;
   long long c_page, c_token, c_head;
   int nnz, num_kv_heads, batch_size, page_size, num_pages;
   float rope_log2_theta, rope_rcp_scale;   // ROPE != 0: angle = pos * rcp_scale * theta^(-2 i / D)
-  const float* k_scale_ptr;     // fp8 cache: per-KV-head scales [Hkv] (null: k_scale alone); it stores x / scale
-  const float* v_scale_ptr;
   float k_scale, v_scale;
 };
 

@@ -35,12 +35,11 @@ from .variants import RoPE
 APPEND_PARAMS = np.dtype([
     ("k_new", "u8"), ("v_new", "u8"), ("k_cache", "u8"), ("v_cache", "u8"),
     ("batch_indices", "u8"), ("positions", "u8"), ("page_indptr", "u8"), ("page_indices", "u8"),
-    ("last_page_len", "u8"),
+    ("last_page_len", "u8"), ("k_scale_ptr", "u8"), ("v_scale_ptr", "u8"),
     ("new_stride_n", "i8"), ("new_stride_h", "i8"), ("c_page", "i8"), ("c_token", "i8"), ("c_head", "i8"),
     ("nnz", "i4"), ("num_kv_heads", "i4"), ("batch_size", "i4"), ("page_size", "i4"), ("num_pages", "i4"),
-    ("rope_log2_theta", "f4"), ("rope_rcp_scale", "f4"),
-    ("k_scale_ptr", "u8"), ("v_scale_ptr", "u8"), ("k_scale", "f4"), ("v_scale", "f4"),
-], align=True)
+    ("rope_log2_theta", "f4"), ("rope_rcp_scale", "f4"), ("k_scale", "f4"), ("v_scale", "f4"),
+], align=True)   # fields back to back (no padding): _launcher packs them all with one setter
 THREADS = 256
 HEADS_PER_THREAD = 4   # append_paged_kernel's HPT: the KV heads one thread moves (16 dims of each)
 I32 = np.dtype(np.int32)
@@ -190,22 +189,22 @@ def append_paged_kv_cache(k_new, v_new, append_indptr, k_cache, v_cache, page_ta
     if cache_dtype.itemsize == 1:
         kp, kf, ka = _kv_scale(k_scale, "k_scale", hkv, s, capturing)
         vp, vf, va = _kv_scale(v_scale, "v_scale", hkv, s, capturing)
-        scales = (kp, vp, kf, vf)
+        scales = ((kp, vp), (kf, vf))
         keep = (keep, ka, va)
     else:
         for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
             if x is not None and not (isinstance(x, (int, float)) and float(x) == 1.0):
                 raise TypeError(f"{name}: scales apply to an fp8 cache; this cache is {_dtypes.dtype_name(cache_dtype)}")
-        scales = (0, 0, 1.0, 1.0)
+        scales = ((0, 0), (1.0, 1.0))
     if not nnz:
         return None
     mode = 0 if rope is None else (2 if rope.interleave else 1)
     kernel, params, set_all = _launcher(kn.dtype_name, d, mode, _dtypes.dtype_name(cache_dtype))
     it = dtype.itemsize
     set_all(kn.ptr, vn.ptr, k.ptr, v.ptr, ptrs["batch_indices"], ptrs["positions"], ptrs["page_indptr"],
-            ptrs["page_indices"], ptrs["last_page_len"], kn.strides[0] // it, kn.strides[1] // it, c_page, c_token,
-            c_head, nnz, hkv, batch, ps, k.shape[0], _LOG2_THETA(rope.theta) if rope else 0.0,
-            1.0 / rope.scale if rope else 1.0, *scales)
+            ptrs["page_indices"], ptrs["last_page_len"], *scales[0], kn.strides[0] // it, kn.strides[1] // it, c_page,
+            c_token, c_head, nnz, hkv, batch, ps, k.shape[0], _LOG2_THETA(rope.theta) if rope else 0.0,
+            1.0 / rope.scale if rope else 1.0, *scales[1])
     threads = nnz * -(-hkv // HEADS_PER_THREAD) * (d // 16)
     kernel.launch(-(-threads // THREADS), THREADS, 0, params, s)
     del keep

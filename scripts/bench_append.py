@@ -38,7 +38,7 @@ def run_case(name, kv_after, new, rng, ceiling, torch, fi, jsonl):
     kn = torch.randn((nnz, HKV, D), dtype=torch.bfloat16, device="cuda")
     vn = torch.randn_like(kn)
     b, pos = kvattn.get_batch_indices_positions(ind, pt)
-    dev = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32)).cuda()
+    dev = lambda a: torch.from_numpy(np.array(a, np.int32)).cuda()
     tb, tp, t_indptr, t_idx, t_last = dev(b), dev(pos), dev(pt.indptr), dev(pt.indices), dev(pt.last_page_len)
     torch.cuda.synchronize()
     ka, va, kna, vna = (kvattn.asarray(x) for x in (tk, tv, kn, vn))

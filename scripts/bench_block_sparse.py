@@ -5,7 +5,9 @@ FlashInfer's BlockSparseAttentionWrapper, same process.
 
 8192 x 8192, bf16, Hq 32 / Hkv 8 / D 128, random block patterns. TFLOP/s count the stored blocks only
 (4 * nnz_blocks * R * C * Hq * D); vs_dense: that rate over kvattn's dense non-causal prefill (ragged, the same
-q / k / v) in the same process. torch_us: torch tensors in, out=None. err: relative L2 error of 8 sampled block
+q / k / v) in the same process; kv_TBps: the K / V bytes the block rows read (each block row its own blocks) per
+second (at R = 1 the rate is bound by these reads: each byte serves one query row of each of the group's heads);
+sm80_us: the same pattern forced onto the mma.sync kernel. torch_us: torch tensors in, out=None. err: relative L2 error of 8 sampled block
 rows against the float64 reference.
 """
 from __future__ import annotations
@@ -57,7 +59,7 @@ def main():
         bsr = pattern(rng, 64, 64, 0.1)
         ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
         fw = fi.BlockSparseAttentionWrapper(ws)
-        dev = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32)).cuda()
+        dev = lambda a: torch.from_numpy(np.array(a, np.int32)).cuda()
         fw.plan(dev(bsr.indptr), dev(bsr.indices), S, S, 64, 64, HQ, HKV, D, q_data_type=torch.bfloat16)
         print("warm: block-sparse", flush=True)
         return
@@ -83,6 +85,10 @@ def main():
         row = dict(case=name, blocks=bsr.nnz_blocks, us=round(us, 1), TFLOPs=round(flops / us / 1e6, 1),
                    vs_dense=round(flops / us / 1e6 / dense_tf, 2), backend=w.last_plan.info["backend"],
                    tile=w.last_plan.info["cta_rows"])
+        row["kv_TBps"] = round(bsr.nnz_blocks * c * HKV * D * 2 * 2 / us / 1e6, 2)   # K and V bytes each row block reads
+        w80 = kvattn.BlockSparseAttentionWrapper(backend="sm80")
+        w80.plan(bsr, HQ, HKV, D)
+        row["sm80_us"] = round(time_us(lambda: w80.run(qa, ka, va, out=out)), 1)
         row["torch_us"] = round(time_us(lambda: w.run(tq, tk, tv)), 1)
         o = torch.from_dlpack(w.run(tq, tk, tv)).float().cpu().numpy()
         row["err"] = f"{sample_error(rng, bsr, qh, kh, vh, o):.1e}"
@@ -90,7 +96,7 @@ def main():
             try:
                 ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
                 fw = fi.BlockSparseAttentionWrapper(ws)
-                dev = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32)).cuda()
+                dev = lambda a: torch.from_numpy(np.array(a, np.int32)).cuda()
                 fw.plan(dev(bsr.indptr), dev(bsr.indices), S, S, r, c, HQ, HKV, D, q_data_type=torch.bfloat16)
                 fus = time_us(lambda: fw.run(tq, tk, tv))
                 row.update(fi_us=round(fus, 1), fi_TFLOPs=round(flops / fus / 1e6, 1), vs_fi=round(fus / us, 2))
@@ -101,8 +107,8 @@ def main():
         print(row, flush=True)
         rows.append(row)
     print(f"\nblock-sparse {S}x{S}, bf16 Hq32/Hkv8/D128; TFLOP/s on stored blocks; dense non-causal {dense_tf:.0f}")
-    table(rows, ["case", "blocks", "us", "TFLOPs", "vs_dense", "torch_us", "fi_us", "fi_TFLOPs", "vs_fi", "err",
-                 "backend", "tile"])
+    table(rows, ["case", "blocks", "us", "TFLOPs", "vs_dense", "kv_TBps", "sm80_us", "torch_us", "fi_us", "fi_TFLOPs",
+                 "vs_fi", "err", "backend", "tile"])
 
 
 if __name__ == "__main__":

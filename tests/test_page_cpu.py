@@ -53,3 +53,10 @@ def test_host_indices_page_ids_beyond_the_cache():
 def test_append_param_struct_size_matches_c_struct():
     src = '#include "page.cuh"\n' + kernels.size_assert("kvattn::AppendParams", APPEND_PARAMS)
     compiler.compile_cubin(src, "page_asserts.cu", [], [], "sm_90a")
+
+
+def test_append_params_pack_with_one_setter():
+    """_launcher packs every field with one struct.Struct: they must follow each other with no padding."""
+    p = kernels.ParamBuffer(APPEND_PARAMS)
+    p.setter(*APPEND_PARAMS.names)(*range(1, 1 + len(APPEND_PARAMS.names)))
+    assert [int(p[n]) for n in APPEND_PARAMS.names] == list(range(1, 1 + len(APPEND_PARAMS.names)))
