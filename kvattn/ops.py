@@ -122,6 +122,50 @@ def prefill_check(rng, qo=(512, 77, 300), kv=(512, 1200, 300), hq=32, hkv=8, dim
     return [(f"prefill causal b{len(qo)} Hq{hq} Hkv{hkv} D{dim} {dtype} [{kernel}] ({tf:.1f} TFLOP/s)", err, 1e-2, us)]
 
 
+def composable_checks(rng, hq=32, hkv=8, dim=128):
+    """Cascade (a shared prefix + own suffixes), block-sparse and append against the reference."""
+    from . import block_sparse, cascade, page
+    from ._dtypes import to_numpy
+    from .formats import BlockSparse, CascadeLevels
+    bf = to_numpy(BF16)
+    b, ps = 16, 16
+    lists = [np.concatenate([np.arange(64), 64 + np.arange(2 * i, 2 * i + 2)]) for i in range(b)]
+    levels = CascadeLevels.from_shared_prefixes(lists, kv_lens=[64 * ps + 20] * b, qo_lens=[1] * b, page_size=ps)
+    kc = rng.standard_normal((64 + 2 * b, ps, hkv, dim)).astype(bf)
+    vc = rng.standard_normal((64 + 2 * b, ps, hkv, dim)).astype(bf)
+    q = rng.standard_normal((b, hq, dim)).astype(bf)
+    qd, kd, vd = from_numpy(q), from_numpy(kc), from_numpy(vc)
+    w = cascade.MultiLevelCascadeAttentionWrapper(2)
+    w.plan(levels, None, hq, hkv, dim)
+    out = w.run(qd, kd, vd)
+    us = time_us(lambda: w.run(qd, kd, vd, out=out))
+    rows = [(f"cascade b{b} prefix {64 * ps} + suffix 20, Hq{hq} Hkv{hkv} D{dim}",
+             rel_err(out.numpy(), reference.cascade_attention(q, kc, vc, levels)), 1e-2, us)]
+    blocks = rng.random((8, 8)) < 0.4
+    bsr = BlockSparse.from_dense_mask(np.repeat(np.repeat(blocks, 64, 0), 64, 1), (64, 64))
+    k = rng.standard_normal((512, hkv, dim)).astype(bf)
+    v = rng.standard_normal((512, hkv, dim)).astype(bf)
+    qb = rng.standard_normal((512, hq, dim)).astype(bf)
+    bw = block_sparse.BlockSparseAttentionWrapper()
+    bw.plan(bsr, hq, hkv, dim)
+    qbd, kbd, vbd = from_numpy(qb), from_numpy(k), from_numpy(v)
+    ob = bw.run(qbd, kbd, vbd)
+    us = time_us(lambda: bw.run(qbd, kbd, vbd, out=ob))
+    rows.append((f"block-sparse 512x512 (64, 64) blocks, {bsr.nnz_blocks} of 64",
+                 rel_err(ob.numpy(), reference.block_sparse_attention(qb, k, v, bsr)), 1e-2, us))
+    pt = levels[1][1]
+    ind = np.concatenate([[0], np.cumsum(np.ones(b, np.int64))]).astype(np.int32)   # one new token each
+    kn = rng.standard_normal((b, hkv, dim)).astype(bf)
+    vn = rng.standard_normal((b, hkv, dim)).astype(bf)
+    page.append_paged_kv_cache(kn, vn, ind, kd, vd, pt)
+    bi, pos = reference.batch_indices_positions(ind, pt.kv_lens)
+    rk, rv = reference.append_paged_kv_cache(kn, vn, bi, pos, kc, vc, pt)
+    same = np.array_equal(kd.numpy().view(np.uint16), rk.view(np.uint16)) and \
+        np.array_equal(vd.numpy().view(np.uint16), rv.view(np.uint16))
+    rows.append((f"append_paged_kv_cache b{b} x 1 token (exact)", 0.0 if same else 1.0, 0.0, 0.0))
+    return rows
+
+
 def gpu_checks(rng):
     yield from merge_pair_check(rng)
     yield from merge_check(rng)
@@ -130,6 +174,7 @@ def gpu_checks(rng):
     yield from decode_variant_check(rng)
     yield from prefill_check(rng)
     yield from prefill_check(rng, qo=(4, 4, 4, 1), kv=(500, 33, 4, 900), hq=16, hkv=4, dim=64, dtype="float16")
+    yield from composable_checks(rng)
 
 
 def reference_checks(rng):

@@ -192,14 +192,14 @@ def append_paged_kv_cache(k_new, v_new, append_indptr, k_cache, v_cache, page_ta
         scales = ((kp, vp), (kf, vf))
         keep = (keep, ka, va)
     else:
-        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)) if k_scale is not None or v_scale is not None else ():
             if x is not None and not (isinstance(x, (int, float)) and float(x) == 1.0):
                 raise TypeError(f"{name}: scales apply to an fp8 cache; this cache is {_dtypes.dtype_name(cache_dtype)}")
         scales = ((0, 0), (1.0, 1.0))
     if not nnz:
         return None
     mode = 0 if rope is None else (2 if rope.interleave else 1)
-    kernel, params, set_all = _launcher(kn.dtype_name, d, mode, _dtypes.dtype_name(cache_dtype))
+    kernel, params, set_all = _launcher(kn.dtype, d, mode, cache_dtype)
     it = dtype.itemsize
     set_all(kn.ptr, vn.ptr, k.ptr, v.ptr, ptrs["batch_indices"], ptrs["positions"], ptrs["page_indptr"],
             ptrs["page_indices"], ptrs["last_page_len"], *scales[0], kn.strides[0] // it, kn.strides[1] // it, c_page,
@@ -235,13 +235,14 @@ def _cache_dtype(kc, kn, kv_dtype) -> np.dtype:
     return kn.dtype
 
 
-def _launcher(dtype: str, head_dim: int, rope: int, kv_dtype: str):
+def _launcher(dtype: np.dtype, head_dim: int, rope: int, kv_dtype: np.dtype):
     """(Kernel, its ParamBuffer, a setter of every field): one per instance, device and thread, reused by every
     call (a launch copies the parameters, so the buffer is free again once cuLaunchKernel returns)."""
     key = (dtype, head_dim, rope, kv_dtype, _driver.current_context_id(), threading.get_ident())
     got = _launchers.get(key)
     if got is None:
         params = ParamBuffer(APPEND_PARAMS)
-        got = _launchers[key] = (get_kernel(append_spec(dtype, head_dim, rope, kv_dtype)), params,
+        spec = append_spec(_dtypes.dtype_name(dtype), head_dim, rope, _dtypes.dtype_name(kv_dtype))
+        got = _launchers[key] = (get_kernel(spec), params,
                                  params.setter(*APPEND_PARAMS.names))
     return got

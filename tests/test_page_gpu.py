@@ -1,6 +1,7 @@
 """GPU tests of append_paged_kv_cache against reference.append_paged_kv_cache: NHD / HND, page sizes 1..16 with
 partial last pages, scattered pages, host and device index arrays, fused RoPE, graph capture; bad device indices
 write nothing."""
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -143,7 +144,7 @@ def test_append_quantises_into_an_fp8_cache(kv_dtype, per_head, rope):
     r = kvattn.RoPE(theta=1e4) if rope else None
     kvattn.append_paged_kv_cache(kn, vn, ind, kd, vd, pt, k_scale=ks, v_scale=vs, kv_dtype=kv_dtype, rope=r)
     b, pos = reference.batch_indices_positions(ind, pt.kv_lens)
-    lim = float(np.finfo(f8).max)
+    lim = float(ml_dtypes.finfo(f8).max)
     sk = np.broadcast_to(np.asarray(ks, np.float32), (hkv,))[None, :, None]
     sv = np.broadcast_to(np.asarray(vs, np.float32), (hkv,))[None, :, None]
     kf = (reference.apply_rope(kn, pos) if rope else kn.astype(np.float32)).astype(np.float32)
@@ -158,7 +159,7 @@ def test_append_quantises_into_an_fp8_cache(kv_dtype, per_head, rope):
     else:
         step = 2.0 ** -3 if kv_dtype == "float8_e4m3fn" else 2.0 ** -2
         g, want = got_k.astype(np.float64), rk.astype(np.float64)
-        assert np.all(np.abs(g - want) <= step * np.abs(want) + 2 * float(np.finfo(f8).smallest_subnormal))
+        assert np.all(np.abs(g - want) <= step * np.abs(want) + 2 * float(ml_dtypes.finfo(f8).smallest_subnormal))
     with pytest.raises(TypeError, match="kv_dtype= "):
         kvattn.append_paged_kv_cache(kn, vn, ind, vd, vd, pt)   # raw bytes without kv_dtype
     with pytest.raises(TypeError, match="k_scale: scales apply to an fp8 cache"):
