@@ -87,6 +87,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true", help="also time the large case at 1, 2, 4, 8 heads per thread")
     args = ap.parse_args()
     import torch
     rng = np.random.default_rng(0)
@@ -94,6 +95,16 @@ def main():
     print(f"copy ceiling {ceiling:.3f} TB/s; GPU {kvattn._driver.device_name()}")
     _, fi = (None, None) if args.no_peers else try_flashinfer()
     rows = [run_case(n, kv, new, rng, ceiling, torch, fi, args.json) for n, (kv, new) in CASES.items()]
+    if args.sweep:
+        from kvattn import page
+        default = page.HEADS_PER_THREAD
+        for hpt in (1, 2, 8, 4):
+            page.HEADS_PER_THREAD = hpt
+            page._launchers.clear()
+            for n in ("b256_append1_kv512", "b8_append4096_kv4096"):
+                r = run_case(n, *CASES[n], rng, ceiling, torch, None, args.json)
+                rows.append(dict(r, case=f"{n} HPT={hpt}"))
+        page.HEADS_PER_THREAD = default
     print(f"\npaged KV append, bf16 Hkv8/D128 page 16; us; copy ceiling {ceiling:.2f} TB/s")
     table(rows, ["case", "nnz", "dev_us", "TBps", "frac", "torch_us", "host_path_us", "graph_us", "host_us", "fi_us",
                  "vs_fi", "ok"])
