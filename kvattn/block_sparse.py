@@ -7,7 +7,8 @@
 
 A BSR matrix is a paged KV cache (DESIGN.md 3): block row i is a request of R query rows whose "pages" are its
 block columns, each a page of C tokens of k / v (page stride C * token stride), so block-sparse attention runs
-the prefill kernels (sm90 / sm80, every tile size, split-KV) with no kernel of its own. mask: bool [nnz, R, C]
+the prefill kernels (sm90 / sm80, every tile size, split-KV) with no kernel of its own (k / v: opcore.RaggedKV with
+C tokens per page). mask: bool [nnz, R, C]
 (True = keep) refines every stored block (the custom-mask variant). No positional mask: a row's columns are a set.
 
 VariableBlockSparseAttentionWrapper takes one BlockSparse per KV head (each its own block shape and pattern): one
@@ -22,32 +23,8 @@ import numpy as np
 from . import _validate as _v
 from ._binding import begin, import_array, output
 from .formats import BlockSparse
-from .opcore import F32, check_array, on_device, _accepted_dtype
+from .opcore import F32, RaggedKV, check_array, on_device
 from .prefill import _BatchPrefill, page_size_shift
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class BlockSparseKV:
-    """k / v [N, Hkv, D] ("NHD") or [Hkv, N, D] ("HND") seen as pages of C tokens (page stride = C * token
-    stride)."""
-    layout: str
-    num_kv: int
-    block_cols: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: np.dtype
-
-    def bind(self, k, v, s, capturing):
-        k, v = import_array(k, s, capturing), import_array(v, s, capturing)
-        n, hkv, d = self.num_kv, self.num_kv_heads, self.head_dim
-        want = (n, hkv, d) if self.layout == "NHD" else (hkv, n, d)
-        for name, a in (("k", k), ("v", v)):
-            check_array(a, name, want, _accepted_dtype(a, self.dtype))
-        if k.strides != v.strides:
-            raise ValueError("k, v: must have the same strides")
-        ks, it = k.strides, self.dtype.itemsize
-        tok, head = (ks[0] // it, ks[1] // it) if self.layout == "NHD" else (ks[1] // it, ks[0] // it)
-        return k, v, (tok * self.block_cols, tok, head)
 
 
 def _block_mask(bsr: BlockSparse, mask) -> np.ndarray | None:
@@ -90,8 +67,8 @@ class BlockSparseAttentionWrapper(_BatchPrefill):
                           num_kv_heads, head_dim, False, _block_mask(bsr, mask), None, sm_scale, -1,
                           logits_soft_cap, q_dtype, kv_dtype, cta_rows, stream)
         p = self._plan
-        self._plan = dataclasses.replace(p, kv=BlockSparseKV(self.kv_layout, n, c, p.kv.num_kv_heads, p.head_dim,
-                                                             p.kv.dtype))
+        self._plan = dataclasses.replace(p, kv=RaggedKV(self.kv_layout, n, p.kv.num_kv_heads, p.head_dim, p.kv.dtype,
+                                                        tokens_per_page=c))
         return self
 
     @on_device

@@ -90,13 +90,15 @@ class PagedKV:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RaggedKV:
-    """Ragged (contiguous per request) K / V: [total_kv, Hkv, D] ("NHD") or [Hkv, total_kv, D] ("HND"). The
-    kernels see it as one "page" per request, so the page stride is the token stride."""
+    """Contiguous K / V: [total_kv, Hkv, D] ("NHD") or [Hkv, total_kv, D] ("HND"), seen by the kernels as pages of
+    tokens_per_page tokens (page stride = tokens_per_page * token stride). Ragged prefill: 1 (a request's "page" id
+    is its first token); block-sparse: the block's C columns."""
     layout: str
     total_kv: int
     num_kv_heads: int
     head_dim: int
     dtype: np.dtype
+    tokens_per_page: int = 1
 
     def bind(self, k, v, s, capturing):
         k, v = import_array(k, s, capturing), import_array(v, s, capturing)
@@ -110,7 +112,7 @@ class RaggedKV:
             raise ValueError("k, v: must have the same strides")
         ks, it = k.strides, self.dtype.itemsize
         tok, head = (ks[0] // it, ks[1] // it) if self.layout == "NHD" else (ks[1] // it, ks[0] // it)
-        return k, v, (tok, tok, head)
+        return k, v, (tok * self.tokens_per_page, tok, head)
 
 
 def _kv_scale(x, name: str, num_kv_heads: int, s, capturing):

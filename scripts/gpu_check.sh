@@ -9,6 +9,7 @@ python3 -m pytest tests -q -x -m gpu -p no:cacheprovider "$@" 2>&1 | tee "$OUT/g
 python3 -m kvattn 2>&1 | tee "$OUT/main.log" | tail -12
 python3 scripts/example_transformers.py 2>&1 | tee "$OUT/example.log" | tail -6
 python3 scripts/example_variant.py 2>&1 | tee "$OUT/example_variant.log" | tail -6
+python3 scripts/example_composable.py 2>&1 | tee "$OUT/example_composable.log" | tail -4
 python3 scripts/bench_launch.py 2>&1 | tee "$OUT/launch.log" | tail -6
 python3 scripts/bench_merge.py 2>&1 | tee "$OUT/merge.log" | tail -5
 python3 scripts/bench_decode.py ${BENCH_ARGS:-} --json "$OUT/decode.jsonl" 2>&1 | tee "$OUT/decode.log" | tail -25
@@ -18,4 +19,8 @@ python3 scripts/bench_deterministic.py 2>&1 | tee "$OUT/deterministic.log" | tai
 if [ -n "${AB_OLD:-}" ]; then   # AB_OLD=<an older tree with kvattn/ and cuda_src/>: the A/B against it
   python3 scripts/bench_ab.py --old "$AB_OLD" 2>&1 | tee "$OUT/ab.log" | tail -13
 fi
+python3 scripts/bench_append.py 2>&1 | tee "$OUT/append.log" | tail -4
+python3 scripts/bench_cascade.py 2>&1 | tee "$OUT/cascade.log" | tail -5
+python3 scripts/bench_block_sparse.py 2>&1 | tee "$OUT/block_sparse.log" | tail -6
+python3 scripts/bench_mixed.py 2>&1 | tee "$OUT/mixed.log" | tail -3
 python3 scripts/bench_interop.py ${INTEROP_ARGS:-} --json "$OUT/interop.jsonl" 2>&1 | tee "$OUT/interop.log" | tail -40
