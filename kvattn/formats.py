@@ -534,11 +534,12 @@ class CascadeLevels:
             p = min((int(cap[m]) for m in members), default=0)
             if g < 2:
                 p = 0  # nothing is shared in a group of one
-            for m in members:
-                k = 0
-                while k < p and lists[m][k] == lists[g0][k]:
-                    k += 1
-                p = k
+            for m in members[1:]:   # the longest run of pages every member shares with the first (vectorised)
+                if not p:
+                    break
+                diff = np.flatnonzero(lists[m][:p] != lists[g0][:p])
+                if diff.size:
+                    p = int(diff[0])
             pre_pages.append(lists[g0][:p] if g else np.zeros(0, np.int32))
             pre_counts.append(p)
             for m in members:
