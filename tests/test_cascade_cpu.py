@@ -154,3 +154,63 @@ def test_cascade_plan_argument_errors():
         g.plan(_two_level(), None, 8, 2, 64)
     with pytest.raises(ValueError, match="needs max_batch_size"):
         kvattn.MultiLevelCascadeAttentionWrapper(2, use_cuda_graph=True)
+
+
+def test_cascade_plan_buffer_holds_every_level(monkeypatch):
+    """plan() with the GPU calls stubbed: the one host buffer it uploads holds, per level, the header, lengths,
+    pages and exactly the work items plan_cascade_level gives; the stacked merge covers every row's slots."""
+    import types
+    from kvattn import cascade, contract
+    from kvattn.memory import DeviceArray
+
+    class Cfg:
+        backend, spec, threads, smem, ctas_per_sm = "sm80", None, 128, 1024, 2
+
+    class Kernel:
+        def _allow_smem(self, n):
+            pass
+
+    launches, uploads = [], []
+    monkeypatch.setattr(cascade, "launch_config", lambda *a: Cfg())
+    monkeypatch.setattr(cascade, "get_kernel", lambda spec: Kernel())
+    monkeypatch.setattr(cascade, "merge_spec", lambda *a: None)
+    monkeypatch.setattr(cascade, "Launch", lambda k, grid, block, smem, p: launches.append((grid, p)) or grid)
+    base = 1 << 32
+
+    def upload(self, host, copies, regions, stream):
+        uploads.append((host.copy(), copies))
+        return ({name: DeviceArray(base, shape, dt) for name, (shape, dt) in regions.items()},
+                types.SimpleNamespace(ptr=1), None)
+
+    monkeypatch.setattr(cascade.MultiLevelCascadeAttentionWrapper, "_upload", upload)
+    monkeypatch.setattr(cascade.MultiLevelCascadeAttentionWrapper, "_stage", lambda self, n: np.zeros(n, np.uint8))
+    lv = CascadeLevels([(np.array([0, 5, 9]), PageTable([0, 3, 4], [7, 1, 2, 9], [16, 3], 16)),
+                        (np.array([0, 2, 5, 5, 9]), PageTable([0, 1, 2, 2, 4], [3, 4, 5, 6], [4, 9, 0, 1], 16))])
+    w = kvattn.MultiLevelCascadeAttentionWrapper(2, num_sms=8)
+    w.plan(lv, None, 8, 2, 64, causal=True)
+    (host, copies), = uploads
+    assert copies == [("plan", 0, host.size)]
+    h = host.view(np.int32)
+    info = w.last_plan.info
+    slots = info["slots"]
+    chunks = [x["chunks"] for x in info["levels"]]
+    attention = [(g, p) for g, p in launches if isinstance(g, tuple)]   # the merge's grid is an int
+    assert slots == sum(chunks) and len(attention) == 2 and len(launches) == 3
+    slot0 = np.cumsum([0] + chunks[:-1])
+    for li, ((grid, p), (qo_indptr, pt)) in enumerate(zip(attention, lv)):
+        start = (int(p["plan"]) - base) // 4
+        items = scheduler.plan_cascade_level(np.diff(qo_indptr), pt.kv_lens, 4, info["levels"][li]["cta_rows"],
+                                             chunks[li], slots, int(slot0[li]), causal=li == 1)
+        assert h[start + contract.NUM_ITEMS] == items.shape[0] == grid[0] and grid[1] == 2
+        assert h[start + contract.BATCH_SIZE] == pt.batch_size
+        off = {k: int(p[f"off_{k}"]) for k in ("qo_indptr", "kv_len", "page_indptr", "page_indices", "items")}
+        b = pt.batch_size
+        assert np.array_equal(h[start + off["qo_indptr"]:][:b + 1], qo_indptr)
+        assert np.array_equal(h[start + off["kv_len"]:][:b], pt.kv_lens)
+        assert np.array_equal(h[start + off["page_indptr"]:][:b + 1], pt.indptr)
+        assert np.array_equal(h[start + off["page_indices"]:][:pt.indices.size], pt.indices)
+        assert np.array_equal(h[start + off["items"]:][:items.size].reshape(items.shape), items)
+        assert int(p["causal"]) == (li == 1)
+    mp = info["merge_params"]
+    assert int(mp["n"]) == slots and int(mp["num_rows"]) == 9 and int(mp["s_row"]) == slots * 8 * 64
+    assert h[(int(attention[0][1]["plan"]) - base) // 4 + contract.NUM_MERGE] == 9
