@@ -68,7 +68,8 @@ def get_batch_indices_positions(append_indptr, page_table) -> tuple[np.ndarray, 
 
 
 def _host_indices(nnz, append_indptr, batch_indices, positions, pt: PageTable, num_pages: int):
-    """One int32 host array [batch_indices | positions | indptr | indices | last_page_len], every value checked."""
+    """One int32 host array [batch_indices | positions | indptr | indices | last_page_len], every value checked.
+    append_indptr: int [B + 1] or None (then batch_indices, positions: int [nnz])."""
     if append_indptr is not None:
         if batch_indices is not None or positions is not None:
             raise ValueError("append_indptr: give append_indptr or batch_indices and positions, not both")
@@ -96,6 +97,7 @@ def _host_indices(nnz, append_indptr, batch_indices, positions, pt: PageTable, n
 
 
 def _device_index(x, name: str, n: int | None, s, capturing):
+    """x: an int32 array [n] (any length when n is None) as a DeviceArray; shape and dtype checked."""
     a = import_array(x, s, capturing)
     if a.ndim != 1 or (n is not None and a.shape[0] != n):
         want = f"[{n}]" if n is not None else "1-D"
