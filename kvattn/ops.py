@@ -215,4 +215,22 @@ def reference_checks(rng):
     def roped(off):
         return reference.attention(reference.apply_rope(q, pq + off), reference.apply_rope(k, pk + off), v)
     checks.append(("RoPE attention is shift invariant", float(np.abs(roped(0) - roped(5000)).max())))
+    # a cascade (shared prefix + own pages, merged) is the same attention as its flattened single level
+    from .formats import BlockSparse, CascadeLevels
+    lists = [np.concatenate([np.arange(6), 6 + np.arange(2 * i, 2 * i + 2)]) for i in range(4)]
+    lv = CascadeLevels.from_shared_prefixes(lists, kv_lens=[123] * 4, qo_lens=[3] * 4, page_size=16)
+    kc4 = rng.standard_normal((14, 16, 2, 64))
+    vc4 = rng.standard_normal((14, 16, 2, 64))
+    q4 = rng.standard_normal((12, 8, 64))
+    qo_flat, flat = lv.flatten()
+    checks.append(("cascade == its flattened page table (causal)", float(np.abs(
+        reference.cascade_attention(q4, kc4, vc4, lv, causal=True) -
+        reference.batch_attention_paged(q4, kc4, vc4, qo_flat, flat, causal=True)).max())))
+    # block-sparse attention is attention under the dense mask of its blocks
+    bsr = BlockSparse.from_dense_mask(np.repeat(np.repeat(rng.random((4, 5)) < 0.5, 3, 0), 20, 1), (3, 20))
+    qb, kb, vb = rng.standard_normal((12, 8, 64)), rng.standard_normal((100, 2, 64)), rng.standard_normal((100, 2, 64))
+    dense = np.concatenate([reference.attention(qb[i * 3:(i + 1) * 3], kb, vb, custom_mask=bsr.to_dense_mask()[i * 3:(i + 1) * 3])
+                            for i in range(4)])
+    checks.append(("block-sparse == attention under its dense block mask",
+                   float(np.abs(reference.block_sparse_attention(qb, kb, vb, bsr) - dense).max())))
     return checks
