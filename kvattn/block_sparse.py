@@ -16,15 +16,14 @@ prefill launch per KV head, on that head's slice of q / k / v / out.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from . import _validate as _v
 from ._binding import begin, import_array, output
 from .formats import BlockSparse
 from .opcore import F32, RaggedKV, check_array, on_device
-from .prefill import _BatchPrefill, page_size_shift
+from .contract import page_size_shift
+from .prefill import _BatchPrefill
 
 
 def _block_mask(bsr: BlockSparse, mask) -> np.ndarray | None:
@@ -65,10 +64,8 @@ class BlockSparseAttentionWrapper(_BatchPrefill):
         kv_lens = np.diff(bsr.indptr).astype(np.int64) * c
         self._plan_common(qo_indptr, kv_lens, bsr.indptr, bsr.indices, c, page_size_shift(c), num_qo_heads,
                           num_kv_heads, head_dim, False, _block_mask(bsr, mask), None, sm_scale, -1,
-                          logits_soft_cap, q_dtype, kv_dtype, cta_rows, stream)
-        p = self._plan
-        self._plan = dataclasses.replace(p, kv=RaggedKV(self.kv_layout, n, p.kv.num_kv_heads, p.head_dim, p.kv.dtype,
-                                                        tokens_per_page=c))
+                          logits_soft_cap, q_dtype, kv_dtype, cta_rows, stream,
+                          make_kv=lambda hkv, d, dtype: RaggedKV(self.kv_layout, n, hkv, d, dtype, tokens_per_page=c))
         return self
 
     @on_device

@@ -30,13 +30,13 @@ import numpy as np
 from . import _dtypes, _validate as _v, scheduler
 from ._attn_args import check_plan_args
 from ._binding import import_array
-from .contract import NUM_MERGE
+from .contract import NUM_MERGE, page_size_shift
 from .formats import CascadeLevels
 from .kernels import Launch, ParamBuffer, get_kernel
 from .merge import MERGE_PARAMS, merge_spec
 from .opcore import AttentionOp, PagedKV, on_device
 from .prefill import (BACKENDS, DEFAULT_WORKSPACE, choose_cta_rows, launch_config, level_layout, level_params,
-                      page_size_shift, write_level)
+                      write_level)
 from .variants import Variant, plan_variant
 
 
@@ -118,22 +118,19 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
             raise ValueError(f"levels: {total_qo} query rows exceed max_total_qo {self.max_total_qo}")
         variant, _ = plan_variant(None, hq, lv[-1][1].batch_size, cap > 0, False, False, None, None, None)
 
-        # every level's query tile and kernel, then its chunk count (graph mode: the first plan()'s)
-        tiles, cfgs = [], []
-        for qo, kv, _ in shapes:
-            packed = qo.sum() * group / max(int(np.count_nonzero(qo)), 1)
-            tiles.append(choose_cta_rows(packed, d))
-        if self.use_cuda_graph and self._baked is not None:
-            tiles = list(self._baked["cta_rows"])
+        # every level's query tile and kernel, then its chunk count (graph mode: those the first plan() baked)
+        baked = self._baked if self.use_cuda_graph else None
+        tiles = (list(baked["cta_rows"]) if baked is not None else
+                 [choose_cta_rows(qo.sum() * group / max(int(np.count_nonzero(qo)), 1), d) for qo, _, _ in shapes])
+        cfgs = []
         for rows in tiles:
             cfg = launch_config(self.backend, d, rows, variant, q_dtype, kv_dtype)
             get_kernel(cfg.spec)._allow_smem(cfg.smem)   # now, not during a graph capture
             cfgs.append(cfg)
-        chunks = [scheduler.cascade_chunks(qo, kv, group, hkv, rows, causal=c, num_sms=self.num_sms,
-                                           ctas_per_sm=cfg.ctas_per_sm)
-                  for (qo, kv, c), rows, cfg in zip(shapes, tiles, cfgs)]
-        if self.use_cuda_graph and self._baked is not None:
-            chunks = list(self._baked["chunks"])
+        chunks = (list(baked["chunks"]) if baked is not None else
+                  [scheduler.cascade_chunks(qo, kv, group, hkv, rows, causal=c, num_sms=self.num_sms,
+                                            ctas_per_sm=cfg.ctas_per_sm)
+                   for (qo, kv, c), rows, cfg in zip(shapes, tiles, cfgs)])
         self._bake(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=ps,
                    sm_scale=scale, causal=causal, logits_soft_cap=cap, cta_rows=tuple(tiles), chunks=tuple(chunks))
         slots = sum(chunks)

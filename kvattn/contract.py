@@ -37,6 +37,11 @@ NUM_PARTIAL_ROWS = index("num_partial_rows")
 NUM_CHUNKS = index("num_chunks")
 
 
+def page_size_shift(page_size: int) -> int:
+    """The kernels' page_shift parameter: log2(page_size) for a power of two (they shift), else -1 (they divide)."""
+    return (page_size.bit_length() - 1) if page_size & (page_size - 1) == 0 else -1
+
+
 def write_header(buf: np.ndarray, *, num_items: int, num_merge: int, batch_size: int, num_partial_rows: int,
                  num_chunks: int = 0):
     """Fill the header of an int32 plan buffer buf (at least HEADER_INT32 elements)."""

@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from . import _dtypes, scheduler
-from .contract import align4
+from .contract import align4, page_size_shift
 from ._attn_args import DTYPES, HEAD_DIMS, check_plan_args
 from .formats import PageTable
 from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
@@ -219,7 +219,7 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
               off_chunk_indptr=L.chunk_indptr, off_work_req=L.work_req, off_work_begin=L.work_begin,
               off_work_end=L.work_end, off_work_partial=L.work_partial,
               num_qo_heads=num_qo_heads, group_size=group, page_size=page_size,
-              page_shift=(page_size.bit_length() - 1) if page_size & (page_size - 1) == 0 else -1,
+              page_shift=page_size_shift(page_size),
               window_left=window_left, z_split=zsplit,
               score_scale=(scale / logits_soft_cap) if logits_soft_cap > 0 else scale * LOG2E,
               cap_log2=logits_soft_cap * LOG2E, variant_data=variant_ptr, k_scale=1.0, v_scale=1.0)

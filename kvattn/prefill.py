@@ -33,7 +33,7 @@ import numpy as np
 from . import _driver, _dtypes, _validate as _v, scheduler
 from ._attn_args import check_plan_args
 from ._binding import import_array
-from .contract import HEADER_INT32, align4, write_header
+from .contract import HEADER_INT32, align4, page_size_shift, write_header
 from .decode import LOG2E, THREADS
 from .formats import PageTable, pack_mask
 from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
@@ -228,11 +228,6 @@ def level_params(base: int, off: dict, tmp_o: int, tmp_lse: int, mask: int, *, h
     return p
 
 
-def page_size_shift(page_size: int) -> int:
-    """log2(page_size) for a power of two (the kernels shift), else -1 (they divide)."""
-    return (page_size.bit_length() - 1) if page_size & (page_size - 1) == 0 else -1
-
-
 
 class _BatchPrefill(AttentionOp):
     """What the paged and ragged wrappers share: the schedule, the packing, the variants (on the plan/run core)."""
@@ -256,7 +251,9 @@ class _BatchPrefill(AttentionOp):
     def _plan_common(self, qo_indptr, kv_lens, page_indptr, page_indices, page_size, page_shift, num_qo_heads,
                      num_kv_heads, head_dim, causal, custom_mask, mask_indptr, sm_scale, window_left,
                      logits_soft_cap, q_dtype, kv_dtype, cta_rows, stream, variant=None, alibi_slopes=None,
-                     sinks=None, variant_params=None, rope=None, rope_offsets=None):
+                     sinks=None, variant_params=None, rope=None, rope_offsets=None, make_kv=None):
+        """make_kv: (num_kv_heads, head_dim, numpy dtype) -> the plan's KV accessor; None: the paged cache of these
+        pages (paged ops) or ragged K / V (ragged op)."""
         hq, hkv, head_dim, q_dtype, kv_dtype, window_left, cap = check_plan_args(
             num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, window_left, logits_soft_cap, fp8_kv=True)
         if rope is not None and _dtypes.is_fp8(kv_dtype):
@@ -352,8 +349,12 @@ class _BatchPrefill(AttentionOp):
         merge, mp = self._merge_launch(merge_rows, dev["tmp_o"], dev["tmp_lse"], base, mi, off["merge_rows"], hq,
                                        head_dim, plan.num_merge, q_dtype, variant, variant_ptr)
         npdtype = _dtypes.to_numpy(kv_dtype)
-        kv = (PagedKV(self.kv_layout, page_size, hkv, head_dim, npdtype, int(page_indices.max(initial=-1)) + 1)
-              if self._paged else RaggedKV(self.kv_layout, int(kv_lens.sum()), hkv, head_dim, npdtype))
+        if make_kv is not None:
+            kv = make_kv(hkv, head_dim, npdtype)
+        elif self._paged:
+            kv = PagedKV(self.kv_layout, page_size, hkv, head_dim, npdtype, int(page_indices.max(initial=-1)) + 1)
+        else:
+            kv = RaggedKV(self.kv_layout, int(kv_lens.sum()), hkv, head_dim, npdtype)
         return self._finish_plan(
             rows=total_qo, max_rows=self.max_total_qo if self.use_cuda_graph else total_qo, hq=hq, d=head_dim,
             dtype=q_dtype, kv=kv, launch=Launch(kernel, (cap_w, hkv, 1), cfg.threads, cfg.smem, p) if cap_w > 0 else None,
