@@ -25,6 +25,12 @@
 #include "sm90.cuh"
 #include "wgmma.cuh"
 
+// Timing experiments only (scripts/ab_sm90.py; never set by the library): 1 = the producers copy no K/V (the
+// consumers run on whatever the stages hold), 2 = the consumers skip the softmax. They say where a tile's time goes.
+#ifndef KVATTN_SM90_X
+#define KVATTN_SM90_X 0
+#endif
+
 namespace kvattn {
 
 template <int D, class V, typename T, typename KV = T>
@@ -184,6 +190,10 @@ struct PrefillSm90 {
   __device__ __forceinline__ static void softmax_tile(const PrefillParams& p, const Item& it, float (&s)[SN], int t0,
                                                       const int (&tok)[2], const float (&rc)[2], int lane,
                                                       float (&m)[1][2], float (&l)[1][2], float (&scale)[2]) {
+    if constexpr (KVATTN_SM90_X == 2) {
+      scale[0] = scale[1] = 1.f;
+      return;
+    }
     if (Base::needs_mask(p, it, t0, N)) softmax<true>(p, it, s, t0, tok, rc, lane, m, l, scale);
     else softmax<false>(p, it, s, t0, tok, rc, lane, m, l, scale);
   }
@@ -223,7 +233,11 @@ struct PrefillSm90 {
     for (int t = 0; t < ntiles; ++t) {
       const int st = t % STAGES;
       if (t >= STAGES) mbar_wait(&empty[st], (t / STAGES - 1) & 1);
-      if constexpr (kFp8) {
+      if constexpr (KVATTN_SM90_X == 1) {
+        if (t == 0) asm volatile("cp.async.wait_all;\n" ::: "memory");
+        fence_proxy_async();
+        mbar_arrive(&full[st]);
+      } else if constexpr (kFp8) {
         expand_kv8(p, kvs + st * 2 * KV_ELEMS, off, it.kb + t * N, it.ke, kvh, pw, lane);
         if (t == 0) asm volatile("cp.async.wait_all;\n" ::: "memory");   // this thread's Q copies, before tile 0
         fence_proxy_async();   // the stores (generic proxy) before the tensor cores' reads (async proxy)

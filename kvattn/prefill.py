@@ -73,6 +73,8 @@ def choose_cta_rows(packed_len: float, head_dim: int) -> int:
 #: query tile -> KernelSpec defines (tuning knobs of prefill.cuh: KVATTN_PF_SUBN2, KVATTN_PF_KK_UNROLL,
 #: KVATTN_PF_QREGS); empty = the header's defaults. scripts/bench_prefill.py --sweep overrides it.
 TUNING: dict = {}
+#: KernelSpec defines of the sm90 kernel (timing experiments of scripts/ab_sm90.py); empty = the defaults.
+SM90_TUNING: tuple = ()
 
 
 def _kv_arg(dtype: str, kv_dtype: str | None) -> str:
@@ -96,7 +98,8 @@ def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None 
     """The wgmma kernel (backend "sm90") of prefill_sm90.cuh: 128-row query tiles, head_dim 64 or 128."""
     args = f"{head_dim}, {variant.prefill_type()}, {_dtypes.to_ctype(dtype)}{_kv_arg(dtype, kv_dtype)}"
     traits = f"kvattn::PrefillSm90<{args}>"
-    return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{args}>", prelude=variant.prelude(),
+    return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{args}>", defines=SM90_TUNING,
+                      prelude=variant.prelude(),
                       checks=((f"{traits}::SMEM_BYTES", sm90_smem_bytes(head_dim)),
                               (f"{traits}::THREADS", SM90_THREADS), (f"{traits}::ROWS", 128)))
 

@@ -26,7 +26,7 @@ from _prefill_ref import allowed as _allowed, request_ref, sample_rows  # noqa: 
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 BF = _dtypes.to_numpy("bfloat16")
-FI_FA2 = {"b1_S8192": 336, "b8_S2048": 316, "b1_S32768": 383, "paged_b1_S8192": 313}
+FI_FA2 = {"b1_S8192": 336, "b8_S2048": 316, "b1_S32768": 383, "b32_S1024": 278, "paged_b1_S8192": 313}
 
 
 def gemm_tflops():
@@ -143,9 +143,14 @@ EXTRA = [("causal (reference case)", {}), ("non-causal", dict(causal=False)), ("
          ("sliding window 1024", dict(window=1024)), ("logits soft cap 30", dict(cap=30.0))]
 
 
-def extra():
+#: the EXTRA cases the peers also run: (label, b, s, head_dim, causal)
+EXTRA_PEERS = [("non-causal", 1, 8192, 128, False), ("head_dim 64", 1, 8192, 64, True),
+               ("head_dim 256", 1, 8192, 256, True)]
+
+
+def extra(peers=None):
     """The variants ANCHORS/the issue ask to report: b1 x 8192 (mask: 4096), Hq 32 / Hkv 8, with the kernel's
-    registers, dynamic shared memory and CTAs per SM."""
+    registers, dynamic shared memory and CTAs per SM; peers: FlashInfer's backends to time beside them."""
     rng = np.random.default_rng(1)
     print(f"{'case':32s} {'kernel':>9s} {'time':>10s} {'TFLOP/s':>8s} {'regs':>5s} {'smem KB':>7s} {'CTA/SM':>6s} "
           f"{'err':>9s}")
@@ -156,6 +161,10 @@ def extra():
         occ = min(65536 // (st["threads"] * regs), (228 * 1024) // (st["smem"] + 1024))
         print(f"{label:32s} {st['backend'] + '/' + str(st['cta_rows']):>9s} {us:8.1f}us {tf:8.0f} {regs:5d} "
               f"{st['smem'] / 1024:7.1f} {occ:6d} {err:9.2e}")
+    if peers:
+        print("\npeers in this process (TFLOP/s)")
+        for (name, impl), tf in sorted(peer_rates(EXTRA_PEERS, peers).items()):
+            print(f"{name:12s} {impl:20s} {tf:8.2f}")
 
 
 def sweep():
@@ -172,9 +181,10 @@ def sweep():
 
 
 def peer_rates(shapes, fi_backends):
-    """TFLOP/s of FlashInfer (ragged prefill, each of fi_backends) and PyTorch SDPA (flash, cuDNN) on the causal
-    shapes, and FlashInfer's paged speculative verify in TB/s, in this process. Each peer is optional: a missing
-    package or an error prints a line instead of a figure."""
+    """TFLOP/s of FlashInfer (ragged prefill, each of fi_backends) and PyTorch SDPA (flash, cuDNN) on the shapes
+    ((name, b, s) causal at head_dim 128, or (name, b, s, head_dim, causal)), and FlashInfer's paged speculative
+    verify in TB/s (default shapes only), in this process. Each peer is optional: a missing package or an error
+    prints a line instead of a figure."""
     out = {}
     try:
         import torch
@@ -183,10 +193,11 @@ def peer_rates(shapes, fi_backends):
         return out
     from _bench import torch_time_us  # noqa: E402 (scripts/_bench.py)
     dt = torch.bfloat16
-    for name, b, s in shapes:
-        flops = 2 * b * HQ * s * s * D
-        q = torch.randn(b * s, HQ, D, dtype=dt, device="cuda")
-        k = torch.randn(b * s, HKV, D, dtype=dt, device="cuda")
+    for name, b, s, *more in shapes:
+        d, causal = more if more else (D, True)
+        flops = (2 if causal else 4) * b * HQ * s * s * d
+        q = torch.randn(b * s, HQ, d, dtype=dt, device="cuda")
+        k = torch.randn(b * s, HKV, d, dtype=dt, device="cuda")
         v = torch.randn_like(k)
         try:
             import flashinfer
@@ -194,23 +205,24 @@ def peer_rates(shapes, fi_backends):
             indptr = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device="cuda")
             for backend in fi_backends:
                 fw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
-                fw.plan(indptr, indptr, HQ, HKV, D, causal=True, q_data_type=dt)
+                fw.plan(indptr, indptr, HQ, HKV, d, causal=causal, q_data_type=dt)
                 out[(name, "fi_" + backend)] = flops / torch_time_us(lambda: fw.run(q, k, v), reps=10) / 1e6
         except Exception as exc:
             print(f"# FlashInfer prefill {name}: {exc.__class__.__name__}: {str(exc)[:120]}")
         try:
             import torch.nn.functional as F
             from torch.nn.attention import SDPBackend, sdpa_kernel
-            qb = q.view(b, s, HQ, D).transpose(1, 2)
-            kb, vb = (x.view(b, s, HKV, D).transpose(1, 2) for x in (k, v))
+            qb = q.view(b, s, HQ, d).transpose(1, 2)
+            kb, vb = (x.view(b, s, HKV, d).transpose(1, 2) for x in (k, v))
             for be in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
                 with sdpa_kernel(getattr(SDPBackend, be)):
-                    us = torch_time_us(lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True,
+                    us = torch_time_us(lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal,
                                                                               enable_gqa=True), reps=10)
                 out[(name, "torch_" + be.split("_")[0].lower())] = flops / us / 1e6
         except Exception as exc:
             print(f"# PyTorch SDPA {name}: {exc.__class__.__name__}: {str(exc)[:120]}")
-        del q, k, v
+    if any(more for _, _, _, *more in shapes):
+        return out
     try:   # speculative verify: batch 64 x 4 queries, causal, paged KV of 4096 (page 16)
         import flashinfer
         b, ql, kl = 64, 4, 4096
@@ -231,6 +243,19 @@ def peer_rates(shapes, fi_backends):
     return out
 
 
+def warm_peers(fi_backends, head_dims):
+    """Build FlashInfer's JIT ragged prefill modules (one per backend and head dim) and exit."""
+    import torch
+    import flashinfer
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    ip = torch.tensor([0, 256], dtype=torch.int32, device="cuda")
+    for backend in fi_backends:
+        for d in head_dims:
+            w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
+            w.plan(ip, ip, HQ, HKV, d, causal=True, q_data_type=torch.bfloat16)
+        print(f"warm: ragged prefill {backend}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cta-rows", default="auto", help="comma list of query tiles to try (auto = plan's choice)")
@@ -238,20 +263,24 @@ def main():
     ap.add_argument("--extra", action="store_true", help="only the variant table (non-causal, D 64/256, fp16, ...)")
     ap.add_argument("--backend", default="auto", help="comma list of backends to time (auto, sm80, sm90)")
     ap.add_argument("--sweep", action="store_true", help="time the tuning knobs of prefill.cuh on two shapes")
+    ap.add_argument("--warm-peers", action="store_true", help="only build FlashInfer's JIT prefill modules")
     ap.add_argument("--peers", nargs="?", const="fa2", default=None,
                     help="also time PyTorch SDPA and FlashInfer here (comma list of its backends: fa2, fa3)")
     args = ap.parse_args()
     if args.sweep:
         return sweep()
+    if args.warm_peers:
+        return warm_peers(args.peers.split(",") if args.peers else ["fa2", "fa3"], (64, 128, 256) if args.extra else (128,))
     if args.extra:
-        return extra()
+        return extra(args.peers and args.peers.split(","))
     tiles = [None if t == "auto" else int(t) for t in args.cta_rows.split(",")]
     rng = np.random.default_rng(0)
     gemm = gemm_tflops()
     copy = copy_bandwidth_tbs()
     print(f"ceilings: bf16 GEMM {gemm and f'{gemm:.0f}'} TFLOP/s, copy {copy:.2f} TB/s")
     rows = []
-    shapes = [("b1_S8192", 1, 8192), ("b8_S2048", 8, 2048)] + ([] if args.quick else [("b1_S32768", 1, 32768)])
+    shapes = [("b1_S8192", 1, 8192), ("b8_S2048", 8, 2048)] + ([] if args.quick else [("b1_S32768", 1, 32768),
+                                                                                     ("b32_S1024", 32, 1024)])
     for be in args.backend.split(","):
         for t in tiles:
             for name, b, s in shapes:
@@ -290,8 +319,10 @@ def main():
                 fa2, fl = peers.get((key, "fi_fa2")), peers.get((key, "torch_flash"))
                 if "verify" in name:
                     fa2 = peers.get(("spec_verify", "fi_paged_fa2 TB/s"))
+                fa3, cud = peers.get((key, "fi_fa3")), peers.get((key, "torch_cudnn"))
                 val = float(rate.split()[0])
                 print(f"{name:28s} {w.last_plan.info['backend']:5s} {rate:>15s}  " + (f"{val / fa2:.2f}x FlashInfer fa2" if fa2 else "no fa2") +
+                      (f", {val / fa3:.2f}x fa3" if fa3 else "") + (f", {val / cud:.2f}x cuDNN" if cud else "") +
                       (f", {val / fl:.2f}x PyTorch flash" if fl else ""))
 
 
