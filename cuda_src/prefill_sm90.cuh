@@ -2,8 +2,9 @@
 //
 // Same plan items, parameters, variants and epilogue as prefill.cuh (PrefillKernel's helpers); only the
 // mainloop differs. One CTA = three warpgroups (384 threads) for 128 packed query rows:
-//   - the producer warpgroup (24 registers after setmaxnreg) copies Q and the K/V tiles (N = 128 tokens) with
-//     cp.async into a 3-stage ring; each warp looks up the page offsets of 32 rows of a tile (one per lane) and
+//   - the producer warpgroup (24 registers after setmaxnreg) copies Q and the K/V tiles (N = 128 tokens, 64 at
+//     head_dim 256) with cp.async into a 3-stage ring (2 at head_dim 256); each warp looks up the page offsets
+//     of N / 4 rows of a tile (one per lane) and
 //     copies them coalesced (16-byte chunks, offsets passed by shuffles). Each thread's copies arrive on the
 //     stage's `full` mbarrier when they land (cp.async.mbarrier.arrive): the producer never waits for them;
 //   - two consumer warpgroups (240 registers) own 64 query rows each (wgmma's M). They wait on `full`, fence
@@ -46,16 +47,29 @@ struct PrefillSm90 {
   // setmaxnreg.inc waits for registers the CTA's other warps released: the two must balance exactly.
   static_assert(PRODUCERS * (168 - PRODUCER_REGS) == 2 * 128 * (CONSUMER_REGS - 168), "register budget");
   static constexpr int ROWS = 128;                    // packed query rows per CTA
-  static constexpr int N = 128;                       // KV tokens per tile
-  static constexpr int STAGES = 3;
+  // KV tokens per tile and ring depth: 128-token tiles in 3 stages up to head_dim 128; head_dim 256's 64 KB
+  // query tile leaves room for 2 stages of 64-token tiles. KVATTN_SM90_N / _STAGES override them (experiments;
+  // kvattn.prefill.sm90_tile mirrors them).
+#ifdef KVATTN_SM90_N
+  static constexpr int N = KVATTN_SM90_N;
+#else
+  static constexpr int N = D == 256 ? 64 : 128;
+#endif
+#ifdef KVATTN_SM90_STAGES
+  static constexpr int STAGES = KVATTN_SM90_STAGES;
+#else
+  static constexpr int STAGES = D == 256 ? 2 : 3;
+#endif
   static constexpr int CHUNKS = D / 8;                // 16-byte chunks per row
   static constexpr int Q_ELEMS = ROWS * D;
   static constexpr int KV_ELEMS = N * D;              // one of K or V per stage
   static constexpr int SMEM_BYTES = (Q_ELEMS + STAGES * 2 * KV_ELEMS) * (int)sizeof(T) + 2 * STAGES * 8;
   static constexpr int RPI = 32 / CHUNKS;             // rows one warp-wide copy instruction covers
+  static constexpr int RPW = N / 4;                   // rows of a tile each producer warp copies (one per lane)
   static constexpr int SN = N / 2;                    // S accumulators per thread
   static constexpr int ON = D / 2;                    // O accumulators per thread
-  static_assert(D == 64 || D == 128, "the sm90 mainloop covers head_dim 64 and 128");
+  static_assert(D == 64 || D == 128 || D == 256, "the sm90 mainloop covers head_dim 64, 128 and 256");
+  static_assert(N % 16 == 0 && RPW <= 32 && RPW % RPI == 0 && RPW % (32 / (D / 16)) == 0, "KV tile shape");
 
   // Element offset of 16-byte chunk c of row r in a [R][D] tile: 64-column blocks of R rows of 128 bytes.
   template <int R> __device__ __forceinline__ static int sw(int r, int c) {
@@ -66,47 +80,49 @@ struct PrefillSm90 {
     Base::template copy_q<ROWS, PRODUCERS>(p, it, qs, kvh, [](int r, int ch) { return sw<ROWS>(r, ch); });
   }
 
-  // Producer warp pw's 32 rows of K and V of the tile starting at kv index t0; `off` is the element offset of
-  // row 32 pw + lane. Rows past ke are zero-filled.
+  // Producer warp pw's RPW rows of K and V of the tile starting at kv index t0; `off` is the element offset of
+  // row RPW pw + lane (lanes < RPW). Rows past ke are zero-filled.
   __device__ __forceinline__ static void issue_kv(const PrefillParams& p, T* stage, long long off, int t0, int ke,
                                                   int kvh, int pw, int lane) {
     const int chunk = lane % CHUNKS, sub = lane / CHUNKS;
     const T* kg = static_cast<const T*>(p.k) + kvh * p.kv_stride_head + chunk * 8;
     const T* vg = static_cast<const T*>(p.v) + kvh * p.kv_stride_head + chunk * 8;
 #pragma unroll 2
-    for (int j = 0; j < CHUNKS; ++j) {
+    for (int j = 0; j < RPW / RPI; ++j) {
       const int rr = j * RPI + sub;
       const long long o = __shfl_sync(0xffffffffu, off, rr);
-      const int row = 32 * pw + rr;
+      const int row = RPW * pw + rr;
       const int bytes = t0 + row < ke ? 16 : 0;
       cp_async16(stage + sw<N>(row, chunk), kg + o, bytes);
       cp_async16(stage + KV_ELEMS + sw<N>(row, chunk), vg + o, bytes);
     }
   }
 
-  // fp8: producer warp pw's 32 rows of K and V of the tile at t0, loaded, expanded and stored (zero past ke).
+  // fp8: producer warp pw's RPW rows of K and V of the tile at t0, loaded, expanded and stored (zero past ke).
   __device__ __forceinline__ static void expand_kv8(const PrefillParams& p, T* stage, long long off, int t0, int ke,
                                                     int kvh, int pw, int lane) {
     constexpr int C8 = D / 16, RPI8 = 32 / C8;   // 16-byte fp8 chunks per row, rows per warp-wide load
     constexpr int GROUP = 4;                      // rows per lane loaded before any is expanded (bytes in flight)
+    constexpr int ITER = RPW / RPI8;              // warp-wide loads per tile (of K and of V)
+    static_assert(ITER % GROUP == 0, "fp8 rows per producer warp");
     const int chunk = lane % C8, sub = lane / C8;
     const KV* kg = static_cast<const KV*>(p.k) + kvh * p.kv_stride_head + chunk * 16;
     const KV* vg = static_cast<const KV*>(p.v) + kvh * p.kv_stride_head + chunk * 16;
     const float ks = kv_cache_scale(p.k_scale_ptr, p.k_scale, kvh), vs = kv_cache_scale(p.v_scale_ptr, p.v_scale, kvh);
 #pragma unroll
-    for (int j0 = 0; j0 < C8; j0 += GROUP) {
+    for (int j0 = 0; j0 < ITER; j0 += GROUP) {
       uint4 kw[GROUP], vw[GROUP];
 #pragma unroll
       for (int j = 0; j < GROUP; ++j) {
         const int rr = (j0 + j) * RPI8 + sub;
         const long long o = __shfl_sync(0xffffffffu, off, rr);
-        const bool ok = t0 + 32 * pw + rr < ke;
+        const bool ok = t0 + RPW * pw + rr < ke;
         kw[j] = ok ? __ldg(reinterpret_cast<const uint4*>(kg + o)) : make_uint4(0, 0, 0, 0);
         vw[j] = ok ? __ldg(reinterpret_cast<const uint4*>(vg + o)) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int j = 0; j < GROUP; ++j) {
-        const int row = 32 * pw + (j0 + j) * RPI8 + sub;
+        const int row = RPW * pw + (j0 + j) * RPI8 + sub;
         uint4 lo, hi;
         dequant16<KV, T>(kw[j], ks, lo, hi);
         *reinterpret_cast<uint4*>(stage + sw<N>(row, 2 * chunk)) = lo;
@@ -229,7 +245,8 @@ struct PrefillSm90 {
     if (ntiles == 0) return;
     const typename V::QKState qk_state = V::template qk_init<D>(p, qk_dims<D>(threadIdx.x));
     load_q(p, it, qs, kvh);   // lands before tile 0 is announced (the arrival waits for every earlier copy)
-    long long off = Base::tok_offset(p, it.pages, min(it.kb + 32 * pw + lane, it.ke - 1));
+    const int my_row = RPW * pw + min(lane, RPW - 1);   // the tile row whose offset this lane holds
+    long long off = Base::tok_offset(p, it.pages, min(it.kb + my_row, it.ke - 1));
     for (int t = 0; t < ntiles; ++t) {
       const int st = t % STAGES;
       if (t >= STAGES) mbar_wait(&empty[st], (t / STAGES - 1) & 1);
@@ -254,7 +271,7 @@ struct PrefillSm90 {
         cp_async_mbar_arrive(&full[st]);
       }
       }
-      if (t + 1 < ntiles) off = Base::tok_offset(p, it.pages, min(it.kb + (t + 1) * N + 32 * pw + lane, it.ke - 1));
+      if (t + 1 < ntiles) off = Base::tok_offset(p, it.pages, min(it.kb + (t + 1) * N + my_row, it.ke - 1));
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     if constexpr (V::kQK) transform_and_announce(p, it, qs, kvs, full, ntiles - 1, qk_state);

@@ -168,6 +168,24 @@ template <class V> struct VariantTraits {
   static constexpr bool kAny = V::kLogits || V::kPositional || kMasks;
 };
 
+// tanh for the logits soft cap. KVATTN_TANH (A/B of scripts/bench_prefill.py --softcap): 0 = tanhf (libdevice),
+// 1 = 1 - 2 / (2^(2x log2 e) + 1) with ex2.approx and a fast reciprocal (two MUFU ops, absolute error ~1e-7,
+// exact limits +-1), 2 = tanh.approx.f32 (one MUFU op, relative error up to 2^-11: cap * 2^-11 in the logit).
+#ifndef KVATTN_TANH
+#define KVATTN_TANH 1
+#endif
+__device__ __forceinline__ float softcap_tanh(float x) {
+#if KVATTN_TANH == 0
+  return tanhf(x);
+#elif KVATTN_TANH == 1
+  return 1.f - __fdividef(2.f, fast_exp2(x * (2.f * kLog2e)) + 1.f);
+#else
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
 // The built-in variants: logits soft cap (s = cap * tanh(s / cap)), ALiBi (s += slope[head] * (j - diag),
 // natural-log units), attention sinks (one logit per head, sink[head], added to the softmax's denominator:
 // o *= 1 / (1 + exp(sink - lse)), lse = logaddexp(lse, sink)), sliding window and a bit-packed custom mask
@@ -184,7 +202,7 @@ struct Builtin : VariantBase {
   static constexpr bool kQK = ROPE != 0;
 
   template <class P> __device__ __forceinline__ static float logits(const P& p, float x) {
-    if (SOFT_CAP) x = p.cap_log2 * tanhf(x);
+    if (SOFT_CAP) x = p.cap_log2 * softcap_tanh(x);
     return x;
   }
   template <class P> __device__ __forceinline__ static float row_init(const P& p, int head, int /*req*/) {

@@ -36,7 +36,7 @@ from .kernels import Launch, ParamBuffer, get_kernel
 from .merge import MERGE_PARAMS, merge_spec
 from .opcore import AttentionOp, PagedKV, on_device
 from .prefill import (BACKENDS, DEFAULT_WORKSPACE, choose_cta_rows, launch_config, level_layout, level_params,
-                      write_level)
+                      sm90_usable, write_level)
 from .variants import Variant, plan_variant
 
 
@@ -120,8 +120,10 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
 
         # every level's query tile and kernel, then its chunk count (graph mode: those the first plan() baked)
         baked = self._baked if self.use_cuda_graph else None
+        wide = d == 256 and baked is None and sm90_usable(self.backend, d, variant, q_dtype, kv_dtype)
         tiles = (list(baked["cta_rows"]) if baked is not None else
-                 [choose_cta_rows(qo.sum() * group / max(int(np.count_nonzero(qo)), 1), d) for qo, _, _ in shapes])
+                 [choose_cta_rows(qo.sum() * group / max(int(np.count_nonzero(qo)), 1), d, wide)
+                  for qo, _, _ in shapes])
         cfgs = []
         for rows in tiles:
             cfg = launch_config(self.backend, d, rows, variant, q_dtype, kv_dtype)

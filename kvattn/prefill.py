@@ -61,11 +61,12 @@ RAGGED_PAGE_SHIFT = 30
 CONFIGS = {128: (4, 2), 64: (4, 1), 16: (1, 1)}
 
 
-def choose_cta_rows(packed_len: float, head_dim: int) -> int:
-    """Query tile from the (average) packed query length qo_len * group."""
+def choose_cta_rows(packed_len: float, head_dim: int, wgmma: bool = False) -> int:
+    """Query tile from the (average) packed query length qo_len * group; head_dim 256 takes the 128-row tile
+    only on the wgmma kernel (wgmma: it will run, see sm90_usable), whose registers hold it."""
     if packed_len <= 16:
         return 16
-    if packed_len <= 64 or head_dim == 256:
+    if packed_len <= 64 or (head_dim == 256 and not wgmma):
         return 64
     return 128
 
@@ -119,10 +120,19 @@ def smem_bytes(head_dim: int, cta_rows: int, kv_dtype: str | None = None) -> int
     return cta_rows * head_dim * 2 + kv + 2 * 64 * 8
 
 
+def sm90_tile(head_dim: int) -> tuple[int, int]:
+    """(KV tokens per tile, ring stages) of prefill_sm90_kernel (mirrors PrefillSm90::N / STAGES, including the
+    KVATTN_SM90_N / _STAGES overrides of SM90_TUNING)."""
+    over = dict(SM90_TUNING)
+    return (over.get("KVATTN_SM90_N", 64 if head_dim == 256 else 128),
+            over.get("KVATTN_SM90_STAGES", 2 if head_dim == 256 else 3))
+
+
 def sm90_smem_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of prefill_sm90_kernel (mirrors PrefillSm90::SMEM_BYTES: Q, 3 stages of 128-token
-    K and V tiles, a full and an empty mbarrier per stage)."""
-    return (128 * head_dim + SM90_STAGES * 2 * 128 * head_dim) * 2 + 2 * SM90_STAGES * 8
+    """Dynamic shared memory of prefill_sm90_kernel (mirrors PrefillSm90::SMEM_BYTES: Q, the ring of K and V
+    tiles, a full and an empty mbarrier per stage)."""
+    n, stages = sm90_tile(head_dim)
+    return (128 * head_dim + stages * 2 * n * head_dim) * 2 + 2 * stages * 8
 
 
 def ctas_per_sm(head_dim: int, cta_rows: int, registers: int | None, kv_dtype: str | None = None) -> int:
@@ -133,8 +143,7 @@ def ctas_per_sm(head_dim: int, cta_rows: int, registers: int | None, kv_dtype: s
 
 
 BACKENDS = ("auto", "sm80", "sm90")
-SM90_HEAD_DIMS = (64, 128)
-SM90_STAGES = 3
+SM90_HEAD_DIMS = (64, 128, 256)
 SM90_THREADS = 384   # a producer warpgroup and two consumer warpgroups
 
 
@@ -150,22 +159,32 @@ class LaunchConfig:
 
 def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, dtype: str,
                   kv_dtype: str | None = None) -> LaunchConfig:
-    """backend "sm90" (the wgmma kernel) takes 128-row tiles of head_dim 64/128 on sm_90 GPUs; "auto" takes it
-    there unless its ptxas report shows spills (the all-variants head_dim 128 instance), else "sm80"."""
+    """backend "sm90" (the wgmma kernel) takes 128-row tiles of head_dim 64/128/256 on sm_90 GPUs; "auto" takes
+    it there unless its ptxas report shows spills (sm90_usable), else "sm80"."""
     sm90_ok = cta_rows == 128 and head_dim in SM90_HEAD_DIMS and _driver.arch() == "sm_90a"
     if backend == "sm90" and not sm90_ok:
         raise ValueError(f"backend: 'sm90' needs an sm_90 GPU, head_dim in {SM90_HEAD_DIMS} and cta_rows 128 "
                          f"(got {_driver.arch()}, head_dim {head_dim}, cta_rows {cta_rows})")
-    if backend in ("auto", "sm90") and sm90_ok:
-        spec = sm90_spec(head_dim, variant, dtype, kv_dtype)
-        kernel = get_kernel(spec)
-        spills = kernel.resources is not None and kernel.resources.spill_stores > 0
-        if backend == "sm90" or not spills:
-            return LaunchConfig("sm90", spec, SM90_THREADS, sm90_smem_bytes(head_dim), 1)
+    if sm90_ok and sm90_usable(backend, head_dim, variant, dtype, kv_dtype):
+        return LaunchConfig("sm90", sm90_spec(head_dim, variant, dtype, kv_dtype), SM90_THREADS,
+                            sm90_smem_bytes(head_dim), 1)
+    if head_dim == 256 and cta_rows == 128:
+        raise ValueError("cta_rows: 128 with head_dim 256 needs the sm90 kernel (an sm_90 GPU, backend 'auto' or "
+                         "'sm90', a variant that compiles there without spills); use 64")
     spec = prefill_spec(head_dim, cta_rows, variant, dtype, kv_dtype)
     kernel = get_kernel(spec)
     occ = ctas_per_sm(head_dim, cta_rows, kernel.resources.registers if kernel.resources else None, kv_dtype)
     return LaunchConfig("sm80", spec, THREADS, smem_bytes(head_dim, cta_rows, kv_dtype), occ)
+
+
+def sm90_usable(backend: str, head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None = None) -> bool:
+    """Whether a 128-row tile of this head dim and variant runs on the wgmma kernel: an sm_90 GPU, a head dim
+    it covers, backend "sm90", or "auto" and an instance without spills (the all-variants head_dim 128 one
+    spills and goes to the mma.sync kernel)."""
+    if backend == "sm80" or head_dim not in SM90_HEAD_DIMS or _driver.arch() != "sm_90a":
+        return False
+    kernel = get_kernel(sm90_spec(head_dim, variant, dtype, kv_dtype))
+    return backend == "sm90" or kernel.resources is None or kernel.resources.spill_stores == 0
 
 
 register("prefill", [prefill_spec(128, r, Variant(), "bfloat16") for r in (128, 64, 16)]
@@ -280,6 +299,9 @@ class _BatchPrefill(AttentionOp):
                 raise ValueError(f"page_table: {page_indices.size} pages exceed max_num_pages {self.max_num_pages}")
         packed_mask, mask_offsets = self._mask(custom_mask, mask_indptr, qo_lens, kv_lens)
         group = hq // hkv
+        variant, vvals = plan_variant(variant, hq, batch, cap > 0, window_left >= 0, packed_mask is not None,
+                                      alibi_slopes, sinks, variant_params, rope, rope_offsets,
+                                      int(kv_lens.max(initial=0)))
         auto_rows = cta_rows is None
         if cta_rows is None and self.deterministic:
             cta_rows = 64 if head_dim == 256 else 128   # a query tile that does not depend on the batch
@@ -289,12 +311,11 @@ class _BatchPrefill(AttentionOp):
             else:
                 nz = int(np.count_nonzero(qo_lens))
                 packed = total_qo * group / max(nz, 1)
-            cta_rows = choose_cta_rows(packed, head_dim)
-        elif cta_rows not in CONFIGS or (head_dim == 256 and cta_rows == 128):
-            raise ValueError(f"cta_rows: expected one of {sorted(CONFIGS)} (not 128 with head_dim 256), got {cta_rows}")
-        variant, vvals = plan_variant(variant, hq, batch, cap > 0, window_left >= 0, packed_mask is not None,
-                                      alibi_slopes, sinks, variant_params, rope, rope_offsets,
-                                      int(kv_lens.max(initial=0)))
+            cta_rows = choose_cta_rows(packed, head_dim,
+                                       head_dim == 256 and sm90_usable(self.backend, head_dim, variant, q_dtype,
+                                                                        kv_dtype))
+        elif cta_rows not in CONFIGS:
+            raise ValueError(f"cta_rows: expected one of {sorted(CONFIGS)}, got {cta_rows}")
         self._bake(num_qo_heads=hq, num_kv_heads=hkv, head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
                    page_size=page_size,
                    sm_scale=scale, causal=causal, window_left=window_left, logits_soft_cap=cap,

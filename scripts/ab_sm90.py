@@ -1,10 +1,13 @@
-"""Where the sm90 prefill kernel's time goes: the same shapes with the K/V loads left out (X=1) and with the softmax
-left out (X=2), TFLOP/s against the full kernel (X=0), all in one process (bf16, Hq32/Hkv8/D128, ragged).
+"""A/B experiments on the sm90 prefill kernel, each in one process (bf16 unless named, Hq32/Hkv8, ragged):
 
-    PYTHONPATH=. python3 scripts/ab_sm90.py            # on the GPU
-    python3 scripts/ab_sm90.py --compile               # fill KVATTN_CACHE_DIR with the experiment builds (no GPU)
+    PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256]   # on the GPU (no flag: all three)
+    python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
-Only X=0 is a correct kernel; the others' error column is meaningless and printed as such.
+--split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
+  against the full kernel (head_dim 128; only X=0 is a correct kernel, the others' error is not printed).
+--tanh: the soft cap's tanh (KVATTN_TANH 0 = tanhf, 1 = ex2 + fast reciprocal, 2 = tanh.approx.f32), cap 30,
+  causal b1_S8192 head_dim 128, bf16 and fp16, with the error against the float64 reference.
+--d256: head_dim 256's KV tile and ring depth (KVATTN_SM90_N / _STAGES), causal b1_S8192, beside the sm80 kernel.
 """
 import argparse
 import os
@@ -16,32 +19,76 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kvattn import prefill  # noqa: E402
 from kvattn.variants import Variant  # noqa: E402
 
-EXPERIMENTS = {0: "full kernel", 1: "no K/V loads", 2: "no softmax"}
-CASES = [("non-causal b1_S8192", 1, 8192, False), ("causal b1_S8192", 1, 8192, True),
-         ("causal b8_S2048", 8, 2048, True), ("causal b32_S1024", 32, 1024, True)]
+SPLIT = {0: "full kernel", 1: "no K/V loads", 2: "no softmax"}
+SPLIT_CASES = [("non-causal b1_S8192", 1, 8192, False), ("causal b1_S8192", 1, 8192, True),
+               ("causal b8_S2048", 8, 2048, True), ("causal b32_S1024", 32, 1024, True)]
+TANH = {0: "tanhf", 1: "ex2 + rcp", 2: "tanh.approx"}
+D256_TILES = [(64, 2), (80, 2), (48, 3)]
 
 
-def defines(x):
+def split_defines(x):
     return (("KVATTN_SM90_X", x),) if x else ()
+
+
+def tile_defines(n, stages):
+    return (("KVATTN_SM90_N", n), ("KVATTN_SM90_STAGES", stages))
+
+
+def compile_all():
+    builds = [(split_defines(x), 128, Variant(), "bfloat16") for x in SPLIT]
+    builds += [((("KVATTN_TANH", x),), 128, Variant(soft_cap=True), t) for x in TANH for t in ("bfloat16", "float16")]
+    builds += [(tile_defines(n, st), 256, Variant(), "bfloat16") for n, st in D256_TILES]
+    for defs, d, v, t in builds:
+        prefill.SM90_TUNING = defs
+        prefill.sm90_spec(d, v, t).compile("sm_90a")
+    prefill.SM90_TUNING = ()
+
+
+def run_split(bp, rng):
+    for name, b, s, causal in SPLIT_CASES:
+        flops = (2 if causal else 4) * b * bp.HQ * s * s * bp.D
+        for x, what in SPLIT.items():
+            prefill.SM90_TUNING = split_defines(x)
+            w, us, err = bp.ragged_case(rng, name, [s] * b, [s] * b, 128, causal=causal, backend="sm90")
+            e = f"{err:.1e}" if x == 0 else "n/a"
+            print(f"split {name:22s} {what:14s} {us:9.1f} us {flops / us / 1e6:6.0f} TFLOP/s err {e}", flush=True)
+
+
+def run_tanh(bp, rng):
+    for t in ("bfloat16", "float16"):
+        for x, what in TANH.items():
+            prefill.SM90_TUNING = (("KVATTN_TANH", x),)
+            label, w, us, tf, err = bp.variant_case(rng, f"soft cap 30 {t}", cap=30.0, dtype=t, backend="sm90")
+            print(f"tanh  {label:22s} {what:14s} {us:9.1f} us {tf:6.0f} TFLOP/s err {err:.1e}", flush=True)
+        prefill.SM90_TUNING = ()
+        label, w, us, tf, err = bp.variant_case(rng, f"no cap {t}", dtype=t, backend="sm90")
+        print(f"tanh  {label:22s} {'(no soft cap)':14s} {us:9.1f} us {tf:6.0f} TFLOP/s err {err:.1e}", flush=True)
+
+
+def run_d256(bp, rng):
+    for n, st in D256_TILES:
+        prefill.SM90_TUNING = tile_defines(n, st)
+        label, w, us, tf, err = bp.variant_case(rng, "causal b1_S8192 D256", d=256, backend="sm90")
+        print(f"d256  {label:22s} sm90 N{n} x{st} {us:9.1f} us {tf:6.0f} TFLOP/s err {err:.1e}", flush=True)
+    prefill.SM90_TUNING = ()
+    label, w, us, tf, err = bp.variant_case(rng, "causal b1_S8192 D256", d=256, backend="sm80")
+    print(f"d256  {label:22s} {'sm80 / 64 rows':14s} {us:9.1f} us {tf:6.0f} TFLOP/s err {err:.1e}", flush=True)
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--compile", action="store_true")
+    for flag in ("compile", "split", "tanh", "d256"):
+        ap.add_argument(f"--{flag}", action="store_true")
     args = ap.parse_args()
     if args.compile:
-        for x in EXPERIMENTS:
-            prefill.SM90_TUNING = defines(x)
-            prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
+        compile_all()
         sys.exit(0)
     import bench_prefill as bp  # noqa: E402
+    everything = not (args.split or args.tanh or args.d256)
     rng = np.random.default_rng(0)
-    rows = []
-    for name, b, s, causal in CASES:
-        flops = (2 if causal else 4) * b * bp.HQ * s * s * bp.D
-        for x, what in EXPERIMENTS.items():
-            prefill.SM90_TUNING = defines(x)
-            w, us, err = bp.ragged_case(rng, name, [s] * b, [s] * b, 128, causal=causal, backend="sm90")
-            rows.append((name, what, us, flops / us / 1e6, f"{err:.1e}" if x == 0 else "n/a"))
-            print(f"{name:22s} {what:14s} {us:9.1f} us {flops / us / 1e6:6.0f} TFLOP/s err {rows[-1][-1]}", flush=True)
-    prefill.SM90_TUNING = ()
+    if args.split or everything:
+        run_split(bp, rng)
+    if args.tanh or everything:
+        run_tanh(bp, rng)
+    if args.d256 or everything:
+        run_d256(bp, rng)

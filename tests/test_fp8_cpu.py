@@ -88,7 +88,9 @@ def test_fp8_prefill_instances_compile_without_spills(kv):
     from kvattn import prefill
     specs = [prefill.prefill_spec(d, rows, Variant(), "bfloat16", kv) for d in (64, 128, 256)
              for rows in prefill.CONFIGS if not (d == 256 and rows == 128)]
-    specs += [prefill.sm90_spec(d, v, t, kv) for d in prefill.SM90_HEAD_DIMS for t in ("bfloat16", "float16")
+    # (head_dim 256 with an fp8 cache spills a few consumer registers on the sm90 kernel (224 of them beside 128
+    # O accumulators): "auto" gives it to the mma.sync kernel (test_prefill_cpu.py::test_auto_backend_choice))
+    specs += [prefill.sm90_spec(d, v, t, kv) for d in (64, 128) for t in ("bfloat16", "float16")
               for v in (Variant(), Variant(soft_cap=True, window=True))]
     for spec in specs:
         compiled, _ = spec.compile(ARCH)

@@ -214,7 +214,7 @@ def _fake_launch_env(monkeypatch, arch="sm_90a", sm90_spills=0):
 @pytest.mark.parametrize("d, rows, arch, spills, want", [
     (128, 128, "sm_90a", 0, "sm90"), (64, 128, "sm_90a", 0, "sm90"),
     (128, 64, "sm_90a", 0, "sm80"), (128, 16, "sm_90a", 0, "sm80"), (256, 64, "sm_90a", 0, "sm80"),
-    (128, 128, "sm_80", 0, "sm80"), (128, 128, "sm_90a", 60, "sm80")])
+    (128, 128, "sm_80", 0, "sm80"), (128, 128, "sm_90a", 60, "sm80"), (256, 128, "sm_90a", 0, "sm90")])
 def test_auto_backend_choice(monkeypatch, d, rows, arch, spills, want):
     prefill = _fake_launch_env(monkeypatch, arch, spills)
     cfg = prefill.launch_config("auto", d, rows, Variant(), "bfloat16")
@@ -223,6 +223,19 @@ def test_auto_backend_choice(monkeypatch, d, rows, arch, spills, want):
         assert cfg.threads == prefill.SM90_THREADS and cfg.smem == sm90_smem_bytes(d) and cfg.ctas_per_sm == 1
     else:
         assert cfg.threads == 128 and cfg.smem == smem_bytes(d, rows)
+
+
+@pytest.mark.parametrize("arch, spills, backend", [("sm_90a", 60, "auto"), ("sm_80", 0, "auto"), ("sm_90a", 0, "sm80")])
+def test_head_dim_256_takes_128_rows_only_on_the_wgmma_kernel(monkeypatch, arch, spills, backend):
+    prefill = _fake_launch_env(monkeypatch, arch, spills)
+    assert not prefill.sm90_usable(backend, 256, Variant(), "bfloat16")
+    assert prefill.choose_cta_rows(4096, 256, wgmma=False) == 64
+    with pytest.raises(ValueError, match="cta_rows: 128 with head_dim 256 needs the sm90 kernel"):
+        prefill.launch_config(backend, 256, 128, Variant(), "bfloat16")
+    prefill = _fake_launch_env(monkeypatch, "sm_90a", 0)
+    assert prefill.sm90_usable("auto", 256, Variant(), "bfloat16")
+    assert prefill.choose_cta_rows(4096, 256, wgmma=True) == 128
+    assert prefill.choose_cta_rows(40, 256, wgmma=True) == 64
 
 
 def test_forced_backends(monkeypatch):

@@ -156,7 +156,7 @@ def test_every_query_tile(cta_rows, backend, group):
              backend=backend)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("variant", ["causal", "plain", "window", "cap", "custom", "all"])
 def test_sm90_mainloop(d, dtype, variant):
