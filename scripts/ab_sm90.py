@@ -23,7 +23,7 @@ SPLIT = {0: "full kernel", 1: "no K/V loads", 2: "no softmax"}
 SPLIT_CASES = [("non-causal b1_S8192", 1, 8192, False), ("causal b1_S8192", 1, 8192, True),
                ("causal b8_S2048", 8, 2048, True), ("causal b32_S1024", 32, 1024, True)]
 TANH = {0: "tanhf", 1: "ex2 + rcp", 2: "tanh.approx"}
-D256_TILES = [(64, 2), (80, 2), (48, 3)]
+D256_TILES = [(64, 2), (80, 2)]
 
 
 def split_defines(x):
