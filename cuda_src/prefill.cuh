@@ -27,6 +27,11 @@ namespace kvattn {
 
 // Mirrored by kvattn.prefill.PREFILL_PARAMS (a test checks the size). Strides in elements; offsets in int32
 // elements of `plan`.
+// A CUtensorMap: opaque, 64-byte aligned, read from the kernel's parameter space by cp.async.bulk.tensor.
+struct alignas(64) TmaMap {
+  unsigned long long opaque[16];
+};
+
 struct PrefillParams {
   const void* q;               // [total_qo, Hq, D] (any row / head strides, D contiguous)
   const void* k;               // token t of page pg, head h at pg*kv_stride_page + t*kv_stride_token + h*kv_stride_head
@@ -47,6 +52,10 @@ struct PrefillParams {
   const float* k_scale_ptr;    // fp8 cache: per-KV-head scales [Hkv] (may be null), times k_scale / v_scale
   const float* v_scale_ptr;
   float k_scale, v_scale;
+  int tma_mode;                // sm90, 16-bit cache: 0 = per-thread copies only, 1 = ragged, 2 = paged tensor maps
+  int tma_rows;                // rows of one box (kvattn/tma.py); an item takes the boxes if kb % tma_rows == 0
+  int tma_hnd;                 // the maps' dims are (D, slot, head, page) ("HND"), else (D, head, slot, page)
+  TmaMap tma_k, tma_v;         // cuTensorMapEncodeTiled descriptors of k and v, written by run()
 };
 
 template <int D, int WARPS_M, int MT, class V, typename T, typename KV = T>

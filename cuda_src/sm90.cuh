@@ -15,6 +15,19 @@ __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
 __device__ __forceinline__ void cp_async_mbar_arrive(unsigned long long* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
+// Adds `bytes` to the transaction count the barrier's current phase waits for (no arrival).
+__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+// Bulk tensor copy (TMA) of one box of a 4-dim tensor map at coordinates (c0..c3, innermost first) to shared
+// memory; its bytes count toward the barrier's transaction count when they land.
+__device__ __forceinline__ void tma_load_4d(void* dst, const void* tmap, int c0, int c1, int c2, int c3,
+                                            unsigned long long* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+      ::"r"(smem_addr(dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar)) : "memory");
+}
+
 // Blocks until the phase of parity `parity` of the barrier has completed (phases alternate 0, 1, 0, ...).
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
   asm volatile(

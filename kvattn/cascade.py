@@ -27,7 +27,7 @@ import math
 
 import numpy as np
 
-from . import _dtypes, _validate as _v, scheduler
+from . import _dtypes, _validate as _v, scheduler, tma
 from ._attn_args import check_plan_args
 from ._binding import import_array
 from .contract import NUM_MERGE, page_size_shift
@@ -36,7 +36,7 @@ from .kernels import Launch, ParamBuffer, get_kernel
 from .merge import MERGE_PARAMS, merge_spec
 from .opcore import AttentionOp, PagedKV, on_device
 from .prefill import (BACKENDS, DEFAULT_WORKSPACE, choose_cta_rows, launch_config, level_layout, level_params,
-                      sm90_usable, write_level)
+                      sm90_tile, sm90_usable, write_level)
 from .variants import Variant, plan_variant
 
 
@@ -190,9 +190,10 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
                         256, 0, mp) if max_rows else None)
         pages = max((int(pt.indices.max(initial=-1)) + 1 for _, pt in lv), default=0)
         kv = PagedKV(self.kv_layout, ps, hkv, d, _dtypes.to_numpy(kv_dtype), pages)
+        maps = tma.attach(kv, [p for p, cfg in zip(params, cfgs) if cfg.backend == "sm90"], sm90_tile(d)[0])
         return self._finish_plan(
             rows=total_qo, max_rows=max_rows, hq=hq, d=d, dtype=q_dtype, kv=kv, launch=launches, params=params,
-            merge=merge, merge_params=mp, s=s, copy_done=copy_done,
+            merge=merge, merge_params=mp, s=s, copy_done=copy_done, bind_tma=maps,
             levels=tuple(dict(cta_rows=rows, chunks=n, backend=cfg.backend, items=it.shape[0])
                          for rows, n, cfg, it in zip(tiles, chunks, cfgs, items)),
             slots=slots, variant=variant, num_kv_heads=hkv)

@@ -100,6 +100,12 @@ class ParamBuffer:
             st.pack_into(raw, off, v)
         return self
 
+    def set_bytes(self, offset: int, data: bytes):
+        """Copy raw bytes (e.g. tensor maps) into the struct at a byte offset."""
+        if offset < 0 or offset + len(data) > self.dtype.itemsize:
+            raise ValueError(f"set_bytes: {len(data)} bytes at {offset} overrun the {self.dtype.itemsize}-byte struct")
+        ctypes.memmove(ctypes.addressof(self.raw) + offset, data, len(data))
+
     def setter(self, *names):
         """A function f(*values) that packs these fields, adjacent in the struct, with one pack_into (run()'s hot
         path sets its pointers and strides this way)."""
@@ -123,8 +129,8 @@ _FORMATS = {"u8": "<Q", "i8": "<q", "i4": "<i", "u4": "<I", "f4": "<f", "f8": "<
 def _packers(dtype: np.dtype) -> dict:
     out = {}
     for name, (ft, off) in dtype.fields.items():
-        code = f"{ft.kind}{ft.itemsize}"
-        out[name] = (struct.Struct(_FORMATS[code]), off)
+        if ft.kind != "V":   # raw byte fields (tensor maps) are written with set_bytes
+            out[name] = (struct.Struct(_FORMATS[f"{ft.kind}{ft.itemsize}"]), off)
     return out
 
 

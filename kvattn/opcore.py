@@ -180,6 +180,7 @@ class AttentionPlan:
     set_ptrs: object             # (q, k, v, o, lse) -> packs every attention launch's pointer fields
     set_strides: object          # (q_n, q_h, o_n, o_h, lse_n, kv_page, kv_token, kv_head) -> packs their strides
     set_scales: object           # fp8 cache: (k_scale_ptr, v_scale_ptr, k_scale, v_scale); None for a 16-bit cache
+    bind_tma: object             # (k, v) -> writes their tensor maps into the TMA launches (kvattn.tma); or None
     merge_set_ptrs: object       # (o, lse)
     merge_set_strides: object    # (o_n, o_h, lse_n, lse_h)
     plan_stream: int             # the stream of the plan's copy
@@ -305,9 +306,9 @@ class AttentionOp:
         return Launch(get_kernel(merge_spec("float32", dtype, variant)), grid, 256, 0, mp), mp
 
     def _finish_plan(self, *, rows, max_rows, hq, d, dtype, kv, launch, params, merge, merge_params, s, copy_done,
-                     **info):
+                     bind_tma=None, **info):
         """launch / params: the attention Launch (or None) and its ParamBuffer, or lists of them (one per
-        launch, issued in order; every one takes run()'s arrays)."""
+        launch, issued in order; every one takes run()'s arrays). bind_tma: kvattn.tma's binder, or None."""
         if self.use_cuda_graph and self._baked is None:
             self._baked = self._pending_bake
         launches = launch if isinstance(launch, (list, tuple)) else [launch]
@@ -320,6 +321,7 @@ class AttentionOp:
                                 "kv_stride_page", "kv_stride_token", "kv_stride_head"),
             set_scales=(_setter(params, "k_scale_ptr", "v_scale_ptr", "k_scale", "v_scale")
                         if kv.dtype.itemsize == 1 else None),
+            bind_tma=bind_tma,
             merge_set_ptrs=merge_params.setter("o_out", "lse_out"),
             merge_set_strides=merge_params.setter("so_row", "so_h", "lo_row", "lo_h"),
             plan_stream=s.ptr, copy_done=copy_done, wait_copy=not self.use_cuda_graph,
@@ -362,6 +364,8 @@ class AttentionOp:
         lse_ptr, lse_row = (lse.ptr, lse.strides[0] // 4) if lse is not None else (0, 0)
         p.set_ptrs(q.ptr, k.ptr, v.ptr, out.ptr, lse_ptr)
         p.set_strides(qs[0] // it, qs[1] // it, os_[0] // it, os_[1] // it, lse_row, *kv_strides)
+        if p.bind_tma is not None:
+            p.bind_tma(k, v)
         handle = s.handle
         for launch in p.launches:
             launch.launch(handle)

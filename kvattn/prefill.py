@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from . import _driver, _dtypes, _validate as _v, scheduler
+from . import _driver, _dtypes, _validate as _v, scheduler, tma
 from ._attn_args import check_plan_args
 from ._binding import import_array
 from .contract import HEADER_INT32, align4, page_size_shift, write_header
@@ -42,7 +42,7 @@ from .opcore import AttentionOp, PagedKV, RaggedKV, on_device
 from .stream import as_stream
 from .variants import Variant, plan_variant
 
-PREFILL_PARAMS = np.dtype([
+_PREFILL_SCALARS = np.dtype([
     ("q", "u8"), ("k", "u8"), ("v", "u8"), ("o", "u8"), ("lse", "u8"), ("tmp_o", "u8"), ("tmp_lse", "u8"),
     ("plan", "u8"), ("mask", "u8"),
     ("q_stride_n", "i8"), ("q_stride_h", "i8"), ("o_stride_n", "i8"), ("o_stride_h", "i8"), ("lse_stride_n", "i8"),
@@ -53,7 +53,14 @@ PREFILL_PARAMS = np.dtype([
     ("window_left", "i4"),
     ("score_scale", "f4"), ("cap_log2", "f4"), ("variant_data", "u8"),
     ("k_scale_ptr", "u8"), ("v_scale_ptr", "u8"), ("k_scale", "f4"), ("v_scale", "f4"),
+    ("tma_mode", "i4"), ("tma_rows", "i4"), ("tma_hnd", "i4"),
 ], align=True)
+_TMA_OFFSET = -(-_PREFILL_SCALARS.itemsize // 64) * 64   # the tensor maps are 64-byte aligned (alignas(64) in C)
+PREFILL_PARAMS = np.dtype({
+    "names": list(_PREFILL_SCALARS.names) + ["tma_k", "tma_v"],
+    "formats": [_PREFILL_SCALARS.fields[n][0] for n in _PREFILL_SCALARS.names] + ["V128", "V128"],
+    "offsets": [_PREFILL_SCALARS.fields[n][1] for n in _PREFILL_SCALARS.names] + [_TMA_OFFSET, _TMA_OFFSET + 128],
+    "itemsize": _TMA_OFFSET + 256})
 
 DEFAULT_WORKSPACE = 256 << 20
 RAGGED_PAGE_SHIFT = 30
@@ -124,7 +131,7 @@ def sm90_tile(head_dim: int) -> tuple[int, int]:
     """(KV tokens per tile, ring stages) of prefill_sm90_kernel (mirrors PrefillSm90::N / STAGES, including the
     KVATTN_SM90_N / _STAGES overrides of SM90_TUNING)."""
     over = dict(SM90_TUNING)
-    return (over.get("KVATTN_SM90_N", 64 if head_dim == 256 else 128),
+    return (over.get("KVATTN_SM90_N", 80 if head_dim == 256 else 128),
             over.get("KVATTN_SM90_STAGES", 2 if head_dim == 256 else 3))
 
 
@@ -379,12 +386,14 @@ class _BatchPrefill(AttentionOp):
             kv = PagedKV(self.kv_layout, page_size, hkv, head_dim, npdtype, int(page_indices.max(initial=-1)) + 1)
         else:
             kv = RaggedKV(self.kv_layout, int(kv_lens.sum()), hkv, head_dim, npdtype)
+        maps = (tma.attach(kv, [p], sm90_tile(head_dim)[0], contiguous=not self._paged and make_kv is None)
+                if cfg.backend == "sm90" and not variant.rope else None)
         return self._finish_plan(
             rows=total_qo, max_rows=self.max_total_qo if self.use_cuda_graph else total_qo, hq=hq, d=head_dim,
             dtype=q_dtype, kv=kv, launch=Launch(kernel, (cap_w, hkv, 1), cfg.threads, cfg.smem, p) if cap_w > 0 else None,
-            params=p, merge=merge, merge_params=mp, s=s, copy_done=copy_done,
+            params=p, merge=merge, merge_params=mp, s=s, copy_done=copy_done, bind_tma=maps,
             schedule=plan, backend=cfg.backend, cta_rows=cta_rows, variant=variant, kernel=kernel,
-            grid=(cap_w, hkv, 1), smem=cfg.smem, threads=cfg.threads, num_kv_heads=hkv)
+            grid=(cap_w, hkv, 1), smem=cfg.smem, threads=cfg.threads, num_kv_heads=hkv, tma=maps is not None)
 
     @staticmethod
     def _mask(custom_mask, mask_indptr, qo_lens, kv_lens):

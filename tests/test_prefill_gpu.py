@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import kvattn
 from kvattn import _dtypes, graphs, reference
 from kvattn.formats import PageTable
-from kvattn.prefill import BatchPrefillWithPagedKVCache, BatchPrefillWithRaggedKVCache, single_prefill
+from kvattn.prefill import BatchPrefillWithPagedKVCache, BatchPrefillWithRaggedKVCache, single_prefill, sm90_tile
 
 from _gpu import assert_lse, poisoned, rel_l2, requires_gpu
 from _prefill_ref import request_ref, sample_rows
@@ -27,6 +27,22 @@ def _kv_pages(rng, kv_lens, page_size, hkv, d, dtype, layout):
     shape = (total + 3, page_size, hkv, d) if layout == "NHD" else (total + 3, hkv, page_size, d)
     npd = _dtypes.to_numpy(dtype)
     return rng.standard_normal(shape).astype(npd), rng.standard_normal(shape).astype(npd), pt
+
+
+def _poison_tails(kc, vc, pt, layout):
+    """NaN in every slot no request's KV covers: last-page tails and pages outside the table."""
+    used = np.zeros(kc.shape[0], bool)
+    used[pt.indices] = True
+    for c in (kc, vc):
+        c[~used] = np.nan
+        for i in range(pt.batch_size):
+            pages = pt.pages(i)
+            if pages.size:
+                tail = slice(int(pt.last_page_len[i]), None)
+                if layout == "NHD":
+                    c[pages[-1], tail] = np.nan
+                else:
+                    c[pages[-1], :, tail] = np.nan
 
 
 def _request_kv(kc, vc, pt, i, layout):
@@ -62,9 +78,10 @@ def _device_cache(rng, k, v, kv_dtype, head_axis):
 
 def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD", page_size=16, causal=False,
              window_left=-1, cap=0.0, custom=False, sm_scale=None, check_requests=None, cta_rows=None,
-             backend="auto", kv_dtype=None):
+             backend="auto", kv_dtype=None, poison_tails=False):
     """kv_dtype: an fp8 cache (the random cache quantised with per-head scales; the reference reads it
-    dequantised)."""
+    dequantised). poison_tails (paged, 16-bit): the slots past each request's KV on its last page and the
+    unused pages hold NaN (a kernel that let them into a result would show it)."""
     hq = hkv * group
     npd = _dtypes.to_numpy(dtype)
     qo_lens, kv_lens = np.asarray(qo_lens), np.asarray(kv_lens)
@@ -74,6 +91,8 @@ def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD"
     flat = np.concatenate([m.ravel() for m in masks]) if custom else None
     if paged:
         kc, vc, pt = _kv_pages(rng, kv_lens, page_size, hkv, d, dtype, layout)
+        if poison_tails:
+            _poison_tails(kc, vc, pt, layout)
         w = BatchPrefillWithPagedKVCache(kv_layout=layout, backend=backend)
         w.plan(qo_indptr, pt, hq, hkv, d, causal=causal, custom_mask=flat, sm_scale=sm_scale,
                window_left=window_left, logits_soft_cap=cap, q_dtype=dtype, cta_rows=cta_rows, kv_dtype=kv_dtype)
@@ -171,6 +190,53 @@ def test_sm90_mainloop(d, dtype, variant):
     for paged in (True, False):
         run_case(np.random.default_rng(hash((d, dtype, variant, paged)) % 2**32), dtype=dtype, d=d, hkv=2, group=4,
                  qo_lens=qo, kv_lens=kv, paged=paged, cta_rows=128, backend="sm90", **kw)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("page_size", [8, 16, 64, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_sm90_tma_tiles_read_only_the_requests_kv(layout, page_size, d):
+    """Full KV tiles come as TMA boxes (one per page or per tile), the last partial tile through zero-filling
+    copies: NaN in the last pages' tails and in unused pages never reaches a result. Causal and not, KV
+    lengths around the tile and page boundaries, a split KV."""
+    for causal in (True, False):
+        qo, kv = ([130, 1, 64, 300], [130, 257, 128 + page_size, 5000]) if causal else ([130, 1, 64, 33],
+                                                                                         [129, 256, 1, 4099])
+        w = run_case(np.random.default_rng(page_size + d + causal), dtype="bfloat16", d=d, hkv=2, group=4,
+                     qo_lens=qo, kv_lens=kv, paged=True, layout=layout, page_size=page_size, causal=causal,
+                     cta_rows=128, backend="sm90", poison_tails=True)
+        tile = sm90_tile(d)[0]
+        assert w.last_plan.info["tma"] == (tile % page_size == 0 or page_size % tile == 0), (tile, page_size)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_ragged_tiles_never_read_another_requests_kv(layout):
+    """Request 1's K / V are NaN: the other requests' results (full tiles by TMA, partial tiles by zero-filling
+    copies) stay exact, on both backends."""
+    rng = np.random.default_rng(11)
+    qo, kv = np.array([200, 40, 77]), np.array([333, 300, 4097])
+    hkv, group, d = 2, 4, 128
+    qi = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    ki = np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)
+    n = int(ki[-1])
+    bf = _dtypes.to_numpy("bfloat16")
+    k = rng.standard_normal((n, hkv, d)).astype(bf)
+    v = rng.standard_normal((n, hkv, d)).astype(bf)
+    k[ki[1]:ki[2]] = np.nan
+    v[ki[1]:ki[2]] = np.nan
+    q = rng.standard_normal((int(qi[-1]), hkv * group, d)).astype(bf)
+    dev = lambda a: kvattn.from_numpy(a if layout == "NHD" else np.ascontiguousarray(a.transpose(1, 0, 2)))  # noqa: E731
+    for backend in ("sm80", "sm90"):
+        for causal in (True, False):
+            w = BatchPrefillWithRaggedKVCache(kv_layout=layout, backend=backend)
+            w.plan(qi, ki, hkv * group, hkv, d, causal=causal, cta_rows=128)
+            assert w.last_plan.info["tma"] == (backend == "sm90")
+            out = w.run(kvattn.from_numpy(q), dev(k), dev(v)).numpy().astype(np.float64)
+            for i in (0, 2):
+                rows = sample_rows(int(qo[i]), SAMPLE_ROWS, rng)
+                ro, _ = request_ref(q[qi[i]:qi[i + 1]], k[ki[i]:ki[i + 1]], v[ki[i]:ki[i + 1]], rows, causal, -1,
+                                    0.0, 1 / np.sqrt(d), None)
+                assert rel_l2(out[qi[i] + rows], ro) <= TOL["bfloat16"], (backend, causal, i)
 
 
 def test_speculative_verify_shape():

@@ -1,0 +1,104 @@
+"""Tensor maps (TMA descriptors) of a KV cache for the sm90 prefill kernel, whose producers then load each full
+K / V tile with a few bulk tensor copies (one box of 64 columns x R rows each) instead of per-thread 16-byte
+copies.
+
+A map views k (or v) as 4 dims, innermost first: (head_dim, head, token slot, page) for "NHD" and (head_dim,
+slot, head, page) for "HND" (strides grow outward), boxes of 64 x 1 x R x 1 (NHD) or 64 x R x 1 x 1 (HND),
+with the kernel's 128-byte swizzle. Ragged K / V is one page of total_kv slots (a box is the whole KV tile);
+a paged cache has page_size slots per page (a box is one page, or the tile inside a larger page). The kernel
+takes the boxes only for full tiles of an item that starts on a box boundary: a tile that ends past the item's
+KV (whose rows must read as zeros, whatever the cache holds there) keeps the zero-filling per-thread copies.
+run() encodes the maps for its k / v (cuTensorMapEncodeTiled; cached per pointer, shape and strides) and writes
+them into the launches' parameters.
+"""
+from __future__ import annotations
+
+import struct
+
+from . import _driver
+from .opcore import PagedKV, RaggedKV
+
+MODE_OFF, MODE_RAGGED, MODE_PAGED = 0, 1, 2
+_CACHE_LIMIT = 16   # distinct (k, v) bindings remembered per plan
+_PACK = struct.Struct("<16Q")
+
+
+def tma_mode(kv, tile: int, contiguous: bool) -> tuple[int, int]:
+    """(mode, box rows) for a plan's KV accessor and the kernel's KV tile; contiguous: a RaggedKV read as one
+    run of tokens per request (the ragged op; not block-sparse columns). MODE_OFF where whole boxes cannot cover
+    a tile: fp8 caches (their producers expand the bytes), block-sparse column blocks, page sizes that are not a
+    multiple of 8 (a box's rows must span whole 1024-byte swizzle atoms) or neither divide nor are divided by
+    the tile."""
+    if kv.dtype.itemsize != 2:
+        return MODE_OFF, 0
+    if isinstance(kv, RaggedKV):
+        return (MODE_RAGGED, tile) if contiguous and kv.tokens_per_page == 1 else (MODE_OFF, 0)
+    if isinstance(kv, PagedKV):
+        ps = kv.page_size
+        if ps % 8 == 0 and ps <= 256 and (tile % ps == 0 or ps % tile == 0):
+            return MODE_PAGED, min(ps, tile)
+    return MODE_OFF, 0
+
+
+def _dims(kv, a, rows: int):
+    """(global dims, global byte strides of dims 1..3, box dims) of array a (a DeviceArray of the cache)."""
+    d = kv.head_dim
+    s = a.strides
+    if isinstance(kv, RaggedKV):   # NHD [n, H, D] / HND [H, n, D]: one page of n slots
+        if kv.layout == "NHD":
+            n, h = a.shape[0], a.shape[1]
+            return (d, h, n, 1), (s[1], s[0], s[0] * n), (64, 1, rows, 1)
+        h, n = a.shape[0], a.shape[1]
+        return (d, n, h, 1), (s[1], s[0], s[0] * h), (64, rows, 1, 1)
+    if kv.layout == "NHD":         # [P, ps, H, D]
+        p, ps, h = a.shape[0], a.shape[1], a.shape[2]
+        return (d, h, ps, p), (s[2], s[1], s[0]), (64, 1, rows, 1)
+    p, h, ps = a.shape[0], a.shape[1], a.shape[2]   # HND [P, H, ps, D]
+    return (d, ps, h, p), (s[2], s[1], s[0]), (64, rows, 1, 1)
+
+
+def encode(kv, a, rows: int) -> bytes:
+    """The 128-byte tensor map of cache array a."""
+    drv = _driver.driver()
+    dims, strides, box = _dims(kv, a, rows)
+    dt = (drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if kv.dtype.name == "bfloat16" else
+          drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
+    u64, u32 = drv.cuuint64_t, drv.cuuint32_t
+    tmap = _driver.call("cuTensorMapEncodeTiled", dt, 4, a.ptr, [u64(x) for x in dims], [u64(x) for x in strides],
+                        [u32(x) for x in box], [u32(1)] * 4,
+                        drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+                        drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    return _PACK.pack(*tmap.opaque)
+
+
+class KVTensorMaps:
+    """run()'s binder: writes the tensor maps of (k, v) into the parameters of the launches that read them."""
+
+    __slots__ = ("kv", "rows", "params", "offset", "_cache")
+
+    def __init__(self, kv, rows: int, params, offset: int):
+        self.kv, self.rows, self.params, self.offset = kv, rows, tuple(params), offset
+        self._cache = {}
+
+    def __call__(self, k, v):
+        key = (k.ptr, v.ptr, k.shape, k.strides)
+        blob = self._cache.get(key)
+        if blob is None:
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.clear()
+            blob = self._cache[key] = encode(self.kv, k, self.rows) + encode(self.kv, v, self.rows)
+        for p in self.params:
+            p.set_bytes(self.offset, blob)
+
+
+def attach(kv, params, tile: int, contiguous: bool = False) -> KVTensorMaps | None:
+    """Switch the sm90 launches of these ParamBuffers to TMA tiles where the accessor allows it (tma_mode) and
+    return run()'s binder, or None (the launches keep their per-thread copies)."""
+    mode, rows = tma_mode(kv, tile, contiguous)
+    if mode == MODE_OFF or not params:
+        return None
+    for p in params:
+        p.set(tma_mode=mode, tma_rows=rows, tma_hnd=int(kv.layout == "HND"))
+    return KVTensorMaps(kv, rows, params, params[0].dtype.fields["tma_k"][1])

@@ -1,0 +1,90 @@
+"""kvattn.tma without a GPU: which plans take TMA tiles, the tensor-map geometry of every cache layout, and the
+parameter struct that carries the maps."""
+import types
+
+import numpy as np
+import pytest
+
+from kvattn import compiler, kernels, tma
+from kvattn.opcore import PagedKV, RaggedKV
+from kvattn.prefill import PREFILL_PARAMS
+
+BF16, F8 = np.dtype("uint16"), np.dtype("uint8")   # only itemsize matters to tma_mode
+
+
+def paged(ps, layout="NHD", dtype=BF16):
+    kv = PagedKV(layout, ps, 2, 128, dtype, 10)
+    return kv
+
+
+@pytest.mark.parametrize("kv, tile, contiguous, want", [
+    (RaggedKV("NHD", 1000, 2, 128, BF16), 128, True, (tma.MODE_RAGGED, 128)),
+    (RaggedKV("HND", 1000, 2, 128, BF16), 64, True, (tma.MODE_RAGGED, 64)),
+    (RaggedKV("NHD", 1000, 2, 128, BF16), 128, False, (tma.MODE_OFF, 0)),                    # block-sparse, C = 1
+    (RaggedKV("NHD", 1000, 2, 128, BF16, tokens_per_page=64), 128, True, (tma.MODE_OFF, 0)),  # block columns
+    (RaggedKV("NHD", 1000, 2, 128, F8), 128, True, (tma.MODE_OFF, 0)),                       # fp8: producers expand
+    (paged(16), 128, False, (tma.MODE_PAGED, 16)),
+    (paged(8, "HND"), 64, False, (tma.MODE_PAGED, 8)),
+    (paged(256), 128, False, (tma.MODE_PAGED, 128)),
+    (paged(128), 64, False, (tma.MODE_PAGED, 64)),
+    (paged(1), 128, False, (tma.MODE_OFF, 0)),
+    (paged(5), 128, False, (tma.MODE_OFF, 0)),
+    (paged(48), 128, False, (tma.MODE_OFF, 0)),
+    (paged(512), 128, False, (tma.MODE_OFF, 0)),
+    (paged(16, dtype=F8), 128, False, (tma.MODE_OFF, 0)),
+])
+def test_tma_mode(kv, tile, contiguous, want):
+    assert tma.tma_mode(kv, tile, contiguous) == want
+
+
+def fake(shape, itemsize=2):
+    """A contiguous DeviceArray stand-in: shape and byte strides."""
+    strides = tuple(int(np.prod(shape[i + 1:])) * itemsize for i in range(len(shape)))
+    return types.SimpleNamespace(shape=shape, strides=strides, ptr=0)
+
+
+def test_tensor_map_geometry_of_every_layout():
+    n, h, d, p, ps = 1000, 2, 128, 10, 16
+    # ragged NHD [n, H, D]: dims (D, H, n, 1), boxes of the whole tile
+    assert tma._dims(RaggedKV("NHD", n, h, d, BF16), fake((n, h, d)), 128) == (
+        (d, h, n, 1), (d * 2, h * d * 2, n * h * d * 2), (64, 1, 128, 1))
+    # ragged HND [H, n, D]: dims (D, n, H, 1)
+    assert tma._dims(RaggedKV("HND", n, h, d, BF16), fake((h, n, d)), 128) == (
+        (d, n, h, 1), (d * 2, n * d * 2, h * n * d * 2), (64, 128, 1, 1))
+    # paged NHD [P, ps, H, D]: dims (D, H, ps, P), a box per page
+    assert tma._dims(paged(ps), fake((p, ps, h, d)), ps) == (
+        (d, h, ps, p), (d * 2, h * d * 2, ps * h * d * 2), (64, 1, ps, 1))
+    # paged HND [P, H, ps, D]: dims (D, ps, H, P)
+    assert tma._dims(paged(ps, "HND"), fake((p, h, ps, d)), ps) == (
+        (d, ps, h, p), (d * 2, ps * d * 2, h * ps * d * 2), (64, ps, 1, 1))
+    # one [P, 2, ps, H, D] cache: k = cache[:, 0] keeps the page stride of both
+    k = types.SimpleNamespace(shape=(p, ps, h, d), strides=(2 * ps * h * d * 2, h * d * 2, d * 2, 2), ptr=0)
+    assert tma._dims(paged(ps), k, ps)[1] == (d * 2, h * d * 2, 2 * ps * h * d * 2)
+
+
+def test_tensor_maps_sit_64_byte_aligned_in_the_parameters():
+    off = PREFILL_PARAMS.fields["tma_k"][1]
+    assert off % 64 == 0 and PREFILL_PARAMS.fields["tma_v"][1] == off + 128
+    assert PREFILL_PARAMS.itemsize == off + 256
+    src = '#include "prefill.cuh"\n' + kernels.size_assert("kvattn::PrefillParams", PREFILL_PARAMS)
+    compiler.compile_cubin(src, "tma_params.cu", [], [], "sm_90a")
+
+
+def test_attach_switches_the_launches_and_binds_both_maps(monkeypatch):
+    params = [kernels.ParamBuffer(PREFILL_PARAMS) for _ in range(2)]
+    assert tma.attach(paged(5), params, 128) is None
+    assert all(p["tma_mode"] == 0 for p in params)
+    binder = tma.attach(paged(16, "HND"), params, 128)
+    assert all((p["tma_mode"], p["tma_rows"], p["tma_hnd"]) == (tma.MODE_PAGED, 16, 1) for p in params)
+    calls = []
+    monkeypatch.setattr(tma, "encode", lambda kv, a, rows: calls.append((a.ptr, rows)) or bytes([a.ptr]) * 128)
+    k, v = types.SimpleNamespace(ptr=7, shape=(4,), strides=(2,)), types.SimpleNamespace(ptr=9, shape=(4,), strides=(2,))
+    binder(k, v)
+    binder(k, v)   # cached: encoded once
+    assert calls == [(7, 16), (9, 16)]
+    off = PREFILL_PARAMS.fields["tma_k"][1]
+    for p in params:
+        raw = bytes(p.raw)
+        assert raw[off:off + 128] == bytes([7]) * 128 and raw[off + 128:off + 256] == bytes([9]) * 128
+    with pytest.raises(ValueError, match="set_bytes"):
+        params[0].set_bytes(PREFILL_PARAMS.itemsize - 8, bytes(16))
