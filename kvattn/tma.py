@@ -13,14 +13,14 @@ them into the launches' parameters.
 """
 from __future__ import annotations
 
-import struct
+import ctypes
 
 from . import _driver
 from .opcore import PagedKV, RaggedKV
 
 MODE_OFF, MODE_RAGGED, MODE_PAGED = 0, 1, 2
 _CACHE_LIMIT = 16   # distinct (k, v) bindings remembered per plan
-_PACK = struct.Struct("<16Q")
+_MAP_BYTES = 128    # sizeof(CUtensorMap)
 
 
 def tma_mode(kv, tile: int, contiguous: bool) -> tuple[int, int]:
@@ -70,7 +70,7 @@ def encode(kv, a, rows: int) -> bytes:
                         drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
                         drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                         drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-    return _PACK.pack(*tmap.opaque)
+    return ctypes.string_at(tmap.getPtr(), _MAP_BYTES)
 
 
 class KVTensorMaps:
