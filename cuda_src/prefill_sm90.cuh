@@ -2,11 +2,13 @@
 //
 // Same plan items, parameters, variants and epilogue as prefill.cuh (PrefillKernel's helpers); only the
 // mainloop differs. One CTA = three warpgroups (384 threads) for 128 packed query rows:
-//   - the producer warpgroup (24 registers after setmaxnreg) copies Q and the K/V tiles (N = 128 tokens, 80 at
-//     head_dim 256) with cp.async into a 3-stage ring (2 at head_dim 256); each warp looks up the page offsets
-//     of N / 4 rows of a tile (one per lane) and
-//     copies them coalesced (16-byte chunks, offsets passed by shuffles). Each thread's copies arrive on the
-//     stage's `full` mbarrier when they land (cp.async.mbarrier.arrive): the producer never waits for them;
+//   - the producer warpgroup (24 registers after setmaxnreg) fills a ring of K/V tiles (N = 128 tokens in 3
+//     stages; 80 tokens in 2 at head_dim 256). A full tile of a 16-bit cache, where run() bound tensor maps
+//     (kvattn/tma.py), is a few TMA boxes issued by one thread, their bytes expected by the stage's `full`
+//     mbarrier. Otherwise (the last, partial tile of an item, block-sparse columns, odd page sizes, RoPE) each
+//     warp looks up the page offsets of N / 4 rows (one per lane) and copies them with cp.async, coalesced
+//     16-byte chunks, zero-filled past the item's KV. Every producer thread arrives on `full` once its own
+//     copies land (cp.async.mbarrier.arrive; the Q rows go with tile 0): the producers never wait for them;
 //   - two consumer warpgroups (240 registers) own 64 query rows each (wgmma's M). They wait on `full`, fence
 //     the landed copies (generic proxy) against the tensor cores' reads (async proxy), run
 //     S = Q K^T (Q and K from shared memory, K-major), the online softmax, and O += P V (P from registers:
@@ -18,7 +20,6 @@
 // An fp8 cache (KV = __nv_fp8_e4m3 / e5m2): the producers load its rows into registers, expand them (times
 // k_scale / v_scale, rounded once to T) into the same 16-bit tiles, and arrive on `full` once their stores are
 // made visible to the tensor cores; the consumers are unchanged.
-// TMA copies (the plan's contiguous ragged K/V) and larger KV tiles are the next steps (BENCHMARKS.md).
 // Shared memory layout of every tile: 128-byte swizzle, i.e. per 64-column block of the head dim, 128-byte rows
 // whose 16-byte chunk c sits at chunk c ^ (row % 8).
 #pragma once
@@ -30,6 +31,12 @@
 // consumers run on whatever the stages hold), 2 = the consumers skip the softmax. They say where a tile's time goes.
 #ifndef KVATTN_SM90_X
 #define KVATTN_SM90_X 0
+#endif
+// Candidate (scripts/ab_sm90.py --fold): on tiles that need no mask, plain softmax variants take the row max
+// over the raw scores and fold the score scale into the exponent, p = exp2(fma(s, scale, -m)): one FFMA per
+// score instead of FMUL + FADD (needs scale > 0; other scales take the masked path).
+#ifndef KVATTN_SM90_FOLD
+#define KVATTN_SM90_FOLD 0
 #endif
 
 namespace kvattn {
@@ -100,27 +107,37 @@ struct PrefillSm90 {
     }
   }
 
-  // (TMA) The whole tile at t0 as boxes of p.tma_rows rows x 64 columns of K and V (thread 0 of the producers
-  // issues them; the stage's `full` barrier expects their bytes). Only full tiles of items that start on a box
-  // boundary come here (produce), so every box lies inside one page of the item.
+  // (TMA) The map coordinates (slot, page) of the box of p.tma_rows rows starting at item token tok (clamped
+  // into the item: lanes past the tile's boxes must not read past its page list).
+  __device__ __forceinline__ static void tma_coords(const PrefillParams& p, const Item& it, int tok, int& slot,
+                                                    int& page) {
+    tok = min(tok, it.ke - 1);
+    int pg, in;
+    if (p.page_shift >= 0) { pg = tok >> p.page_shift; in = tok & ((1 << p.page_shift) - 1); }
+    else { pg = tok / p.page_size; in = tok - pg * p.page_size; }
+    const int id = __ldg(it.pages + pg);
+    // ragged: the request's "page" id is its first token, in one page of (many) slots
+    slot = p.tma_mode == 1 ? id + in : in;
+    page = p.tma_mode == 1 ? 0 : id;
+  }
+
+  // (TMA) Lane `box` of producer warp 0 issues box `box` (rows box * p.tma_rows ...) of K and V of the full tile
+  // at t0, every 64-column block of it; lane 0 makes the stage's `full` barrier expect the tile's bytes. Another
+  // lane's box may land before that (the transaction count may go below zero), but the phase cannot complete
+  // before lane 0 arrives, after its expect_tx. (A __syncwarp here made ptxas spill the 24-register producers.)
+  // Only full tiles of items that start on a box boundary come here (produce), so every box lies in one page.
   __device__ __forceinline__ static void issue_kv_tma(const PrefillParams& p, const Item& it, T* stage, int t0,
-                                                      int kvh, unsigned long long* bar) {
-    mbar_expect_tx(bar, 2 * KV_ELEMS * (int)sizeof(T));
-    const int rows = p.tma_rows;
-    for (int r0 = 0; r0 < N; r0 += rows) {
-      const int tok = t0 + r0;
-      int pg, in;
-      if (p.page_shift >= 0) { pg = tok >> p.page_shift; in = tok & ((1 << p.page_shift) - 1); }
-      else { pg = tok / p.page_size; in = tok - pg * p.page_size; }
-      const int id = __ldg(it.pages + pg);
-      // ragged: the request's "page" id is its first token, in one page of total_kv slots
-      const int slot = p.tma_mode == 1 ? id + in : in, page = p.tma_mode == 1 ? 0 : id;
-      const int c1 = p.tma_hnd ? slot : kvh, c2 = p.tma_hnd ? kvh : slot;
+                                                      int box, int kvh, unsigned long long* bar) {
+    if (box == 0) mbar_expect_tx(bar, 2 * KV_ELEMS * (int)sizeof(T));
+    const int r0 = box * p.tma_rows;
+    if (r0 >= N) return;
+    int slot, page;
+    tma_coords(p, it, t0 + r0, slot, page);
+    const int c1 = p.tma_hnd ? slot : kvh, c2 = p.tma_hnd ? kvh : slot;
 #pragma unroll
-      for (int cb = 0; cb < D / 64; ++cb) {
-        tma_load_4d(stage + cb * (N * 64) + r0 * 64, &p.tma_k, cb * 64, c1, c2, page, bar);
-        tma_load_4d(stage + KV_ELEMS + cb * (N * 64) + r0 * 64, &p.tma_v, cb * 64, c1, c2, page, bar);
-      }
+    for (int cb = 0; cb < D / 64; ++cb) {
+      tma_load_4d(stage + cb * (N * 64) + r0 * 64, &p.tma_k, cb * 64, c1, c2, page, bar);
+      tma_load_4d(stage + KV_ELEMS + cb * (N * 64) + r0 * 64, &p.tma_v, cb * 64, c1, c2, page, bar);
     }
   }
 
@@ -184,12 +201,14 @@ struct PrefillSm90 {
   __device__ __forceinline__ static void softmax(const PrefillParams& p, const Item& it, float (&s)[SN], int t0,
                                                  const int (&tok)[2], const float (&rc)[2], int lane,
                                                  float (&m)[1][2], float (&l)[1][2], float (&scale)[2]) {
+    constexpr bool FOLD = KVATTN_SM90_FOLD && !MASK && !V::kLogits && !V::kPositional && V::kSoftmax;
     float mx[2] = {KVATTN_NEG_INF, KVATTN_NEG_INF};
 #pragma unroll
     for (int nb = 0; nb < N / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float x = Base::template score<MASK, false>(p, it, s[4 * nb + e], t0 + nb * 8 + 2 * (lane % 4) + (e & 1),
+        const float x = FOLD ? s[4 * nb + e] :
+                        Base::template score<MASK, false>(p, it, s[4 * nb + e], t0 + nb * 8 + 2 * (lane % 4) + (e & 1),
                                                           tok[e >> 1], rc[e >> 1]);
         s[4 * nb + e] = x;
         mx[e >> 1] = fmaxf(mx[e >> 1], x);
@@ -215,14 +234,14 @@ struct PrefillSm90 {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float base;
-      scale[r] = online_max(m[0][r], mx[r], base);
+      scale[r] = online_max(m[0][r], FOLD ? mx[r] * p.score_scale : mx[r], base);
       float sum = 0.f;
 #pragma unroll
       for (int nb = 0; nb < N / 8; ++nb)
 #pragma unroll
         for (int e2 = 0; e2 < 2; ++e2) {
           float& x = s[4 * nb + 2 * r + e2];
-          x = fast_exp2(x - base);
+          x = FOLD ? fast_exp2(fmaf(x, p.score_scale, -base)) : fast_exp2(x - base);
           sum += x;
         }
       l[0][r] = l[0][r] * scale[r] + sum;
@@ -236,7 +255,8 @@ struct PrefillSm90 {
       scale[0] = scale[1] = 1.f;
       return;
     }
-    if (Base::needs_mask(p, it, t0, N)) softmax<true>(p, it, s, t0, tok, rc, lane, m, l, scale);
+    if (Base::needs_mask(p, it, t0, N) || (KVATTN_SM90_FOLD && !(p.score_scale > 0.f)))
+      softmax<true>(p, it, s, t0, tok, rc, lane, m, l, scale);
     else softmax<false>(p, it, s, t0, tok, rc, lane, m, l, scale);
   }
 
@@ -279,7 +299,8 @@ struct PrefillSm90 {
       const int st = t % STAGES;
       if (t >= STAGES) mbar_wait(&empty[st], (t / STAGES - 1) & 1);
       if (tma && it.kb + (t + 1) * N <= it.ke) {
-        if (threadIdx.x == 0) issue_kv_tma(p, it, kvs + st * 2 * KV_ELEMS, it.kb + t * N, kvh, &full[st]);
+        // one page lookup per lane of warp 0, in parallel (the ring's depth hides its latency)
+        if (pw == 0) issue_kv_tma(p, it, kvs + st * 2 * KV_ELEMS, it.kb + t * N, lane, kvh, &full[st]);
         cp_async_mbar_arrive(&full[st]);   // after this thread's earlier copies (the Q rows before tile 0)
         if (t + 1 < ntiles) off = Base::tok_offset(p, it.pages, min(it.kb + (t + 1) * N + my_row, it.ke - 1));
         continue;

@@ -40,16 +40,24 @@ def tma_mode(kv, tile: int, contiguous: bool) -> tuple[int, int]:
     return MODE_OFF, 0
 
 
+def _slots(n: int, stride: int) -> int:
+    """The slot extent of a ragged map: unbounded in practice (2^28 tokens, less where the byte span would pass
+    the 2^40 limit), never below the array's n. The kernel only addresses tokens of the plan's requests; a graph
+    replays the map it captured, and a later plan of the same buffer may name more rows than the captured view
+    had (the pointer-based copies read them too)."""
+    return max(n, min(1 << 28, ((1 << 40) - 1) // stride))
+
+
 def _dims(kv, a, rows: int):
     """(global dims, global byte strides of dims 1..3, box dims) of array a (a DeviceArray of the cache)."""
     d = kv.head_dim
     s = a.strides
-    if isinstance(kv, RaggedKV):   # NHD [n, H, D] / HND [H, n, D]: one page of n slots
+    if isinstance(kv, RaggedKV):   # NHD [n, H, D] / HND [H, n, D]: one page of (many) slots
         if kv.layout == "NHD":
-            n, h = a.shape[0], a.shape[1]
-            return (d, h, n, 1), (s[1], s[0], s[0] * n), (64, 1, rows, 1)
-        h, n = a.shape[0], a.shape[1]
-        return (d, n, h, 1), (s[1], s[0], s[0] * h), (64, rows, 1, 1)
+            h, ext = a.shape[1], _slots(a.shape[0], s[0])
+            return (d, h, ext, 1), (s[1], s[0], s[0] * ext), (64, 1, rows, 1)
+        h, ext = a.shape[0], _slots(a.shape[1], s[1])
+        return (d, ext, h, 1), (s[1], s[0], s[0] * h), (64, rows, 1, 1)
     if kv.layout == "NHD":         # [P, ps, H, D]
         p, ps, h = a.shape[0], a.shape[1], a.shape[2]
         return (d, h, ps, p), (s[2], s[1], s[0]), (64, 1, rows, 1)

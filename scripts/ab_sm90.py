@@ -1,6 +1,6 @@
 """A/B experiments on the sm90 prefill kernel, each in one process (bf16 unless named, Hq32/Hkv8, ragged):
 
-    PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256]   # on the GPU (no flag: all three)
+    PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold]   # on the GPU (no flag: all)
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -8,6 +8,7 @@
 --tanh: the soft cap's tanh (KVATTN_TANH 0 = tanhf, 1 = ex2 + fast reciprocal, 2 = tanh.approx.f32), cap 30,
   causal b1_S8192 head_dim 128, bf16 and fp16, with the error against the float64 reference.
 --d256: head_dim 256's KV tile and ring depth (KVATTN_SM90_N / _STAGES), causal b1_S8192, beside the sm80 kernel.
+--fold: the score scale folded into the exponent on unmasked tiles (KVATTN_SM90_FOLD), the --split shapes, with error.
 """
 import argparse
 import os
@@ -38,6 +39,7 @@ def compile_all():
     builds = [(split_defines(x), 128, Variant(), "bfloat16") for x in SPLIT]
     builds += [((("KVATTN_TANH", x),), 128, Variant(soft_cap=True), t) for x in TANH for t in ("bfloat16", "float16")]
     builds += [(tile_defines(n, st), 256, Variant(), "bfloat16") for n, st in D256_TILES]
+    builds += [((("KVATTN_SM90_FOLD", 1),), 128, Variant(), "bfloat16")]
     for defs, d, v, t in builds:
         prefill.SM90_TUNING = defs
         prefill.sm90_spec(d, v, t).compile("sm_90a")
@@ -65,6 +67,16 @@ def run_tanh(bp, rng):
         print(f"tanh  {label:22s} {'(no soft cap)':14s} {us:9.1f} us {tf:6.0f} TFLOP/s err {err:.1e}", flush=True)
 
 
+def run_fold(bp, rng):
+    for name, b, s, causal in SPLIT_CASES:
+        flops = (2 if causal else 4) * b * bp.HQ * s * s * bp.D
+        for defs, what in (((), "default"), ((("KVATTN_SM90_FOLD", 1),), "scale folded")):
+            prefill.SM90_TUNING = defs
+            w, us, err = bp.ragged_case(rng, name, [s] * b, [s] * b, 128, causal=causal, backend="sm90")
+            print(f"fold  {name:22s} {what:14s} {us:9.1f} us {flops / us / 1e6:6.0f} TFLOP/s err {err:.1e}", flush=True)
+    prefill.SM90_TUNING = ()
+
+
 def run_d256(bp, rng):
     for n, st in D256_TILES:
         prefill.SM90_TUNING = tile_defines(n, st)
@@ -77,14 +89,14 @@ def run_d256(bp, rng):
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    for flag in ("compile", "split", "tanh", "d256"):
+    for flag in ("compile", "split", "tanh", "d256", "fold"):
         ap.add_argument(f"--{flag}", action="store_true")
     args = ap.parse_args()
     if args.compile:
         compile_all()
         sys.exit(0)
     import bench_prefill as bp  # noqa: E402
-    everything = not (args.split or args.tanh or args.d256)
+    everything = not (args.split or args.tanh or args.d256 or args.fold)
     rng = np.random.default_rng(0)
     if args.split or everything:
         run_split(bp, rng)
@@ -92,3 +104,5 @@ if __name__ == "__main__":
         run_tanh(bp, rng)
     if args.d256 or everything:
         run_d256(bp, rng)
+    if args.fold or everything:
+        run_fold(bp, rng)

@@ -45,12 +45,18 @@ def fake(shape, itemsize=2):
 
 def test_tensor_map_geometry_of_every_layout():
     n, h, d, p, ps = 1000, 2, 128, 10, 16
-    # ragged NHD [n, H, D]: dims (D, H, n, 1), boxes of the whole tile
+    # ragged NHD [n, H, D]: dims (D, H, slots, 1), boxes of the whole tile; the slot extent outgrows the view
+    # (a captured graph's map must reach the rows a later plan of the same buffer names)
+    ext = 1 << 28
     assert tma._dims(RaggedKV("NHD", n, h, d, BF16), fake((n, h, d)), 128) == (
-        (d, h, n, 1), (d * 2, h * d * 2, n * h * d * 2), (64, 1, 128, 1))
-    # ragged HND [H, n, D]: dims (D, n, H, 1)
+        (d, h, ext, 1), (d * 2, h * d * 2, ext * h * d * 2), (64, 1, 128, 1))
+    # ragged HND [H, n, D]: dims (D, slots, H, 1)
     assert tma._dims(RaggedKV("HND", n, h, d, BF16), fake((h, n, d)), 128) == (
-        (d, n, h, 1), (d * 2, n * d * 2, h * n * d * 2), (64, 128, 1, 1))
+        (d, ext, h, 1), (d * 2, n * d * 2, h * n * d * 2), (64, 128, 1, 1))
+    # the byte span stays below 2^40
+    big = fake((n, 64, 256))
+    dims, strides, _ = tma._dims(RaggedKV("NHD", n, 64, 256, BF16), big, 64)
+    assert strides[2] < 1 << 40 and dims[2] >= n
     # paged NHD [P, ps, H, D]: dims (D, H, ps, P), a box per page
     assert tma._dims(paged(ps), fake((p, ps, h, d)), ps) == (
         (d, h, ps, p), (d * 2, h * d * 2, ps * h * d * 2), (64, 1, ps, 1))
