@@ -32,11 +32,11 @@
 #ifndef KVATTN_SM90_X
 #define KVATTN_SM90_X 0
 #endif
-// Candidate (scripts/ab_sm90.py --fold): on tiles that need no mask, plain softmax variants take the row max
-// over the raw scores and fold the score scale into the exponent, p = exp2(fma(s, scale, -m)): one FFMA per
-// score instead of FMUL + FADD (needs scale > 0; other scales take the masked path).
+// On tiles that need no mask, plain softmax variants take the row max over the raw scores and fold the score
+// scale into the exponent, p = exp2(fma(s, scale, -m)): one FFMA per score instead of FMUL + FADD (needs
+// scale > 0; other scales take the masked path). +2-5% on the H200 (scripts/ab_sm90.py --fold, BENCHMARKS.md).
 #ifndef KVATTN_SM90_FOLD
-#define KVATTN_SM90_FOLD 0
+#define KVATTN_SM90_FOLD 1
 #endif
 
 namespace kvattn {

@@ -1,0 +1,71 @@
+"""Context parallelism without a GPU: the shard plan (every page on exactly one rank, in position order, balanced
+bytes) and the merge of the ranks' states against the float64 reference on the whole table (simulated ranks)."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvattn import reference
+from kvattn.cp import shard_page_table
+from kvattn.formats import PageTable
+
+
+def random_table(rng, lens, page_size, spare=3):
+    n = [-(-int(x) // page_size) for x in lens]
+    ids = rng.permutation(sum(n) + spare).astype(np.int32)[:sum(n)]
+    last = [int(x) - (p - 1) * page_size if p else 0 for x, p in zip(lens, n)]
+    return PageTable(np.concatenate([[0], np.cumsum(n)]).astype(np.int32), ids, np.array(last, np.int32), page_size)
+
+
+tables = st.builds(lambda seed, lens, ps: random_table(np.random.default_rng(seed), lens, ps),
+                   st.integers(0, 2**31 - 1), st.lists(st.one_of(st.integers(0, 40), st.integers(0, 3000)),
+                                                       min_size=1, max_size=9), st.sampled_from([1, 5, 16]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(pt=tables, world=st.integers(1, 5))
+def test_every_page_on_exactly_one_rank_in_position_order(pt, world):
+    plan = shard_page_table(pt, world)
+    assert plan.world_size == world and len(plan.tables) == world
+    held = np.concatenate(plan.pages)
+    assert np.array_equal(np.sort(held), np.sort(pt.indices))            # each page once
+    counts = np.array([p.size for p in plan.pages])
+    assert counts.max() - counts.min() <= 1                               # balanced bytes
+    for i in range(pt.batch_size):
+        # the ranks' runs of request i, in rank order, are its pages in position order
+        runs = [plan.pages[r][plan.tables[r].indptr[i]:plan.tables[r].indptr[i + 1]] for r in range(world)]
+        assert np.array_equal(np.concatenate(runs), pt.pages(i))
+        lens = np.array([int(plan.tables[r].kv_lens[i]) for r in range(world)])
+        assert lens.sum() == pt.kv_lens[i]
+        firsts = [int(plan.first_token[r][i]) for r in range(world)]
+        assert firsts == list(np.concatenate([[0], np.cumsum(lens)[:-1]]))
+    for r in range(world):   # each rank's table addresses its own pool, page j = full page pages[r][j]
+        assert np.array_equal(plan.tables[r].indices, np.arange(plan.pages[r].size))
+
+
+@settings(max_examples=40, deadline=None)
+@given(pt=tables, world=st.integers(1, 4), seed=st.integers(0, 2**31 - 1), layout=st.sampled_from(["NHD", "HND"]))
+def test_merged_shards_equal_attention_over_the_whole_table(pt, world, seed, layout):
+    """Decode: each simulated rank attends to its shard (its own pool) and returns (o, lse); the ranks' states
+    merged in rank order equal the float64 reference over the whole table."""
+    rng = np.random.default_rng(seed)
+    hq, hkv, d = 4, 2, 16
+    pool = int(pt.indices.max(initial=-1)) + 4
+    shape = (pool, pt.page_size, hkv, d) if layout == "NHD" else (pool, hkv, pt.page_size, d)
+    k, v = rng.standard_normal(shape), rng.standard_normal(shape)
+    q = rng.standard_normal((pt.batch_size, hq, d))
+    qi = np.arange(pt.batch_size + 1)
+    want_o, want_lse = reference.batch_attention_paged(q, k, v, qi, pt, kv_layout=layout, return_lse=True)
+    plan = shard_page_table(pt, world)
+    states = [reference.batch_attention_paged(q, k[plan.pages[r]], v[plan.pages[r]], qi, plan.tables[r],
+                                              kv_layout=layout, return_lse=True) for r in range(world)]
+    o, lse = reference.merge_states(np.stack([s[0] for s in states], 1), np.stack([s[1] for s in states], 1))
+    empty = pt.kv_lens == 0
+    assert np.allclose(o[~empty], want_o[~empty], rtol=1e-10, atol=1e-12)
+    assert np.allclose(lse[~empty], want_lse[~empty], rtol=1e-10, atol=1e-12)
+    assert np.isneginf(lse[empty]).all() and not o[empty].any()
+
+
+def test_world_size_is_checked():
+    pt = random_table(np.random.default_rng(0), [10], 4)
+    with pytest.raises(ValueError, match="world_size"):
+        shard_page_table(pt, 0)
