@@ -124,10 +124,15 @@ struct PrefillKernel {
     long long mask_bit0;     // first bit of the request's custom mask
   };
 
-  __device__ __forceinline__ static long long tok_offset(const PrefillParams& p, const int* pages, int tok) {
-    int pg, in;
+  // Page pg of the item's page list and slot `in` inside it of item token tok (ragged: one page of 2^30 slots).
+  __device__ __forceinline__ static void page_slot(const PrefillParams& p, int tok, int& pg, int& in) {
     if (p.page_shift >= 0) { pg = tok >> p.page_shift; in = tok & ((1 << p.page_shift) - 1); }
     else { pg = tok / p.page_size; in = tok - pg * p.page_size; }
+  }
+
+  __device__ __forceinline__ static long long tok_offset(const PrefillParams& p, const int* pages, int tok) {
+    int pg, in;
+    page_slot(p, tok, pg, in);
     return (long long)__ldg(pages + pg) * p.kv_stride_page + (long long)in * p.kv_stride_token;
   }
 

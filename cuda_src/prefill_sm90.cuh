@@ -46,6 +46,9 @@ struct PrefillSm90 {
   static constexpr bool kFp8 = IsFp8<KV>::value;
   // Full K/V tiles by TMA where run() bound tensor maps (kvattn/tma.py): 16-bit caches whose keys need no transform.
   static constexpr bool kTma = !kFp8 && !V::kQK && KVATTN_SM90_X == 0;
+  // The score scale folded into the exponent on unmasked tiles (KVATTN_SM90_FOLD): plain softmax variants up to
+  // head_dim 128 (at 256 the fold's extra live value makes the sliding-window instance spill).
+  static constexpr bool kFold = KVATTN_SM90_FOLD && D <= 128 && !V::kLogits && !V::kPositional && V::kSoftmax;
   using Base = PrefillKernel<D, 4, 2, V, T>;   // helpers only (items, masks, epilogue)
   using Item = typename Base::Item;
   static constexpr int THREADS = 384;                 // producer warpgroup + two consumer warpgroups
@@ -113,8 +116,7 @@ struct PrefillSm90 {
                                                     int& page) {
     tok = min(tok, it.ke - 1);
     int pg, in;
-    if (p.page_shift >= 0) { pg = tok >> p.page_shift; in = tok & ((1 << p.page_shift) - 1); }
-    else { pg = tok / p.page_size; in = tok - pg * p.page_size; }
+    Base::page_slot(p, tok, pg, in);
     const int id = __ldg(it.pages + pg);
     // ragged: the request's "page" id is its first token, in one page of (many) slots
     slot = p.tma_mode == 1 ? id + in : in;
@@ -201,7 +203,7 @@ struct PrefillSm90 {
   __device__ __forceinline__ static void softmax(const PrefillParams& p, const Item& it, float (&s)[SN], int t0,
                                                  const int (&tok)[2], const float (&rc)[2], int lane,
                                                  float (&m)[1][2], float (&l)[1][2], float (&scale)[2]) {
-    constexpr bool FOLD = KVATTN_SM90_FOLD && !MASK && !V::kLogits && !V::kPositional && V::kSoftmax;
+    constexpr bool FOLD = kFold && !MASK;
     float mx[2] = {KVATTN_NEG_INF, KVATTN_NEG_INF};
 #pragma unroll
     for (int nb = 0; nb < N / 8; ++nb)
@@ -255,7 +257,7 @@ struct PrefillSm90 {
       scale[0] = scale[1] = 1.f;
       return;
     }
-    if (Base::needs_mask(p, it, t0, N) || (KVATTN_SM90_FOLD && !(p.score_scale > 0.f)))
+    if (Base::needs_mask(p, it, t0, N) || (kFold && !(p.score_scale > 0.f)))
       softmax<true>(p, it, s, t0, tok, rc, lane, m, l, scale);
     else softmax<false>(p, it, s, t0, tok, rc, lane, m, l, scale);
   }
