@@ -53,11 +53,11 @@ def shard_page_table(pt: PageTable, world_size: int) -> ShardPlan:
     tables, pages, firsts = [], [], []
     for r in range(world):
         c = counts[:, r]
-        sel = np.concatenate([pt.indptr[i] + np.arange(offsets[i, r], offsets[i, r + 1]) for i in range(b)]
-                             ) if b else np.zeros(0, np.int64)
-        held = pt.indices[sel.astype(np.int64)].astype(np.int32)
-        last = np.where(c == 0, 0, np.where(last_rank == r, lpl, pt.page_size)).astype(np.int32)
         indptr = np.concatenate([[0], np.cumsum(c)]).astype(np.int32)
+        # positions in pt.indices of rank r's runs: request i's run starts at indptr_i + offsets[i, r]
+        start = pt.indptr[:-1].astype(np.int64) + offsets[:, r] - indptr[:-1]
+        held = pt.indices[np.repeat(start, c) + np.arange(int(indptr[-1]))].astype(np.int32)
+        last = np.where(c == 0, 0, np.where(last_rank == r, lpl, pt.page_size)).astype(np.int32)
         tables.append(PageTable(indptr, np.arange(held.size, dtype=np.int32), last, pt.page_size))
         pages.append(held)
         firsts.append(np.minimum(offsets[:, r] * pt.page_size, kv_lens))
