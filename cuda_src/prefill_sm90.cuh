@@ -60,8 +60,8 @@ struct PrefillSm90 {
   static_assert(PRODUCERS * (168 - PRODUCER_REGS) == 2 * 128 * (CONSUMER_REGS - 168), "register budget");
   static constexpr int ROWS = 128;                    // packed query rows per CTA
   // KV tokens per tile and ring depth: 128-token tiles in 3 stages up to head_dim 128; head_dim 256's 64 KB
-  // query tile leaves room for 2 stages of 80-token tiles (5% faster than 64 on the H200). KVATTN_SM90_N / _STAGES override them (experiments;
-  // kvattn.prefill.sm90_tile mirrors them).
+  // query tile leaves room for 2 stages of 80-token tiles (5% faster than 64 on the H200). KVATTN_SM90_N /
+  // _STAGES override them (experiments; kvattn.prefill.sm90_tile mirrors them).
 #ifdef KVATTN_SM90_N
   static constexpr int N = KVATTN_SM90_N;
 #else

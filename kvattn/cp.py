@@ -21,14 +21,13 @@ class ShardPlan:
     pages[r]: int32 [n_r], the page ids of the full table that rank r holds, in that order (the engine keeps full
     page pages[r][j] at rank r's page j); first_token[r]: int64 [B], the position of each request's first token on
     rank r (the request's kv_len where rank r holds none of it): the offset causal prefill and RoPE need."""
-    world_size: int
     tables: tuple
     pages: tuple
     first_token: tuple
 
-    def rank_bytes(self, bytes_per_page: int) -> np.ndarray:
-        """int64 [world]: the KV bytes each rank holds."""
-        return np.array([p.size for p in self.pages], np.int64) * bytes_per_page
+    @property
+    def world_size(self) -> int:
+        return len(self.tables)
 
 
 def shard_page_table(pt: PageTable, world_size: int) -> ShardPlan:
@@ -61,4 +60,4 @@ def shard_page_table(pt: PageTable, world_size: int) -> ShardPlan:
         tables.append(PageTable(indptr, np.arange(held.size, dtype=np.int32), last, pt.page_size))
         pages.append(held)
         firsts.append(np.minimum(offsets[:, r] * pt.page_size, kv_lens))
-    return ShardPlan(world, tuple(tables), tuple(pages), tuple(firsts))
+    return ShardPlan(tuple(tables), tuple(pages), tuple(firsts))

@@ -103,7 +103,7 @@ def prefill_spec(head_dim: int, cta_rows: int, variant: Variant, dtype: str, kv_
 
 
 def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None = None) -> KernelSpec:
-    """The wgmma kernel (backend "sm90") of prefill_sm90.cuh: 128-row query tiles, head_dim 64 or 128."""
+    """The wgmma kernel (backend "sm90") of prefill_sm90.cuh: 128-row query tiles, head_dim 64, 128 or 256."""
     args = f"{head_dim}, {variant.prefill_type()}, {_dtypes.to_ctype(dtype)}{_kv_arg(dtype, kv_dtype)}"
     traits = f"kvattn::PrefillSm90<{args}>"
     return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{args}>", defines=SM90_TUNING,
@@ -199,8 +199,7 @@ register("prefill", [prefill_spec(128, r, Variant(), "bfloat16") for r in (128, 
             prefill_spec(256, 64, Variant(), "bfloat16"),
             prefill_spec(128, 128, Variant(soft_cap=True, window=True, custom_mask=True), "bfloat16")]
          + [sm90_spec(128, Variant(), t) for t in ("bfloat16", "float16")] + [sm90_spec(64, Variant(), "bfloat16")]
-         + [sm90_spec(128, Variant(custom_mask=True), "bfloat16")])
-
+         + [sm90_spec(128, Variant(custom_mask=True), "bfloat16"), sm90_spec(256, Variant(), "bfloat16")])
 
 
 # -- one prefill launch's share of a plan buffer (the paged / ragged ops have one, cascade one per level) -----
@@ -255,7 +254,6 @@ def level_params(base: int, off: dict, tmp_o: int, tmp_lse: int, mask: int, *, h
           score_scale=(scale / cap) if cap > 0 else scale * LOG2E, cap_log2=cap * LOG2E,
           variant_data=variant_ptr, k_scale=1.0, v_scale=1.0)
     return p
-
 
 
 class _BatchPrefill(AttentionOp):
