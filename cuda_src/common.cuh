@@ -15,7 +15,8 @@ struct PlanHeader {
   int batch_size;         // requests in the plan
   int num_partial_rows;   // partial (o, lse) rows the items write
   int num_chunks;         // decode: CTAs of the split-KV grid
-  int reserved[3];
+  int num_kv_heads;       // prefill: KV heads per item (the sm90 kernel's units are items x heads)
+  int reserved[2];
 };
 static_assert(sizeof(PlanHeader) == 32, "PlanHeader: 8 int32, as kvattn/contract.py");
 

@@ -1,11 +1,15 @@
 // Batch prefill / append, Hopper mainloop (sm_90a): warpgroup MMA (wgmma), warp-specialised.
 //
 // Same plan items, parameters, variants and epilogue as prefill.cuh (PrefillKernel's helpers); only the
-// mainloop differs. One CTA = three warpgroups (384 threads) for 128 packed query rows:
-//   - the producer warpgroup (24 registers after setmaxnreg) fills a ring of K/V tiles (N = 128 tokens in 3
-//     stages; 80 tokens in 2 at head_dim 256). A full tile of a 16-bit cache, where run() bound tensor maps
-//     (kvattn/tma.py), is a few TMA boxes issued by one thread, their bytes expected by the stage's `full`
-//     mbarrier. Otherwise (the last, partial tile of an item, block-sparse columns, odd page sizes, RoPE) each
+// mainloop differs. Where kPersist (the host's choice), the kernel is persistent: a grid of at most one CTA per
+// SM walks the (item, KV head) units, longest first, CTA b taking unit b of every even round of gridDim.x units
+// and unit gridDim.x - 1 - b of every odd one (snake order: the rounds' sums even out). The ring of K/V stages
+// runs on across a CTA's units, so the producers load the next unit's Q and first tiles while the consumers
+// finish a unit (its last P V, its epilogue). One CTA = three warpgroups (384 threads) for 128 packed query rows:
+//   - the producer warpgroup (24 registers after setmaxnreg, 40 when persistent) fills a ring of K/V tiles
+//     (N = 128 tokens in 3 stages; 80 tokens in 2 at head_dim 256). A full tile of a 16-bit cache, where run()
+//     bound tensor maps (kvattn/tma.py), is a few TMA boxes issued by the lanes of one warp, their bytes expected
+//     by the stage's `full` mbarrier. Otherwise (the last, partial tile of an item, block-sparse columns, odd page sizes, RoPE) each
 //     warp looks up the page offsets of N / 4 rows (one per lane) and copies them with cp.async, coalesced
 //     16-byte chunks, zero-filled past the item's KV. Every producer thread arrives on `full` once its own
 //     copies land (cp.async.mbarrier.arrive; the Q rows go with tile 0): the producers never wait for them;
@@ -38,6 +42,9 @@
 #ifndef KVATTN_SM90_FOLD
 #define KVATTN_SM90_FOLD 1
 #endif
+#ifndef KVATTN_SM90_PERSIST
+#define KVATTN_SM90_PERSIST 0
+#endif
 
 namespace kvattn {
 
@@ -46,6 +53,9 @@ struct PrefillSm90 {
   static constexpr bool kFp8 = IsFp8<KV>::value;
   // Full K/V tiles by TMA where run() bound tensor maps (kvattn/tma.py): 16-bit caches whose keys need no transform.
   static constexpr bool kTma = !kFp8 && !V::kQK && KVATTN_SM90_X == 0;
+  // Persistent CTAs (see the top; kvattn.prefill.sm90_persistent decides: 16-bit caches, no fused RoPE, head_dim
+  // <= 128, where the loop's state fits), their producers given 40 registers (24 spill); else one CTA per unit.
+  static constexpr bool kPersist = KVATTN_SM90_PERSIST;
   // The score scale folded into the exponent on unmasked tiles (KVATTN_SM90_FOLD): plain softmax variants up to
   // head_dim 128 (at 256 the fold's extra live value makes the sliding-window instance spill).
   static constexpr bool kFold = KVATTN_SM90_FOLD && D <= 128 && !V::kLogits && !V::kPositional && V::kSoftmax;
@@ -54,7 +64,8 @@ struct PrefillSm90 {
   static constexpr int THREADS = 384;                 // producer warpgroup + two consumer warpgroups
   static constexpr int PRODUCERS = 128;
   // A query / key transform (fused RoPE) or the fp8 expansion runs in the producers: they get the registers for it.
-  static constexpr int PRODUCER_REGS = V::kQK || kFp8 ? 56 : 24, CONSUMER_REGS = V::kQK || kFp8 ? 224 : 240;
+  static constexpr int PRODUCER_REGS = V::kQK || kFp8 ? 56 : kPersist ? 40 : 24;
+  static constexpr int CONSUMER_REGS = V::kQK || kFp8 ? 224 : kPersist ? 232 : 240;
   static_assert(!(kFp8 && V::kQK), "fused RoPE needs a 16-bit cache");
   // setmaxnreg.inc waits for registers the CTA's other warps released: the two must balance exactly.
   static_assert(PRODUCERS * (168 - PRODUCER_REGS) == 2 * 128 * (CONSUMER_REGS - 168), "register budget");
@@ -75,7 +86,7 @@ struct PrefillSm90 {
   static constexpr int CHUNKS = D / 8;                // 16-byte chunks per row
   static constexpr int Q_ELEMS = ROWS * D;
   static constexpr int KV_ELEMS = N * D;              // one of K or V per stage
-  static constexpr int SMEM_BYTES = (Q_ELEMS + STAGES * 2 * KV_ELEMS) * (int)sizeof(T) + 2 * STAGES * 8;
+  static constexpr int SMEM_BYTES = (Q_ELEMS + STAGES * 2 * KV_ELEMS) * (int)sizeof(T) + (2 * STAGES + 1) * 8;
   static constexpr int RPI = 32 / CHUNKS;             // rows one warp-wide copy instruction covers
   static constexpr int RPW = N / 4;                   // rows of a tile each producer warp copies (one per lane)
   static constexpr int SN = N / 2;                    // S accumulators per thread
@@ -273,33 +284,38 @@ struct PrefillSm90 {
   // thread rotates its 16 dims of the tile's rows, makes its writes visible to the tensor cores (async proxy)
   // and arrives on the stage's `full` barrier.
   __device__ __forceinline__ static void transform_and_announce(const PrefillParams& p, const Item& it, T* qs,
-                                                                T* kvs, unsigned long long* full, int u,
+                                                                T* kvs, unsigned long long* full, int u, int g,
                                                                 const typename V::QKState& qk_state) {
     named_sync(3, PRODUCERS);
     const int t0 = it.kb + u * N;
     if (u == 0)
       transform_rows_at<V, D>(p, qk_state, qs, [](int r, int c) { return sw<ROWS>(r, c); }, 0, it.nrows, threadIdx.x,
                               PRODUCERS, it.req, false, [&](int r) { return it.delta + (it.row0 + r) / p.group_size; });
-    transform_rows_at<V, D>(p, qk_state, kvs + (u % STAGES) * 2 * KV_ELEMS, [](int r, int c) { return sw<N>(r, c); },
+    transform_rows_at<V, D>(p, qk_state, kvs + ((g + u) % STAGES) * 2 * KV_ELEMS, [](int r, int c) { return sw<N>(r, c); },
                             0, min(N, it.ke - t0), threadIdx.x, PRODUCERS, it.req, true, [&](int r) { return t0 + r; });
     fence_proxy_async();
-    mbar_arrive(&full[u % STAGES]);
+    mbar_arrive(&full[(g + u) % STAGES]);
   }
 
+  // One unit's Q and K/V tiles; g counts the tiles the CTA's earlier units put through the ring (stage g % STAGES,
+  // its (g / STAGES)-th use), nq the earlier units that had tiles: the Q of such a unit waits until the consumers
+  // released the previous one's (qfree: its last Q K^T has completed). Units without tiles touch neither (else
+  // the consumers, who need no Q for them, could run two qfree phases ahead and the parity wait would hang).
   __device__ static void produce(const PrefillParams& p, const Item& it, T* qs, T* kvs, unsigned long long* full,
-                                 unsigned long long* empty, int kvh) {
+                                 unsigned long long* empty, unsigned long long* qfree, int kvh, int g, int nq) {
     const int lane = threadIdx.x % 32, pw = threadIdx.x / 32;
     const int ntiles = (it.ke - it.kb + N - 1) / N;
     if (ntiles == 0) return;
     const typename V::QKState qk_state = V::template qk_init<D>(p, qk_dims<D>(threadIdx.x));
+    if (nq > 0) mbar_wait(qfree, (nq - 1) & 1);
     load_q(p, it, qs, kvh);   // lands before tile 0 is announced (the arrival waits for every earlier copy)
     const int my_row = RPW * pw + min(lane, RPW - 1);   // the tile row whose offset this lane holds
     long long off = Base::tok_offset(p, it.pages, min(it.kb + my_row, it.ke - 1));
     // full tiles as TMA boxes (16-bit cache, no key transform, a map bound by run(), item on a box boundary)
     const bool tma = kTma && p.tma_mode != 0 && (p.tma_mode == 1 || it.kb % p.tma_rows == 0);
     for (int t = 0; t < ntiles; ++t) {
-      const int st = t % STAGES;
-      if (t >= STAGES) mbar_wait(&empty[st], (t / STAGES - 1) & 1);
+      const int u = g + t, st = u % STAGES;
+      if (u >= STAGES) mbar_wait(&empty[st], (u / STAGES - 1) & 1);
       if (tma && it.kb + (t + 1) * N <= it.ke) {
         // one page lookup per lane of warp 0, in parallel (the ring's depth hides its latency)
         if (pw == 0) issue_kv_tma(p, it, kvs + st * 2 * KV_ELEMS, it.kb + t * N, lane, kvh, &full[st]);
@@ -322,7 +338,7 @@ struct PrefillSm90 {
         cp_async_commit();
         if (t > 0) {
           cp_async_wait<1>();
-          transform_and_announce(p, it, qs, kvs, full, t - 1, qk_state);
+          transform_and_announce(p, it, qs, kvs, full, t - 1, g, qk_state);
         }
       } else {
         cp_async_mbar_arrive(&full[st]);
@@ -331,7 +347,7 @@ struct PrefillSm90 {
       if (t + 1 < ntiles) off = Base::tok_offset(p, it.pages, min(it.kb + (t + 1) * N + my_row, it.ke - 1));
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
-    if constexpr (V::kQK) transform_and_announce(p, it, qs, kvs, full, ntiles - 1, qk_state);
+    if constexpr (V::kQK) transform_and_announce(p, it, qs, kvs, full, ntiles - 1, g, qk_state);
   }
 
   // Ping-pong: the consumers take turns issuing their matrix products (named barriers 1 and 2, each over both
@@ -341,8 +357,11 @@ struct PrefillSm90 {
   __device__ __forceinline__ static void my_turn(int cwg) { named_sync(1 + cwg, 256); }
   __device__ __forceinline__ static void their_turn(int cwg) { named_arrive(2 - cwg, 256); }
 
+  // One unit's tiles (ring positions g ...): every tile's stage is released on `empty` once this warp is done
+  // with it, the Q tile on `qfree` after the unit's last Q K^T.
   __device__ static void consume(const PrefillParams& p, const Item& it, const T* qs, const T* kvs,
-                                 unsigned long long* full, unsigned long long* empty, int kvh, int w) {
+                                 unsigned long long* full, unsigned long long* empty, unsigned long long* qfree,
+                                 int kvh, int w, int g) {
     const int lane = threadIdx.x % 32, cw = threadIdx.x / 32 - 4, cwg = cw / 4;   // consumer warp / warpgroup
     const int ntiles = (it.ke - it.kb + N - 1) / N;
     // This thread's rows (cw * 16 + lane / 4 + 8 r): their query tokens, clamped for padding rows.
@@ -363,33 +382,35 @@ struct PrefillSm90 {
       float s[SN];
       float sc[2];
       if (cwg == 1) their_turn(cwg);
-      mbar_wait(&full[0], 0);
+      mbar_wait(&full[g % STAGES], (g / STAGES) & 1);
       fence_proxy_async();   // the copies were generic-proxy writes; wgmma reads through the async proxy
       my_turn(cwg);
       wgmma_fence();
-      issue_qk(s, q_addr, kv_addr);
+      issue_qk(s, q_addr, kv_addr + (g % STAGES) * STAGE_BYTES);
       their_turn(cwg);
       wgmma_wait<0>();
       fence_regs(s);
+      if (ntiles == 1 && lane == 0) mbar_arrive(qfree);
       softmax_tile(p, it, s, it.kb, tok, rc[0], lane, m, l, sc);
 
       for (int ti = 0; ti + 1 < ntiles; ++ti) {
-        const int nxt = ti + 1;
-        mbar_wait(&full[nxt % STAGES], (nxt / STAGES) & 1);
+        const int nxt = ti + 1, cur_st = (g + ti) % STAGES, nxt_st = (g + nxt) % STAGES;
+        mbar_wait(&full[nxt_st], ((g + nxt) / STAGES) & 1);
         fence_proxy_async();
         unsigned pa[N / 16][4];
         pack_p(s, pa);
         my_turn(cwg);
         wgmma_fence();
-        issue_qk(s, q_addr, kv_addr + (nxt % STAGES) * STAGE_BYTES);
-        issue_pv(acc, pa, kv_addr + (ti % STAGES) * STAGE_BYTES + KV_ELEMS * sizeof(T));
+        issue_qk(s, q_addr, kv_addr + nxt_st * STAGE_BYTES);
+        issue_pv(acc, pa, kv_addr + cur_st * STAGE_BYTES + KV_ELEMS * sizeof(T));
         their_turn(cwg);
         wgmma_wait<1>();
         fence_regs(s);
+        if (nxt == ntiles - 1 && lane == 0) mbar_arrive(qfree);   // the unit's last Q K^T has completed
         softmax_tile(p, it, s, it.kb + nxt * N, tok, rc[0], lane, m, l, sc);
         wgmma_wait<0>();
         fence_regs(acc);
-        if (lane == 0) mbar_arrive(&empty[ti % STAGES]);   // this warp is done with tile ti's stage
+        if (lane == 0) mbar_arrive(&empty[cur_st]);   // this warp is done with tile ti's stage
         if (sc[0] != 1.f || sc[1] != 1.f) {
 #pragma unroll
           for (int i = 0; i < ON / 4; ++i) {
@@ -402,44 +423,75 @@ struct PrefillSm90 {
       pack_p(s, pa);
       my_turn(cwg);
       wgmma_fence();
-      issue_pv(acc, pa, kv_addr + ((ntiles - 1) % STAGES) * STAGE_BYTES + KV_ELEMS * sizeof(T));
+      const int last_st = (g + ntiles - 1) % STAGES;
+      issue_pv(acc, pa, kv_addr + last_st * STAGE_BYTES + KV_ELEMS * sizeof(T));
       their_turn(cwg);
       if (cwg == 0) my_turn(cwg);   // consumer 1's last arrival
       wgmma_wait<0>();
       fence_regs(acc);
+      if (lane == 0) mbar_arrive(&empty[last_st]);
     }
     Base::store_rows(p, Base::load_item(p, static_cast<const volatile int*>(p.plan), w), kvh, cw, lane, o, m, l);
   }
 
-  __device__ static void run(const PrefillParams& p, int w, T* smem) {
+  // Unit f of the launch: plan item f / Hkv (items are sorted longest first), KV head f % Hkv.
+  __device__ __forceinline__ static int unit(int round) {
+    return round * (int)gridDim.x + (round & 1 ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x);
+  }
+
+  __device__ static void run(const PrefillParams& p, T* smem) {
     T* qs = smem;
     T* kvs = smem + Q_ELEMS;
     unsigned long long* full = reinterpret_cast<unsigned long long*>(kvs + STAGES * 2 * KV_ELEMS);   // [STAGES]
     unsigned long long* empty = full + STAGES;                                                      // [STAGES]
+    unsigned long long* qfree = empty + STAGES;                                                     // [1]
     if (threadIdx.x == 0) {
       for (int i = 0; i < STAGES; ++i) {
         mbar_init(&full[i], PRODUCERS);
         mbar_init(&empty[i], 8);   // one arrival per consumer warp
       }
+      mbar_init(qfree, 8);
     }
     __syncthreads();
-    const int kvh = blockIdx.y;
-    const Item it = Base::load_item(p, p.plan, w);
+    const int items = plan_header(p.plan).num_items;   // a padded grid (graph mode) walks only the plan's
+    if constexpr (!kPersist) {   // one CTA per unit: item blockIdx.x, KV head blockIdx.y
+      if ((int)blockIdx.x >= items) return;
+      if (threadIdx.x < PRODUCERS) {
+        regs_dec<PRODUCER_REGS>();
+        produce(p, Base::load_item(p, p.plan, blockIdx.x), qs, kvs, full, empty, qfree, blockIdx.y, 0, 0);
+      } else {
+        regs_inc<CONSUMER_REGS>();
+        consume(p, Base::load_item(p, p.plan, blockIdx.x), qs, kvs, full, empty, qfree, blockIdx.y, blockIdx.x, 0);
+      }
+      return;
+    }
+    const int hkv = plan_header(p.plan).num_kv_heads, units = items * hkv;
+    int g = 0;   // ring tiles of this CTA's earlier units
     if (threadIdx.x < PRODUCERS) {
       regs_dec<PRODUCER_REGS>();
-      produce(p, it, qs, kvs, full, empty, kvh);
+      int nq = 0;   // of them, units with tiles
+      for (int r = 0, f = unit(0); f < units; f = unit(++r)) {
+        const Item it = Base::load_item(p, p.plan, f / hkv);
+        produce(p, it, qs, kvs, full, empty, qfree, f % hkv, g, nq);
+        const int ntiles = (it.ke - it.kb + N - 1) / N;
+        g += ntiles;
+        nq += ntiles > 0;
+      }
     } else {
       regs_inc<CONSUMER_REGS>();
-      consume(p, it, qs, kvs, full, empty, kvh, w);
+      for (int r = 0, f = unit(0); f < units; f = unit(++r)) {
+        const Item it = Base::load_item(p, p.plan, f / hkv);
+        consume(p, it, qs, kvs, full, empty, qfree, f % hkv, f / hkv, g);
+        g += (it.ke - it.kb + N - 1) / N;
+      }
     }
   }
 };
 
 template <int D, class V, typename T, typename KV = T>
 __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_constant__ PrefillParams p) {
-  if ((int)blockIdx.x >= plan_header(p.plan).num_items) return;   // padded grid (graph mode) or fewer items than launched
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  PrefillSm90<D, V, T, KV>::run(p, blockIdx.x, reinterpret_cast<T*>(smem_raw));
+  PrefillSm90<D, V, T, KV>::run(p, reinterpret_cast<T*>(smem_raw));
 }
 
 }  // namespace kvattn

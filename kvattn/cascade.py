@@ -36,7 +36,7 @@ from .kernels import Launch, ParamBuffer, get_kernel
 from .merge import MERGE_PARAMS, merge_spec
 from .opcore import AttentionOp, PagedKV, on_device
 from .prefill import (BACKENDS, DEFAULT_WORKSPACE, choose_cta_rows, launch_config, level_layout, level_params,
-                      sm90_tile, sm90_usable, write_level)
+                      sm90_tile, sm90_usable, write_level, launch_grid)
 from .variants import Variant, plan_variant
 
 
@@ -162,7 +162,7 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
         for li, (qo_indptr, pt) in enumerate(lv):
             end = bases[li + 1] if li + 1 < len(lv) else total_i32
             write_level(h[bases[li]:end], offs[li], items[li], pt.batch_size, qo_indptr, pt.kv_lens, pt.indptr,
-                        pt.indices, num_partial_rows=total_qo * slots)
+                        pt.indices, num_kv_heads=hkv, num_partial_rows=total_qo * slots)
         h[bases[0] + NUM_MERGE] = total_qo   # the stacked merge's row count (read by the graph-mode merge)
         max_rows = self.max_total_qo if self.use_cuda_graph else total_qo
         regions = {
@@ -179,7 +179,8 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
                              group=group, page_size=ps, page_shift=page_size_shift(ps), causal=shapes[li][2],
                              window_left=-1, scale=scale, cap=cap, variant_ptr=0)
             params.append(p)
-            launches.append(Launch(get_kernel(cfg.spec), (caps[li], hkv, 1), cfg.threads, cfg.smem, p)
+            launches.append(Launch(get_kernel(cfg.spec), launch_grid(cfg, caps[li], hkv, self.num_sms),
+                                   cfg.threads, cfg.smem, p)
                             if caps[li] else None)
         mp = ParamBuffer(MERGE_PARAMS)
         mp.set(o_in=dev["tmp_o"].ptr, lse_in=dev["tmp_lse"].ptr, indptr=0, out_rows=0,

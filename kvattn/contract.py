@@ -15,7 +15,8 @@ PLAN_HEADER = np.dtype([
     ("batch_size", "<i4"),         # requests in the plan
     ("num_partial_rows", "<i4"),   # partial (o, lse) rows the items write
     ("num_chunks", "<i4"),         # decode: CTAs of the split-KV grid
-    ("reserved", "<i4", (3,)),
+    ("num_kv_heads", "<i4"),       # prefill: KV heads per item (the sm90 kernel's units are items x heads)
+    ("reserved", "<i4", (2,)),
 ])
 HEADER_INT32 = PLAN_HEADER.itemsize // 4
 
@@ -35,6 +36,7 @@ NUM_MERGE = index("num_merge")
 BATCH_SIZE = index("batch_size")
 NUM_PARTIAL_ROWS = index("num_partial_rows")
 NUM_CHUNKS = index("num_chunks")
+NUM_KV_HEADS = index("num_kv_heads")
 
 
 def page_size_shift(page_size: int) -> int:
@@ -43,7 +45,7 @@ def page_size_shift(page_size: int) -> int:
 
 
 def write_header(buf: np.ndarray, *, num_items: int, num_merge: int, batch_size: int, num_partial_rows: int,
-                 num_chunks: int = 0):
+                 num_chunks: int = 0, num_kv_heads: int = 0):
     """Fill the header of an int32 plan buffer buf (at least HEADER_INT32 elements)."""
     buf[:HEADER_INT32] = 0
     buf[NUM_ITEMS] = num_items
@@ -51,3 +53,4 @@ def write_header(buf: np.ndarray, *, num_items: int, num_merge: int, batch_size:
     buf[BATCH_SIZE] = batch_size
     buf[NUM_PARTIAL_ROWS] = num_partial_rows
     buf[NUM_CHUNKS] = num_chunks
+    buf[NUM_KV_HEADS] = num_kv_heads

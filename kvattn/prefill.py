@@ -106,7 +106,8 @@ def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None 
     """The wgmma kernel (backend "sm90") of prefill_sm90.cuh: 128-row query tiles, head_dim 64, 128 or 256."""
     args = f"{head_dim}, {variant.prefill_type()}, {_dtypes.to_ctype(dtype)}{_kv_arg(dtype, kv_dtype)}"
     traits = f"kvattn::PrefillSm90<{args}>"
-    return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{args}>", defines=SM90_TUNING,
+    persist = (("KVATTN_SM90_PERSIST", 1),) if sm90_persistent(head_dim, variant, kv_dtype) else ()
+    return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{args}>", defines=SM90_TUNING + persist,
                       prelude=variant.prelude(),
                       checks=((f"{traits}::SMEM_BYTES", sm90_smem_bytes(head_dim)),
                               (f"{traits}::THREADS", SM90_THREADS), (f"{traits}::ROWS", 128)))
@@ -137,9 +138,30 @@ def sm90_tile(head_dim: int) -> tuple[int, int]:
 
 def sm90_smem_bytes(head_dim: int) -> int:
     """Dynamic shared memory of prefill_sm90_kernel (mirrors PrefillSm90::SMEM_BYTES: Q, the ring of K and V
-    tiles, a full and an empty mbarrier per stage)."""
+    tiles, a full and an empty mbarrier per stage, the Q tile's `qfree` mbarrier)."""
     n, stages = sm90_tile(head_dim)
-    return (128 * head_dim + stages * 2 * n * head_dim) * 2 + 2 * stages * 8
+    return (128 * head_dim + stages * 2 * n * head_dim) * 2 + (2 * stages + 1) * 8
+
+
+#: Persistent sm90 CTAs (prefill_sm90.cuh: at most one CTA per SM, each walking its share of the (item, KV head)
+#: units, the next unit's loads under the current one's last tile and epilogue) where they apply: 16-bit caches,
+#: no fused RoPE, head_dim <= 128 (elsewhere the loop's state does not fit the warpgroups' registers). False: one
+#: CTA per unit everywhere (the A/B of scripts/ab_sm90.py --persist).
+SM90_PERSISTENT = True
+
+
+def sm90_persistent(head_dim: int, variant: Variant, kv_dtype: str | None = None) -> bool:
+    """Whether the sm90 instance of this head dim, variant and cache type is the persistent one."""
+    return (SM90_PERSISTENT and head_dim <= 128 and not variant.rope
+            and not (kv_dtype is not None and _dtypes.is_fp8(kv_dtype)))
+
+
+def launch_grid(cfg, items: int, num_kv_heads: int, num_sms: int) -> tuple[int, int, int]:
+    """The grid of a prefill launch (LaunchConfig cfg) over `items` plan items (graph mode: their bound): one CTA
+    per (item, KV head), or for a persistent sm90 instance min(items * num_kv_heads, num_sms) CTAs."""
+    if not cfg.persistent:
+        return (items, num_kv_heads, 1)
+    return (min(items * num_kv_heads, num_sms), 1, 1)
 
 
 def ctas_per_sm(head_dim: int, cta_rows: int, registers: int | None, kv_dtype: str | None = None) -> int:
@@ -162,6 +184,7 @@ class LaunchConfig:
     threads: int
     smem: int
     ctas_per_sm: int
+    persistent: bool = False   # a persistent sm90 instance (launch_grid)
 
 
 def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, dtype: str,
@@ -174,7 +197,7 @@ def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, 
                          f"(got {_driver.arch()}, head_dim {head_dim}, cta_rows {cta_rows})")
     if sm90_ok and sm90_usable(backend, head_dim, variant, dtype, kv_dtype):
         return LaunchConfig("sm90", sm90_spec(head_dim, variant, dtype, kv_dtype), SM90_THREADS,
-                            sm90_smem_bytes(head_dim), 1)
+                            sm90_smem_bytes(head_dim), 1, sm90_persistent(head_dim, variant, kv_dtype))
     if head_dim == 256 and cta_rows == 128:
         raise ValueError("cta_rows: 128 with head_dim 256 needs the sm90 kernel (an sm_90 GPU, backend 'auto' or "
                          "'sm90', a variant that compiles there without spills); use 64")
@@ -217,13 +240,14 @@ def level_layout(cap_b: int, cap_w: int, cap_m: int, cap_p: int, vdata) -> tuple
 
 
 def write_level(h: np.ndarray, off: dict, items: np.ndarray, batch: int, qo_indptr, kv_lens, page_indptr,
-                page_indices, vdata=None, mask_offsets=None, *, num_partial_rows: int, merge=None):
+                page_indices, vdata=None, mask_offsets=None, *, num_kv_heads: int, num_partial_rows: int, merge=None):
     """Fill one launch's int32 plan buffer h (zeroed first). items: int32 [W, 8]; qo_indptr, page_indptr: int
     [batch + 1]; kv_lens: int [batch]; page_indices: int [pages]; merge: (indptr [M + 1], rows [M], capacity)
     of the split rows, the unused tail of indptr repeating its last value (graph mode's fixed merge grid)."""
     h[:] = 0
     nm = merge[1].size if merge is not None else 0
-    write_header(h, num_items=items.shape[0], num_merge=nm, batch_size=batch, num_partial_rows=num_partial_rows)
+    write_header(h, num_items=items.shape[0], num_merge=nm, batch_size=batch, num_partial_rows=num_partial_rows,
+                 num_kv_heads=num_kv_heads)
     h[off["qo_indptr"]:off["qo_indptr"] + batch + 1] = qo_indptr
     h[off["kv_len"]:off["kv_len"] + batch] = kv_lens
     h[off["page_indptr"]:off["page_indptr"] + batch + 1] = page_indptr
@@ -355,7 +379,7 @@ class _BatchPrefill(AttentionOp):
         host = self._stage((total_i32 * 4 + mask_bytes + 15) // 16 * 16)
         h = host.view(np.int32)
         write_level(h[:total_i32], off, plan.items, batch, qo_indptr, kv_lens, page_indptr, page_indices, vdata,
-                    mask_offsets, num_partial_rows=plan.num_partial_rows, merge=(plan.merge_indptr, plan.merge_rows, cap_m))
+                    mask_offsets, num_kv_heads=hkv, num_partial_rows=plan.num_partial_rows, merge=(plan.merge_indptr, plan.merge_rows, cap_m))
         if mask_bytes:
             host[total_i32 * 4:total_i32 * 4 + mask_bytes] = packed_mask
 
@@ -384,14 +408,15 @@ class _BatchPrefill(AttentionOp):
             kv = PagedKV(self.kv_layout, page_size, hkv, head_dim, npdtype, int(page_indices.max(initial=-1)) + 1)
         else:
             kv = RaggedKV(self.kv_layout, int(kv_lens.sum()), hkv, head_dim, npdtype)
+        grid = launch_grid(cfg, cap_w, hkv, self.num_sms)
         maps = (tma.attach(kv, [p], sm90_tile(head_dim)[0], contiguous=not self._paged and make_kv is None)
                 if cfg.backend == "sm90" and not variant.rope else None)
         return self._finish_plan(
             rows=total_qo, max_rows=self.max_total_qo if self.use_cuda_graph else total_qo, hq=hq, d=head_dim,
-            dtype=q_dtype, kv=kv, launch=Launch(kernel, (cap_w, hkv, 1), cfg.threads, cfg.smem, p) if cap_w > 0 else None,
+            dtype=q_dtype, kv=kv, launch=Launch(kernel, grid, cfg.threads, cfg.smem, p) if cap_w > 0 else None,
             params=p, merge=merge, merge_params=mp, s=s, copy_done=copy_done, bind_tma=maps,
             schedule=plan, backend=cfg.backend, cta_rows=cta_rows, variant=variant, kernel=kernel,
-            grid=(cap_w, hkv, 1), smem=cfg.smem, threads=cfg.threads, num_kv_heads=hkv, tma=maps is not None)
+            grid=grid, smem=cfg.smem, threads=cfg.threads, num_kv_heads=hkv, tma=maps is not None)
 
     @staticmethod
     def _mask(custom_mask, mask_indptr, qo_lens, kv_lens):

@@ -1,6 +1,6 @@
 """A/B experiments on the sm90 prefill kernel, each in one process (bf16 unless named, Hq32/Hkv8, ragged):
 
-    PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold]   # on the GPU (no flag: all)
+    PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist]   # GPU (no flag: all)
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -10,6 +10,8 @@
 --d256: head_dim 256's KV tile and ring depth (KVATTN_SM90_N / _STAGES), causal b1_S8192, beside the sm80 kernel.
 --fold: the score scale folded into the exponent on unmasked tiles (KVATTN_SM90_FOLD=1, the default) against
   not (0), the --split shapes, with the error.
+--persist: persistent CTAs (kvattn.prefill.SM90_PERSISTENT, the default) against one CTA per (item, KV head), the
+  --split shapes and paged page-16 b8_S2048, with the error.
 """
 import argparse
 import os
@@ -45,6 +47,9 @@ def compile_all():
         prefill.SM90_TUNING = defs
         prefill.sm90_spec(d, v, t).compile("sm_90a")
     prefill.SM90_TUNING = ()
+    prefill.SM90_PERSISTENT = False
+    prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
+    prefill.SM90_PERSISTENT = True
 
 
 def run_split(bp, rng):
@@ -78,6 +83,20 @@ def run_fold(bp, rng):
     prefill.SM90_TUNING = ()
 
 
+def run_persist(bp, rng):
+    for name, b, s, causal in SPLIT_CASES + [("paged causal b8_S2048", 8, 2048, True)]:
+        flops = (2 if causal else 4) * b * bp.HQ * s * s * bp.D
+        for on, what in ((False, "CTA per unit"), (True, "persistent")):
+            prefill.SM90_PERSISTENT = on
+            if name.startswith("paged"):
+                w, us, err = bp.paged_case(rng, [s] * b, [s] * b, 128, causal=causal, backend="sm90")
+            else:
+                w, us, err = bp.ragged_case(rng, name, [s] * b, [s] * b, 128, causal=causal, backend="sm90")
+            print(f"persist {name:22s} {what:14s} {us:9.1f} us {flops / us / 1e6:6.0f} TFLOP/s err {err:.1e}",
+                  flush=True)
+    prefill.SM90_PERSISTENT = True
+
+
 def run_d256(bp, rng):
     for n, st in D256_TILES:
         prefill.SM90_TUNING = tile_defines(n, st)
@@ -90,14 +109,14 @@ def run_d256(bp, rng):
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    for flag in ("compile", "split", "tanh", "d256", "fold"):
+    for flag in ("compile", "split", "tanh", "d256", "fold", "persist"):
         ap.add_argument(f"--{flag}", action="store_true")
     args = ap.parse_args()
     if args.compile:
         compile_all()
         sys.exit(0)
     import bench_prefill as bp  # noqa: E402
-    everything = not (args.split or args.tanh or args.d256 or args.fold)
+    everything = not (args.split or args.tanh or args.d256 or args.fold or args.persist)
     rng = np.random.default_rng(0)
     if args.split or everything:
         run_split(bp, rng)
@@ -107,3 +126,5 @@ if __name__ == "__main__":
         run_d256(bp, rng)
     if args.fold or everything:
         run_fold(bp, rng)
+    if args.persist or everything:
+        run_persist(bp, rng)

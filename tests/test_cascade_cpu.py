@@ -164,7 +164,7 @@ def test_cascade_plan_buffer_holds_every_level(monkeypatch):
     from kvattn.memory import DeviceArray
 
     class Cfg:
-        backend, spec, threads, smem, ctas_per_sm = "sm80", None, 128, 1024, 2
+        backend, spec, threads, smem, ctas_per_sm, persistent = "sm80", None, 128, 1024, 2, False
 
     class Kernel:
         def _allow_smem(self, n):
@@ -203,6 +203,7 @@ def test_cascade_plan_buffer_holds_every_level(monkeypatch):
                                              chunks[li], slots, int(slot0[li]), causal=li == 1)
         assert h[start + contract.NUM_ITEMS] == items.shape[0] == grid[0] and grid[1] == 2
         assert h[start + contract.BATCH_SIZE] == pt.batch_size
+        assert h[start + contract.NUM_KV_HEADS] == 2   # the sm90 kernel's units: items x KV heads
         off = {k: int(p[f"off_{k}"]) for k in ("qo_indptr", "kv_len", "page_indptr", "page_indices", "items")}
         b = pt.batch_size
         assert np.array_equal(h[start + off["qo_indptr"]:][:b + 1], qo_indptr)

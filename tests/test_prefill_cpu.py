@@ -282,3 +282,22 @@ def test_graph_mode_refuses_a_later_plan_that_changes_a_baked_value(change):
 def test_deterministic_prefill_takes_graph_mode():
     w = BatchPrefillWithRaggedKVCache(deterministic=True, use_cuda_graph=True, max_batch_size=4, max_total_qo=64)
     assert w.deterministic and w.use_cuda_graph
+
+
+@pytest.mark.parametrize("d, variant, kv_dtype, persistent", [
+    (128, Variant(), None, True), (64, Variant(True, True, False), None, True), (128, Variant(alibi=True), None, True),
+    (256, Variant(), None, False), (128, Variant(rope=1), None, False), (128, Variant(), "float8_e4m3fn", False)])
+def test_persistent_sm90_instances_and_their_grid(monkeypatch, d, variant, kv_dtype, persistent):
+    """The persistent sm90 instances (16-bit caches, no fused RoPE, head_dim <= 128) are built with
+    KVATTN_SM90_PERSIST and launched on min(units, SMs) CTAs; the others on one CTA per (item, KV head)."""
+    prefill = _fake_launch_env(monkeypatch, "sm_90a", 0)
+    cfg = prefill.launch_config("sm90", d, 128, variant, "bfloat16", kv_dtype)
+    assert cfg.persistent == persistent
+    assert (("KVATTN_SM90_PERSIST", 1) in cfg.spec.defines) == persistent
+    assert prefill.launch_grid(cfg, 40, 8, 132) == ((132, 1, 1) if persistent else (40, 8, 1))
+    assert prefill.launch_grid(cfg, 3, 8, 132) == ((24, 1, 1) if persistent else (3, 8, 1))
+    monkeypatch.setattr(prefill, "SM90_PERSISTENT", False)   # the A/B switch: every instance one CTA per unit
+    cfg = prefill.launch_config("sm90", d, 128, variant, "bfloat16", kv_dtype)
+    assert not cfg.persistent and prefill.launch_grid(cfg, 40, 8, 132) == (40, 8, 1)
+    assert prefill.launch_grid(prefill.launch_config("sm80", d if d < 256 else 128, 64, Variant(), "bfloat16"),
+                               40, 8, 132) == (40, 8, 1)

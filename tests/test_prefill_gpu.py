@@ -78,8 +78,8 @@ def _device_cache(rng, k, v, kv_dtype, head_axis):
 
 def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD", page_size=16, causal=False,
              window_left=-1, cap=0.0, custom=False, sm_scale=None, check_requests=None, cta_rows=None,
-             backend="auto", kv_dtype=None, poison_tails=False):
-    """kv_dtype: an fp8 cache (the random cache quantised with per-head scales; the reference reads it
+             backend="auto", kv_dtype=None, poison_tails=False, num_sms=None):
+    """num_sms: the SM count the wrappers schedule for (the persistent sm90 grid's size). kv_dtype: an fp8 cache (the random cache quantised with per-head scales; the reference reads it
     dequantised). poison_tails (paged, 16-bit): the slots past each request's KV on its last page and the
     unused pages hold NaN (a kernel that let them into a result would show it)."""
     hq = hkv * group
@@ -93,7 +93,7 @@ def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD"
         kc, vc, pt = _kv_pages(rng, kv_lens, page_size, hkv, d, dtype, layout)
         if poison_tails:
             _poison_tails(kc, vc, pt, layout)
-        w = BatchPrefillWithPagedKVCache(kv_layout=layout, backend=backend)
+        w = BatchPrefillWithPagedKVCache(kv_layout=layout, backend=backend, num_sms=num_sms)
         w.plan(qo_indptr, pt, hq, hkv, d, causal=causal, custom_mask=flat, sm_scale=sm_scale,
                window_left=window_left, logits_soft_cap=cap, q_dtype=dtype, cta_rows=cta_rows, kv_dtype=kv_dtype)
         args, scales, kc, vc = _device_cache(rng, kc, vc, kv_dtype, 2 if layout == "NHD" else 1)
@@ -103,7 +103,7 @@ def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD"
         n = int(kv_indptr[-1])
         shape = (n, hkv, d) if layout == "NHD" else (hkv, n, d)
         k, v = rng.standard_normal(shape).astype(npd), rng.standard_normal(shape).astype(npd)
-        w = BatchPrefillWithRaggedKVCache(kv_layout=layout, backend=backend)
+        w = BatchPrefillWithRaggedKVCache(kv_layout=layout, backend=backend, num_sms=num_sms)
         w.plan(qo_indptr, kv_indptr, hq, hkv, d, causal=causal, custom_mask=flat, sm_scale=sm_scale,
                window_left=window_left, logits_soft_cap=cap, q_dtype=dtype, cta_rows=cta_rows, kv_dtype=kv_dtype)
         args, scales, k, v = _device_cache(rng, k, v, kv_dtype, 1 if layout == "NHD" else 0)
@@ -190,6 +190,25 @@ def test_sm90_mainloop(d, dtype, variant):
     for paged in (True, False):
         run_case(np.random.default_rng(hash((d, dtype, variant, paged)) % 2**32), dtype=dtype, d=d, hkv=2, group=4,
                  qo_lens=qo, kv_lens=kv, paged=paged, cta_rows=128, backend="sm90", **kw)
+
+
+@pytest.mark.parametrize("num_sms", [1, 3, 7])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_persistent_ctas_walk_many_units(num_sms, d, causal):
+    """Persistent CTAs: a grid of num_sms CTAs, each walking many (item, KV head) units through one ring of stages
+    (units of 1 to 40 tiles, units without any, TMA and copied tiles, split KV, padding rows), paged and ragged,
+    every request against the reference."""
+    if causal:
+        qo, kv = [130, 33, 1, 200, 64, 5], [130, 700, 1, 4500, 64, 5000]
+    else:
+        qo, kv = [130, 33, 1, 200, 64, 5], [300, 0, 129, 4500, 0, 5000]
+    for paged in (True, False):
+        w = run_case(np.random.default_rng(hash((num_sms, d, causal, paged)) % 2**32), dtype="bfloat16", d=d,
+                     hkv=2, group=4, qo_lens=qo, kv_lens=kv, paged=paged, cta_rows=128, backend="sm90",
+                     causal=causal, num_sms=num_sms)
+        units = w.last_plan.info["schedule"].num_items * 2
+        assert w.last_plan.info["grid"] == (min(units, num_sms), 1, 1) and units > 4 * num_sms
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
