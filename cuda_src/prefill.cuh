@@ -203,10 +203,11 @@ struct PrefillKernel {
     copy_q<ROWS, THREADS>(p, it, qs, kvh, [](int r, int ch) { return swz<D>(r, ch); });
   }
 
-  // Score of kv token j for a row of query token tok: log2 domain, soft cap, masks (-inf when masked).
-  template <bool MASK, bool FOLD>
+  // Score of kv token j for a row of query token tok: log2 domain, soft cap, masks (-inf when masked). CM: the
+  // custom-mask bit of (tok, j), already looked up by the caller (MASK_BITS), else read here.
+  template <bool MASK, bool FOLD, bool MASK_BITS = false>
   __device__ __forceinline__ static float score(const PrefillParams& p, const Item& it, float s, int j, int tok,
-                                                float rc = 0.f) {
+                                                float rc = 0.f, bool cm = true) {
     float x = V::logits(p, FOLD ? s : s * p.score_scale);
     if constexpr (V::kPositional) x = V::logits_at(p, x, j, it.delta + tok, rc);
     if (MASK) {
@@ -215,7 +216,9 @@ struct PrefillKernel {
       if (p.causal) ok = ok && j <= lim;
       if (V::kWindow) ok = ok && (p.window_left < 0 || j >= lim - p.window_left);
       if (V::kKeep) ok = ok && V::keep(p, j, lim);
-      if (V::kCustomMask) {
+      if (V::kCustomMask && MASK_BITS) {
+        ok = ok && cm;
+      } else if (V::kCustomMask) {
         if (ok) {
           const long long bit = it.mask_bit0 + (long long)tok * it.kv_len + j;
           ok = (__ldg(p.mask + (bit >> 3)) >> (bit & 7)) & 1;

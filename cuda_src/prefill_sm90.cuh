@@ -45,6 +45,11 @@
 #ifndef KVATTN_SM90_PERSIST
 #define KVATTN_SM90_PERSIST 0
 #endif
+// TMA tiles: each box's page id loaded a tile ahead, the copies' row offsets only before a copied tile (1), or
+// both looked up at each tile (0; the A/B of scripts/ab_sm90.py --prefetch).
+#ifndef KVATTN_SM90_PREFETCH
+#define KVATTN_SM90_PREFETCH 1
+#endif
 
 namespace kvattn {
 
@@ -121,17 +126,12 @@ struct PrefillSm90 {
     }
   }
 
-  // (TMA) The map coordinates (slot, page) of the box of p.tma_rows rows starting at item token tok (clamped
-  // into the item: lanes past the tile's boxes must not read past its page list).
-  __device__ __forceinline__ static void tma_coords(const PrefillParams& p, const Item& it, int tok, int& slot,
-                                                    int& page) {
-    tok = min(tok, it.ke - 1);
+  // (TMA) The page id of box `box` (p.tma_rows rows) of the tile at t0, its first row clamped into the item (lanes
+  // past the tile's boxes must not read past its page list; ragged: the request's first token).
+  __device__ __forceinline__ static int box_page(const PrefillParams& p, const Item& it, int t0, int box) {
     int pg, in;
-    Base::page_slot(p, tok, pg, in);
-    const int id = __ldg(it.pages + pg);
-    // ragged: the request's "page" id is its first token, in one page of (many) slots
-    slot = p.tma_mode == 1 ? id + in : in;
-    page = p.tma_mode == 1 ? 0 : id;
+    Base::page_slot(p, min(t0 + box * p.tma_rows, it.ke - 1), pg, in);
+    return __ldg(it.pages + pg);
   }
 
   // (TMA) Lane `box` of producer warp 0 issues box `box` (rows box * p.tma_rows ...) of K and V of the full tile
@@ -139,13 +139,16 @@ struct PrefillSm90 {
   // lane's box may land before that (the transaction count may go below zero), but the phase cannot complete
   // before lane 0 arrives, after its expect_tx. (A __syncwarp here made ptxas spill the 24-register producers.)
   // Only full tiles of items that start on a box boundary come here (produce), so every box lies in one page.
-  __device__ __forceinline__ static void issue_kv_tma(const PrefillParams& p, const Item& it, T* stage, int t0,
-                                                      int box, int kvh, unsigned long long* bar) {
+  // id: the box's page id (box_page).
+  __device__ __forceinline__ static void issue_kv_tma(const PrefillParams& p, T* stage, int t0, int box, int id,
+                                                      int kvh, unsigned long long* bar) {
     if (box == 0) mbar_expect_tx(bar, 2 * KV_ELEMS * (int)sizeof(T));
     const int r0 = box * p.tma_rows;
     if (r0 >= N) return;
-    int slot, page;
-    tma_coords(p, it, t0 + r0, slot, page);
+    int pg, in;
+    Base::page_slot(p, t0 + r0, pg, in);   // a full tile: its boxes lie in the item
+    // ragged: the "page" id is the request's first token, in one page of (many) slots
+    const int slot = p.tma_mode == 1 ? id + in : in, page = p.tma_mode == 1 ? 0 : id;
     const int c1 = p.tma_hnd ? slot : kvh, c2 = p.tma_hnd ? kvh : slot;
 #pragma unroll
     for (int cb = 0; cb < D / 64; ++cb) {
@@ -208,6 +211,23 @@ struct PrefillSm90 {
     wgmma_commit();
   }
 
+  // Custom mask: the N bits of row tok from kv index j0 on (bit k of out[k / 32] is the pair (tok, j0 + k)), read
+  // as MW + 1 aligned 32-bit words and shifted into place (the host pads the mask for the last words).
+  static constexpr int MW = (N + 31) / 32;
+  __device__ __forceinline__ static void mask_bits(const PrefillParams& p, const Item& it, int tok, int j0,
+                                                   unsigned (&out)[MW]) {
+    const long long bit = it.mask_bit0 + (long long)tok * it.kv_len + j0;
+    const unsigned* w = reinterpret_cast<const unsigned*>(p.mask) + (bit >> 5);
+    const int sh = (int)(bit & 31);
+    unsigned lo = __ldg(w);
+#pragma unroll
+    for (int i = 0; i < MW; ++i) {
+      const unsigned hi = __ldg(w + i + 1);
+      out[i] = __funnelshift_r(lo, hi, sh);
+      lo = hi;
+    }
+  }
+
   // Scores of the tile at t0 -> probabilities in place (online softmax over this thread's rows g, g + 8);
   // `scale` is the factor O must be multiplied by.
   template <bool MASK>
@@ -215,14 +235,22 @@ struct PrefillSm90 {
                                                  const int (&tok)[2], const float (&rc)[2], int lane,
                                                  float (&m)[1][2], float (&l)[1][2], float (&scale)[2]) {
     constexpr bool FOLD = kFold && !MASK;
+    unsigned cm[2][MW];   // custom mask: bit 8 nb + e of cm[r][..] is this thread's pair (row r, column nb, e)
+    if constexpr (V::kCustomMask && MASK) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) mask_bits(p, it, tok[r], t0 + 2 * (lane % 4), cm[r]);
+    }
     float mx[2] = {KVATTN_NEG_INF, KVATTN_NEG_INF};
 #pragma unroll
     for (int nb = 0; nb < N / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        const bool keep = !(V::kCustomMask && MASK) || ((cm[r][nb / 4] >> ((nb % 4) * 8 + (e & 1))) & 1u);
         const float x = FOLD ? s[4 * nb + e] :
-                        Base::template score<MASK, false>(p, it, s[4 * nb + e], t0 + nb * 8 + 2 * (lane % 4) + (e & 1),
-                                                          tok[e >> 1], rc[e >> 1]);
+                        Base::template score<MASK, false, true>(p, it, s[4 * nb + e],
+                                                                t0 + nb * 8 + 2 * (lane % 4) + (e & 1), tok[r], rc[r],
+                                                                keep);
         s[4 * nb + e] = x;
         mx[e >> 1] = fmaxf(mx[e >> 1], x);
       }
@@ -313,14 +341,24 @@ struct PrefillSm90 {
     long long off = Base::tok_offset(p, it.pages, min(it.kb + my_row, it.ke - 1));
     // full tiles as TMA boxes (16-bit cache, no key transform, a map bound by run(), item on a box boundary)
     const bool tma = kTma && p.tma_mode != 0 && (p.tma_mode == 1 || it.kb % p.tma_rows == 0);
+    // (TMA, warp 0) this lane's box page id of the next tile, loaded a tile ahead (KVATTN_SM90_PREFETCH)
+    int box_id = KVATTN_SM90_PREFETCH && tma && pw == 0 ? box_page(p, it, it.kb, lane) : 0;
     for (int t = 0; t < ntiles; ++t) {
       const int u = g + t, st = u % STAGES;
       if (u >= STAGES) mbar_wait(&empty[st], (u / STAGES - 1) & 1);
       if (tma && it.kb + (t + 1) * N <= it.ke) {
-        // one page lookup per lane of warp 0, in parallel (the ring's depth hides its latency)
-        if (pw == 0) issue_kv_tma(p, it, kvs + st * 2 * KV_ELEMS, it.kb + t * N, lane, kvh, &full[st]);
+        // one page lookup per lane of warp 0, in parallel
+        const int t0 = it.kb + t * N;
+        if (pw == 0)
+          issue_kv_tma(p, kvs + st * 2 * KV_ELEMS, t0, lane, KVATTN_SM90_PREFETCH ? box_id : box_page(p, it, t0, lane),
+                       kvh, &full[st]);
         cp_async_mbar_arrive(&full[st]);   // after this thread's earlier copies (the Q rows before tile 0)
-        if (t + 1 < ntiles) off = Base::tok_offset(p, it.pages, min(it.kb + (t + 1) * N + my_row, it.ke - 1));
+        if (t + 1 < ntiles) {
+          if (KVATTN_SM90_PREFETCH && pw == 0) box_id = box_page(p, it, t0 + N, lane);
+          // the copies' row offsets only where the next tile is copied (the item's last, partial tile)
+          if (!KVATTN_SM90_PREFETCH || t0 + 2 * N > it.ke)
+            off = Base::tok_offset(p, it.pages, min(t0 + N + my_row, it.ke - 1));
+        }
         continue;
       }
       if constexpr (KVATTN_SM90_X == 1) {

@@ -82,6 +82,10 @@ def choose_cta_rows(packed_len: float, head_dim: int, wgmma: bool = False) -> in
 #: KVATTN_PF_QREGS); empty = the header's defaults. scripts/bench_prefill.py --sweep overrides it.
 TUNING: dict = {}
 #: KernelSpec defines of the sm90 kernel (timing experiments of scripts/ab_sm90.py); empty = the defaults.
+#: Bytes after a custom mask the kernels may read (the sm90 kernel loads each row's bits of a tile as aligned 32-bit
+#: words, up to 20 bytes past the last mask byte; the bits read there belong to no kept pair).
+MASK_PAD = 32
+
 SM90_TUNING: tuple = ()
 
 
@@ -209,8 +213,8 @@ def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, 
 
 def sm90_usable(backend: str, head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None = None) -> bool:
     """Whether a 128-row tile of this head dim and variant runs on the wgmma kernel: an sm_90 GPU, a head dim
-    it covers, backend "sm90", or "auto" and an instance without spills (the all-variants head_dim 128 one
-    spills and goes to the mma.sync kernel)."""
+    it covers, backend "sm90", or "auto" and an instance without spills (at head_dim 256 the custom-mask, ALiBi,
+    RoPE and fp8 ones spill and go to the mma.sync kernel)."""
     if backend == "sm80" or head_dim not in SM90_HEAD_DIMS or _driver.arch() != "sm_90a":
         return False
     kernel = get_kernel(sm90_spec(head_dim, variant, dtype, kv_dtype))
@@ -387,7 +391,7 @@ class _BatchPrefill(AttentionOp):
             "plan": ((total_i32,), "int32"),
             "tmp_o": ((max(cap_part, 1), hq, head_dim), "float32"),
             "tmp_lse": ((max(cap_part, 1), hq), "float32"),
-            "mask": ((max(mask_bytes, 16),), "uint8"),
+            "mask": ((mask_bytes + MASK_PAD,), "uint8"),
         }
         dev, s, copy_done = self._upload(host, [("plan", 0, total_i32 * 4), ("mask", total_i32 * 4, mask_bytes)],
                                          regions, stream)

@@ -1,6 +1,6 @@
 """A/B experiments on the sm90 prefill kernel, each in one process (bf16 unless named, Hq32/Hkv8, ragged):
 
-    PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist]   # GPU (no flag: all)
+    PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch]   # GPU
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -12,6 +12,8 @@
   not (0), the --split shapes, with the error.
 --persist: persistent CTAs (kvattn.prefill.SM90_PERSISTENT, the default) against one CTA per (item, KV head), the
   --split shapes and paged page-16 b8_S2048, with the error.
+--prefetch: TMA tiles with each box's page id loaded a tile ahead (KVATTN_SM90_PREFETCH=1, the default) against
+  looked up at each tile (0), paged page 16 and ragged, with the error.
 """
 import argparse
 import os
@@ -50,6 +52,9 @@ def compile_all():
     prefill.SM90_PERSISTENT = False
     prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
     prefill.SM90_PERSISTENT = True
+    prefill.SM90_TUNING = (("KVATTN_SM90_PREFETCH", 0),)
+    prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
+    prefill.SM90_TUNING = ()
 
 
 def run_split(bp, rng):
@@ -97,6 +102,21 @@ def run_persist(bp, rng):
     prefill.SM90_PERSISTENT = True
 
 
+def run_prefetch(bp, rng):
+    cases = [("paged causal b1_S8192", 1, 8192), ("paged causal b8_S2048", 8, 2048), ("ragged causal b1_S8192", 1, 8192)]
+    for name, b, s in cases:
+        flops = 2 * b * bp.HQ * s * s * bp.D
+        for defs, what in (((("KVATTN_SM90_PREFETCH", 0),), "at each tile"), ((), "a tile ahead")):
+            prefill.SM90_TUNING = defs
+            if name.startswith("paged"):
+                w, us, err = bp.paged_case(rng, [s] * b, [s] * b, 128, causal=True, backend="sm90")
+            else:
+                w, us, err = bp.ragged_case(rng, name, [s] * b, [s] * b, 128, causal=True, backend="sm90")
+            print(f"prefetch {name:22s} {what:14s} {us:9.1f} us {flops / us / 1e6:6.0f} TFLOP/s err {err:.1e}",
+                  flush=True)
+    prefill.SM90_TUNING = ()
+
+
 def run_d256(bp, rng):
     for n, st in D256_TILES:
         prefill.SM90_TUNING = tile_defines(n, st)
@@ -109,14 +129,14 @@ def run_d256(bp, rng):
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    for flag in ("compile", "split", "tanh", "d256", "fold", "persist"):
+    for flag in ("compile", "split", "tanh", "d256", "fold", "persist", "prefetch"):
         ap.add_argument(f"--{flag}", action="store_true")
     args = ap.parse_args()
     if args.compile:
         compile_all()
         sys.exit(0)
     import bench_prefill as bp  # noqa: E402
-    everything = not (args.split or args.tanh or args.d256 or args.fold or args.persist)
+    everything = not (args.split or args.tanh or args.d256 or args.fold or args.persist or args.prefetch)
     rng = np.random.default_rng(0)
     if args.split or everything:
         run_split(bp, rng)
@@ -128,3 +148,5 @@ if __name__ == "__main__":
         run_fold(bp, rng)
     if args.persist or everything:
         run_persist(bp, rng)
+    if args.prefetch or everything:
+        run_prefetch(bp, rng)
