@@ -14,6 +14,8 @@
   --split shapes and paged page-16 b8_S2048, with the error.
 --prefetch: TMA tiles with each box's page id loaded a tile ahead (KVATTN_SM90_PREFETCH=1, the default) against
   looked up at each tile (0), paged page 16 and ragged, with the error.
+--split, --fold, --persist and --prefetch time their options in 3 rounds of alternating order (the GPU's clock
+  drifts under load: BENCHMARKS.md, run 15d); --tanh and --d256 are single passes.
 """
 import argparse
 import os
@@ -57,14 +59,56 @@ def compile_all():
     prefill.SM90_TUNING = ()
 
 
+ROUNDS = 3
+
+
+def compare(tag, name, flops, options, measure, rounds=ROUNDS):
+    """Times measure() (-> (us, err)) under each option (what, apply: sets the build / launch knobs) in `rounds`
+    rounds, every other round in reverse order: the GPU's clock drifts under sustained load (BENCHMARKS.md, run
+    15d), so a single A-then-B pass would favour A. Prints each option's TFLOP/s per round and their median."""
+    rates, errs = {what: [] for what, _ in options}, {}
+    for r in range(rounds):
+        for what, apply in (options if r % 2 == 0 else options[::-1]):
+            apply()
+            us, errs[what] = measure()
+            rates[what].append(flops / us / 1e6)
+    prefill.SM90_TUNING, prefill.SM90_PERSISTENT = (), True
+    for what, _ in options:
+        e = "n/a" if errs[what] is None else f"{errs[what]:.1e}"
+        print(f"{tag:8s} {name:24s} {what:16s} " + " ".join(f"{x:6.0f}" for x in rates[what])
+              + f"  median {np.median(rates[what]):6.0f} TFLOP/s  err {e}", flush=True)
+
+
+def tuning(defs):
+    return lambda: setattr(prefill, "SM90_TUNING", defs)
+
+
+def persistent(on):
+    return lambda: setattr(prefill, "SM90_PERSISTENT", on)
+
+
+def case(bp, rng, name, b, s, causal, paged=False):
+    """measure() of a ragged (or paged, page 16) causal / non-causal case of b requests of s tokens on sm90."""
+    def measure():
+        if paged:
+            w, us, err = bp.paged_case(rng, [s] * b, [s] * b, 128, causal=causal, backend="sm90")
+        else:
+            w, us, err = bp.ragged_case(rng, name, [s] * b, [s] * b, 128, causal=causal, backend="sm90")
+        return us, err
+    return measure
+
+
+def flops_of(bp, b, s, causal):
+    return (2 if causal else 4) * b * bp.HQ * s * s * bp.D
+
+
 def run_split(bp, rng):
     for name, b, s, causal in SPLIT_CASES:
-        flops = (2 if causal else 4) * b * bp.HQ * s * s * bp.D
-        for x, what in SPLIT.items():
-            prefill.SM90_TUNING = split_defines(x)
-            w, us, err = bp.ragged_case(rng, name, [s] * b, [s] * b, 128, causal=causal, backend="sm90")
-            e = f"{err:.1e}" if x == 0 else "n/a"
-            print(f"split {name:22s} {what:14s} {us:9.1f} us {flops / us / 1e6:6.0f} TFLOP/s err {e}", flush=True)
+        measure = case(bp, rng, name, b, s, causal)
+        # only the full kernel computes attention: the others' error means nothing
+        compare("split", name, flops_of(bp, b, s, causal),
+                [(what, tuning(split_defines(x))) for x, what in SPLIT.items()],
+                lambda: (measure()[0], None) if prefill.SM90_TUNING else measure())
 
 
 def run_tanh(bp, rng):
@@ -80,41 +124,24 @@ def run_tanh(bp, rng):
 
 def run_fold(bp, rng):
     for name, b, s, causal in SPLIT_CASES:
-        flops = (2 if causal else 4) * b * bp.HQ * s * s * bp.D
-        for defs, what in (((("KVATTN_SM90_FOLD", 0),), "not folded"), ((), "folded (default)")):
-            prefill.SM90_TUNING = defs
-            w, us, err = bp.ragged_case(rng, name, [s] * b, [s] * b, 128, causal=causal, backend="sm90")
-            print(f"fold  {name:22s} {what:14s} {us:9.1f} us {flops / us / 1e6:6.0f} TFLOP/s err {err:.1e}", flush=True)
-    prefill.SM90_TUNING = ()
+        compare("fold", name, flops_of(bp, b, s, causal),
+                [("not folded", tuning((("KVATTN_SM90_FOLD", 0),))), ("folded (default)", tuning(()))],
+                case(bp, rng, name, b, s, causal))
 
 
 def run_persist(bp, rng):
     for name, b, s, causal in SPLIT_CASES + [("paged causal b8_S2048", 8, 2048, True)]:
-        flops = (2 if causal else 4) * b * bp.HQ * s * s * bp.D
-        for on, what in ((False, "CTA per unit"), (True, "persistent")):
-            prefill.SM90_PERSISTENT = on
-            if name.startswith("paged"):
-                w, us, err = bp.paged_case(rng, [s] * b, [s] * b, 128, causal=causal, backend="sm90")
-            else:
-                w, us, err = bp.ragged_case(rng, name, [s] * b, [s] * b, 128, causal=causal, backend="sm90")
-            print(f"persist {name:22s} {what:14s} {us:9.1f} us {flops / us / 1e6:6.0f} TFLOP/s err {err:.1e}",
-                  flush=True)
-    prefill.SM90_PERSISTENT = True
+        compare("persist", name, flops_of(bp, b, s, causal),
+                [("CTA per unit", persistent(False)), ("persistent", persistent(True))],
+                case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 
 def run_prefetch(bp, rng):
-    cases = [("paged causal b1_S8192", 1, 8192), ("paged causal b8_S2048", 8, 2048), ("ragged causal b1_S8192", 1, 8192)]
-    for name, b, s in cases:
-        flops = 2 * b * bp.HQ * s * s * bp.D
-        for defs, what in (((("KVATTN_SM90_PREFETCH", 0),), "at each tile"), ((), "a tile ahead")):
-            prefill.SM90_TUNING = defs
-            if name.startswith("paged"):
-                w, us, err = bp.paged_case(rng, [s] * b, [s] * b, 128, causal=True, backend="sm90")
-            else:
-                w, us, err = bp.ragged_case(rng, name, [s] * b, [s] * b, 128, causal=True, backend="sm90")
-            print(f"prefetch {name:22s} {what:14s} {us:9.1f} us {flops / us / 1e6:6.0f} TFLOP/s err {err:.1e}",
-                  flush=True)
-    prefill.SM90_TUNING = ()
+    for name, b, s in [("paged causal b1_S8192", 1, 8192), ("paged causal b8_S2048", 8, 2048),
+                       ("ragged causal b1_S8192", 1, 8192)]:
+        compare("prefetch", name, flops_of(bp, b, s, True),
+                [("at each tile", tuning((("KVATTN_SM90_PREFETCH", 0),))), ("a tile ahead", tuning(()))],
+                case(bp, rng, name, b, s, True, paged=name.startswith("paged")))
 
 
 def run_d256(bp, rng):
