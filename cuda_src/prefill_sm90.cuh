@@ -254,39 +254,9 @@ struct PrefillSm90 {
         s[4 * nb + e] = x;
         mx[e >> 1] = fmaxf(mx[e >> 1], x);
       }
-    if constexpr (!V::kSoftmax) {   // weights, never rescaled: m is 0 once the warp saw a tile
+    float (&sb)[N / 8][4] = reinterpret_cast<float (&)[N / 8][4]>(s);   // the C layout's 8-column blocks
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float sum = 0.f;
-#pragma unroll
-        for (int nb = 0; nb < N / 8; ++nb)
-#pragma unroll
-          for (int e2 = 0; e2 < 2; ++e2) {
-            float& x = s[4 * nb + 2 * r + e2];
-            x = variant_prob<V>(p, x);
-            sum += x;
-          }
-        m[0][r] = 0.f;
-        l[0][r] += sum;
-        scale[r] = 1.f;
-      }
-      return;
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float base;
-      scale[r] = online_max(m[0][r], FOLD ? mx[r] * p.score_scale : mx[r], base);
-      float sum = 0.f;
-#pragma unroll
-      for (int nb = 0; nb < N / 8; ++nb)
-#pragma unroll
-        for (int e2 = 0; e2 < 2; ++e2) {
-          float& x = s[4 * nb + 2 * r + e2];
-          x = FOLD ? fast_exp2(fmaf(x, p.score_scale, -base)) : fast_exp2(x - base);
-          sum += x;
-        }
-      l[0][r] = l[0][r] * scale[r] + sum;
-    }
+    for (int r = 0; r < 2; ++r) scale[r] = Base::template row_probs<FOLD>(p, sb, r, mx[r], m[0][r], l[0][r]);
   }
 
   __device__ __forceinline__ static void softmax_tile(const PrefillParams& p, const Item& it, float (&s)[SN], int t0,
