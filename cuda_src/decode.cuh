@@ -362,33 +362,10 @@ struct DecodeKernel {
       unsigned pa[NB / 2][4];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        if constexpr (V::kSoftmax) {
-          float base;
-          const float scale = online_max(m[mt][r], mx[r], base);
-          float sum = 0.f;
-#pragma unroll
-          for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-            for (int e2 = 0; e2 < 2; ++e2) {
-              float& x = s[nb][2 * r + e2];
-              x = fast_exp2(x - base);
-              sum += x;
-            }
-          l[mt][r] = l[mt][r] * scale + sum;
+        const float scale = row_probs<V, false>(p, s, r, mx[r], m[mt][r], l[mt][r]);
+        if constexpr (V::kSoftmax) {   // (weights are never rescaled)
 #pragma unroll
           for (int dn = 0; dn < CHUNKS; ++dn) { o[mt][dn][2 * r] *= scale; o[mt][dn][2 * r + 1] *= scale; }
-        } else {   // weights, never rescaled: m is 0 once the warp saw a tile
-          float sum = 0.f;
-#pragma unroll
-          for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-            for (int e2 = 0; e2 < 2; ++e2) {
-              float& x = s[nb][2 * r + e2];
-              x = variant_prob<V>(p, x);
-              sum += x;
-            }
-          m[mt][r] = 0.f;
-          l[mt][r] += sum;
         }
       }
 #pragma unroll

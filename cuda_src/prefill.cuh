@@ -246,41 +246,6 @@ struct PrefillKernel {
       }
   }
 
-  // Row r's scores (elements 2r, 2r + 1 of each 8-column block of the C layout) -> in place, their weights (a
-  // non-softmax variant: m is 0 once the row saw a tile) or online-softmax probabilities against the row's running
-  // max m (mx: the tile's max; FOLD: of the raw scores, the score scale folded into the exponent, which needs the
-  // scale > 0 so max commutes with it); l updated. Returns the factor the row's output must be multiplied by.
-  template <bool FOLD, int N8>
-  __device__ __forceinline__ static float row_probs(const PrefillParams& p, float (&s)[N8][4], int r, float mx,
-                                                    float& m, float& l) {
-    float sum = 0.f;
-    if constexpr (!V::kSoftmax) {
-#pragma unroll
-      for (int nb = 0; nb < N8; ++nb)
-#pragma unroll
-        for (int e2 = 0; e2 < 2; ++e2) {
-          float& x = s[nb][2 * r + e2];
-          x = variant_prob<V>(p, x);
-          sum += x;
-        }
-      m = 0.f;
-      l += sum;
-      return 1.f;
-    }
-    float base;
-    const float scale = online_max(m, FOLD ? mx * p.score_scale : mx, base);
-#pragma unroll
-    for (int nb = 0; nb < N8; ++nb)
-#pragma unroll
-      for (int e2 = 0; e2 < 2; ++e2) {
-        float& x = s[nb][2 * r + e2];
-        x = FOLD ? fast_exp2(fmaf(x, p.score_scale, -base)) : fast_exp2(x - base);
-        sum += x;
-      }
-    l = l * scale + sum;
-    return scale;
-  }
-
   // Whether the tile of `tile` tokens starting at kv index t0 needs the masked path for some row of the item.
   __device__ __forceinline__ static bool needs_mask(const PrefillParams& p, const Item& it, int t0, int tile) {
     bool need = V::kCustomMask || t0 + tile > it.ke;
@@ -348,12 +313,12 @@ struct PrefillKernel {
           }
         if constexpr (!V::kSoftmax) {   // weights, never rescaled
 #pragma unroll
-          for (int r = 0; r < 2; ++r) row_probs<FOLD>(p, s[mt], r, mx[r], m[mt][r], l[mt][r]);
+          for (int r = 0; r < 2; ++r) row_probs<V, FOLD>(p, s[mt], r, mx[r], m[mt][r], l[mt][r]);
           continue;
         }
         float scale[2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) scale[r] = row_probs<FOLD>(p, s[mt], r, mx[r], m[mt][r], l[mt][r]);
+        for (int r = 0; r < 2; ++r) scale[r] = row_probs<V, FOLD>(p, s[mt], r, mx[r], m[mt][r], l[mt][r]);
         // Rescale the accumulators only when some row's running max moved (rare after the first tiles).
         if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) {
 #pragma unroll

@@ -161,6 +161,41 @@ template <class V, class P> __device__ __forceinline__ float variant_prob(const 
   return x == KVATTN_NEG_INF ? 0.f : V::prob(p, x);
 }
 
+// Row r's scores (elements 2r, 2r + 1 of each 8-column block of an mma C layout) -> in place, their weights (a
+// non-softmax variant: m is 0 once the row saw a tile) or online-softmax probabilities against the row's running
+// max m (mx: the tile's max; FOLD: of the raw scores, the score scale p.score_scale folded into the exponent,
+// which needs the scale > 0 so max commutes with it); l updated. Returns the factor the row's output must be
+// multiplied by (1 for weights). Decode and both prefill kernels.
+template <class V, bool FOLD, int N8, class P>
+__device__ __forceinline__ float row_probs(const P& p, float (&s)[N8][4], int r, float mx, float& m, float& l) {
+  float sum = 0.f;
+  if constexpr (!V::kSoftmax) {
+#pragma unroll
+    for (int nb = 0; nb < N8; ++nb)
+#pragma unroll
+      for (int e2 = 0; e2 < 2; ++e2) {
+        float& x = s[nb][2 * r + e2];
+        x = variant_prob<V>(p, x);
+        sum += x;
+      }
+    m = 0.f;
+    l += sum;
+    return 1.f;
+  }
+  float base;
+  const float scale = online_max(m, FOLD ? mx * p.score_scale : mx, base);
+#pragma unroll
+  for (int nb = 0; nb < N8; ++nb)
+#pragma unroll
+    for (int e2 = 0; e2 < 2; ++e2) {
+      float& x = s[nb][2 * r + e2];
+      x = FOLD ? fast_exp2(fmaf(x, p.score_scale, -base)) : fast_exp2(x - base);
+      sum += x;
+    }
+  l = l * scale + sum;
+  return scale;
+}
+
 // The mask traits every kernel reads.
 template <class V> struct VariantTraits {
   static constexpr bool kMasks = V::kKeep || V::kWindow || V::kCustomMask;
