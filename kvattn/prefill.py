@@ -106,11 +106,15 @@ def prefill_spec(head_dim: int, cta_rows: int, variant: Variant, dtype: str, kv_
                               (f"{traits}::THREADS", THREADS), (f"{traits}::ROWS", cta_rows)))
 
 
-def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None = None) -> KernelSpec:
-    """The wgmma kernel (backend "sm90") of prefill_sm90.cuh: 128-row query tiles, head_dim 64, 128 or 256."""
+def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None = None,
+              persistent: bool | None = None) -> KernelSpec:
+    """The wgmma kernel (backend "sm90") of prefill_sm90.cuh: 128-row query tiles, head_dim 64, 128 or 256;
+    persistent (None: sm90_persistent's choice) builds the persistent instance."""
     args = f"{head_dim}, {variant.prefill_type()}, {_dtypes.to_ctype(dtype)}{_kv_arg(dtype, kv_dtype)}"
     traits = f"kvattn::PrefillSm90<{args}>"
-    persist = (("KVATTN_SM90_PERSIST", 1),) if sm90_persistent(head_dim, variant, kv_dtype) else ()
+    if persistent is None:
+        persistent = sm90_persistent(head_dim, variant, kv_dtype)
+    persist = (("KVATTN_SM90_PERSIST", 1),) if persistent else ()
     return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{args}>", defines=SM90_TUNING + persist,
                       prelude=variant.prelude(),
                       checks=((f"{traits}::SMEM_BYTES", sm90_smem_bytes(head_dim)),
@@ -194,14 +198,15 @@ class LaunchConfig:
 def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, dtype: str,
                   kv_dtype: str | None = None) -> LaunchConfig:
     """backend "sm90" (the wgmma kernel) takes 128-row tiles of head_dim 64/128/256 on sm_90 GPUs; "auto" takes
-    it there unless its ptxas report shows spills (sm90_usable), else "sm80"."""
+    it there unless its ptxas report shows spills (sm90_choice), else "sm80"."""
     sm90_ok = cta_rows == 128 and head_dim in SM90_HEAD_DIMS and _driver.arch() == "sm_90a"
     if backend == "sm90" and not sm90_ok:
         raise ValueError(f"backend: 'sm90' needs an sm_90 GPU, head_dim in {SM90_HEAD_DIMS} and cta_rows 128 "
                          f"(got {_driver.arch()}, head_dim {head_dim}, cta_rows {cta_rows})")
-    if sm90_ok and sm90_usable(backend, head_dim, variant, dtype, kv_dtype):
-        return LaunchConfig("sm90", sm90_spec(head_dim, variant, dtype, kv_dtype), SM90_THREADS,
-                            sm90_smem_bytes(head_dim), 1, sm90_persistent(head_dim, variant, kv_dtype))
+    spec = sm90_choice(backend, head_dim, variant, dtype, kv_dtype) if sm90_ok else None
+    if spec is not None:
+        return LaunchConfig("sm90", spec, SM90_THREADS, sm90_smem_bytes(head_dim), 1,
+                            ("KVATTN_SM90_PERSIST", 1) in spec.defines)
     if head_dim == 256 and cta_rows == 128:
         raise ValueError("cta_rows: 128 with head_dim 256 needs the sm90 kernel (an sm_90 GPU, backend 'auto' or "
                          "'sm90', a variant that compiles there without spills); use 64")
@@ -211,14 +216,29 @@ def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, 
     return LaunchConfig("sm80", spec, THREADS, smem_bytes(head_dim, cta_rows, kv_dtype), occ)
 
 
-def sm90_usable(backend: str, head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None = None) -> bool:
-    """Whether a 128-row tile of this head dim and variant runs on the wgmma kernel: an sm_90 GPU, a head dim
-    it covers, backend "sm90", or "auto" and an instance without spills (at head_dim 256 the custom-mask, ALiBi,
-    RoPE and fp8 ones spill and go to the mma.sync kernel)."""
+def sm90_choice(backend: str, head_dim: int, variant: Variant, dtype: str,
+                kv_dtype: str | None = None) -> KernelSpec | None:
+    """The wgmma instance a 128-row tile of this head dim and variant runs on, or None (the mma.sync kernel): on an
+    sm_90 GPU and a head dim it covers, with backend "sm90" the persistent instance where sm90_persistent allows
+    it, else the one-unit one; with "auto" the first of those two that compiles without spills (a user variant
+    with a key transform may spill in the persistent one; at head_dim 256 the custom-mask, ALiBi, RoPE and fp8
+    instances spill and go to the mma.sync kernel)."""
     if backend == "sm80" or head_dim not in SM90_HEAD_DIMS or _driver.arch() != "sm_90a":
-        return False
-    kernel = get_kernel(sm90_spec(head_dim, variant, dtype, kv_dtype))
-    return backend == "sm90" or kernel.resources is None or kernel.resources.spill_stores == 0
+        return None
+    persistent = sm90_persistent(head_dim, variant, kv_dtype)
+    if backend == "sm90":
+        return sm90_spec(head_dim, variant, dtype, kv_dtype, persistent)
+    for p in ((True, False) if persistent else (False,)):
+        spec = sm90_spec(head_dim, variant, dtype, kv_dtype, p)
+        kernel = get_kernel(spec)
+        if kernel.resources is None or kernel.resources.spill_stores == 0:
+            return spec
+    return None
+
+
+def sm90_usable(backend: str, head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None = None) -> bool:
+    """Whether a 128-row tile of this head dim and variant runs on the wgmma kernel (sm90_choice)."""
+    return sm90_choice(backend, head_dim, variant, dtype, kv_dtype) is not None
 
 
 register("prefill", [prefill_spec(128, r, Variant(), "bfloat16") for r in (128, 64, 16)]

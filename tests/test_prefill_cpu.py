@@ -206,11 +206,17 @@ class _FakeKernel:
         self.resources = compiler.Resources(168, spills, spills, 0, 0)
 
 
-def _fake_launch_env(monkeypatch, arch="sm_90a", sm90_spills=0):
+def _fake_launch_env(monkeypatch, arch="sm_90a", sm90_spills=0, persistent_spills=None):
+    """persistent_spills: the persistent sm90 instances' spills (None: sm90_spills, as the one-unit ones)."""
     from kvattn import prefill
+
+    def spills(spec):
+        if "sm90" not in spec.header:
+            return 0
+        persistent = ("KVATTN_SM90_PERSIST", 1) in spec.defines
+        return persistent_spills if persistent and persistent_spills is not None else sm90_spills
     monkeypatch.setattr(prefill._driver, "arch", lambda: arch)
-    monkeypatch.setattr(prefill, "get_kernel",
-                        lambda spec: _FakeKernel(sm90_spills if "sm90" in spec.header else 0))
+    monkeypatch.setattr(prefill, "get_kernel", lambda spec: _FakeKernel(spills(spec)))
     return prefill
 
 
@@ -301,3 +307,17 @@ def test_persistent_sm90_instances_and_their_grid(monkeypatch, d, variant, kv_dt
     assert not cfg.persistent and prefill.launch_grid(cfg, 40, 8, 132) == (40, 8, 1)
     assert prefill.launch_grid(prefill.launch_config("sm80", d if d < 256 else 128, 64, Variant(), "bfloat16"),
                                40, 8, 132) == (40, 8, 1)
+
+
+@pytest.mark.parametrize("one_unit_spills, want", [(0, "sm90"), (40, "sm80")])
+def test_auto_falls_back_from_a_spilling_persistent_instance(monkeypatch, one_unit_spills, want):
+    """auto: where the persistent sm90 instance spills (a user variant's key transform may), the one-unit sm90
+    instance if it does not, else the mma.sync kernel; backend "sm90" takes the persistent one regardless."""
+    prefill = _fake_launch_env(monkeypatch, "sm_90a", one_unit_spills, persistent_spills=24)
+    cfg = prefill.launch_config("auto", 128, 128, Variant(), "bfloat16")
+    assert cfg.backend == want
+    if want == "sm90":
+        assert not cfg.persistent and ("KVATTN_SM90_PERSIST", 1) not in cfg.spec.defines
+        assert prefill.launch_grid(cfg, 40, 8, 132) == (40, 8, 1)
+    forced = prefill.launch_config("sm90", 128, 128, Variant(), "bfloat16")
+    assert forced.persistent and prefill.launch_grid(forced, 40, 8, 132) == (132, 1, 1)
