@@ -341,16 +341,16 @@ struct PrefillSm90 {
         fence_proxy_async();   // the stores (generic proxy) before the tensor cores' reads (async proxy)
         mbar_arrive(&full[st]);
       } else {
-      issue_kv(p, kvs + st * 2 * KV_ELEMS, off, it.kb + t * N, it.ke, kvh, pw, lane);
-      if constexpr (V::kQK) {   // announce the previous tile, transformed, while this one is in flight
-        cp_async_commit();
-        if (t > 0) {
-          cp_async_wait<1>();
-          transform_and_announce(p, it, qs, kvs, full, t - 1, g, qk_state);
+        issue_kv(p, kvs + st * 2 * KV_ELEMS, off, it.kb + t * N, it.ke, kvh, pw, lane);
+        if constexpr (V::kQK) {   // announce the previous tile, transformed, while this one is in flight
+          cp_async_commit();
+          if (t > 0) {
+            cp_async_wait<1>();
+            transform_and_announce(p, it, qs, kvs, full, t - 1, g, qk_state);
+          }
+        } else {
+          cp_async_mbar_arrive(&full[st]);
         }
-      } else {
-        cp_async_mbar_arrive(&full[st]);
-      }
       }
       if (t + 1 < ntiles) off = Base::tok_offset(p, it.pages, min(it.kb + (t + 1) * N + my_row, it.ke - 1));
     }
@@ -461,7 +461,7 @@ struct PrefillSm90 {
       mbar_init(qfree, 8);
     }
     __syncthreads();
-    const int items = plan_header(p.plan).num_items;   // a padded grid (graph mode) walks only the plan's
+    const int items = plan_header(p.plan).num_items;   // a padded grid (graph mode) walks only these
     if constexpr (!kPersist) {   // one CTA per unit: item blockIdx.x, KV head blockIdx.y
       if ((int)blockIdx.x >= items) return;
       if (threadIdx.x < PRODUCERS) {

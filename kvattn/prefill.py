@@ -82,11 +82,12 @@ def choose_cta_rows(packed_len: float, head_dim: int, wgmma: bool = False) -> in
 #: KVATTN_PF_QREGS); empty = the header's defaults. scripts/bench_prefill.py --sweep overrides it.
 TUNING: dict = {}
 #: KernelSpec defines of the sm90 kernel (timing experiments of scripts/ab_sm90.py); empty = the defaults.
+SM90_TUNING: tuple = ()
+#: The define that builds the persistent sm90 instance (sm90_persistent decides where).
+SM90_PERSIST_DEFINE = ("KVATTN_SM90_PERSIST", 1)
 #: Bytes after a custom mask the kernels may read (the sm90 kernel loads each row's bits of a tile as aligned 32-bit
 #: words, up to 20 bytes past the last mask byte; the bits read there belong to no kept pair).
 MASK_PAD = 32
-
-SM90_TUNING: tuple = ()
 
 
 def _kv_arg(dtype: str, kv_dtype: str | None) -> str:
@@ -114,8 +115,8 @@ def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None 
     traits = f"kvattn::PrefillSm90<{args}>"
     if persistent is None:
         persistent = sm90_persistent(head_dim, variant, kv_dtype)
-    persist = (("KVATTN_SM90_PERSIST", 1),) if persistent else ()
-    return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{args}>", defines=SM90_TUNING + persist,
+    return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{args}>",
+                      defines=SM90_TUNING + ((SM90_PERSIST_DEFINE,) if persistent else ()),
                       prelude=variant.prelude(),
                       checks=((f"{traits}::SMEM_BYTES", sm90_smem_bytes(head_dim)),
                               (f"{traits}::THREADS", SM90_THREADS), (f"{traits}::ROWS", 128)))
@@ -192,7 +193,11 @@ class LaunchConfig:
     threads: int
     smem: int
     ctas_per_sm: int
-    persistent: bool = False   # a persistent sm90 instance (launch_grid)
+
+    @property
+    def persistent(self) -> bool:
+        """A persistent sm90 instance (its grid: launch_grid)."""
+        return SM90_PERSIST_DEFINE in self.spec.defines
 
 
 def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, dtype: str,
@@ -205,8 +210,7 @@ def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, 
                          f"(got {_driver.arch()}, head_dim {head_dim}, cta_rows {cta_rows})")
     spec = sm90_choice(backend, head_dim, variant, dtype, kv_dtype) if sm90_ok else None
     if spec is not None:
-        return LaunchConfig("sm90", spec, SM90_THREADS, sm90_smem_bytes(head_dim), 1,
-                            ("KVATTN_SM90_PERSIST", 1) in spec.defines)
+        return LaunchConfig("sm90", spec, SM90_THREADS, sm90_smem_bytes(head_dim), 1)
     if head_dim == 256 and cta_rows == 128:
         raise ValueError("cta_rows: 128 with head_dim 256 needs the sm90 kernel (an sm_90 GPU, backend 'auto' or "
                          "'sm90', a variant that compiles there without spills); use 64")

@@ -154,26 +154,19 @@ def run_d256(bp, rng):
     print(f"d256  {label:22s} {'sm80 / 64 rows':14s} {us:9.1f} us {tf:6.0f} TFLOP/s err {err:.1e}", flush=True)
 
 
+EXPERIMENTS = {"split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold, "persist": run_persist,
+               "prefetch": run_prefetch}
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    for flag in ("compile", "split", "tanh", "d256", "fold", "persist", "prefetch"):
+    for flag in ("compile", *EXPERIMENTS):
         ap.add_argument(f"--{flag}", action="store_true")
     args = ap.parse_args()
     if args.compile:
         compile_all()
         sys.exit(0)
     import bench_prefill as bp  # noqa: E402
-    everything = not (args.split or args.tanh or args.d256 or args.fold or args.persist or args.prefetch)
+    chosen = [fn for name, fn in EXPERIMENTS.items() if getattr(args, name)] or list(EXPERIMENTS.values())
     rng = np.random.default_rng(0)
-    if args.split or everything:
-        run_split(bp, rng)
-    if args.tanh or everything:
-        run_tanh(bp, rng)
-    if args.d256 or everything:
-        run_d256(bp, rng)
-    if args.fold or everything:
-        run_fold(bp, rng)
-    if args.persist or everything:
-        run_persist(bp, rng)
-    if args.prefetch or everything:
-        run_prefetch(bp, rng)
+    for fn in chosen:
+        fn(bp, rng)
