@@ -55,9 +55,11 @@ template <typename T> struct Vec8;
 template <typename T> struct Raw8 {
   static constexpr int WORDS = sizeof(T) / 2;
   uint4 w[WORDS];
-  __device__ __forceinline__ void load(const T* p) {
+  // COHERENT: data written by other CTAs of the running kernel (read through L2, never the read-only path).
+  template <bool COHERENT = false> __device__ __forceinline__ void load(const T* p) {
 #pragma unroll
-    for (int i = 0; i < WORDS; ++i) w[i] = __ldg(reinterpret_cast<const uint4*>(p) + i);
+    for (int i = 0; i < WORDS; ++i)
+      w[i] = COHERENT ? __ldcg(reinterpret_cast<const uint4*>(p) + i) : __ldg(reinterpret_cast<const uint4*>(p) + i);
   }
   __device__ __forceinline__ void to_float(float (&f)[8]) const;
 };

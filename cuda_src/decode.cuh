@@ -15,6 +15,7 @@
 // scale, v_scale into the epilogue.
 #pragma once
 #include "fp8.cuh"
+#include "merge.cuh"
 #include "variant.cuh"
 #include "warp_merge.cuh"
 
@@ -48,6 +49,10 @@ struct DecodeParams {
   const float* k_scale_ptr;    // fp8 cache: per-KV-head scales [Hkv] (may be null), times k_scale / v_scale
   const float* v_scale_ptr;
   float k_scale, v_scale;
+  // Split-KV merged in this launch (null counters: the partial states go to the separate merge kernel):
+  int* counters;               // [merges, Hkv, z_split] arrivals, 0 between launches
+  const int* merge_of_req;     // [batch] the request's merge index, -1 when it is not merged
+  int off_merge_indptr, off_merge_req;
 };
 
 // T: the query and output element type; KV: the cache's (T, or fp8).
@@ -177,6 +182,7 @@ struct DecodeKernel {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int* chunk_indptr = p.plan + p.off_chunk_indptr;
     Cursor prod{chunk_indptr[c_index], chunk_indptr[c_index], chunk_indptr[c_index + 1], 0, 0, 0, 0};
+    if (p.counters && c_index == 0) write_empty_rows();
     if (prod.w >= prod.w_end) return;
     load_item(prod);
     Cursor cons = prod;
@@ -404,18 +410,69 @@ struct DecodeKernel {
           }
           const int head = head0 + mt * 16 + row;
           if (partial < 0) {
-            if constexpr (V::kOutput) {
-              const float f = V::output(p, head, lse);
-#pragma unroll
-              for (int e = 0; e < 8; ++e) acc[e] *= f;
-            }
-            Vec8<T>::store(static_cast<T*>(p.o) + c.req * p.o_stride_n + head * p.o_stride_h + ch * 8, acc);
-            if (p.lse && ch == 0) p.lse[c.req * p.lse_stride_n + head] = lse;
+            store_row(c.req, head, ch, acc, lse);
           } else {
             Vec8<float>::store(p.tmp_o + ((long long)partial * p.num_qo_heads + head) * D + ch * 8, acc);
             if (ch == 0) p.tmp_lse[(long long)partial * p.num_qo_heads + head] = lse;
           }
         }
+      }
+    }
+    if (partial >= 0 && p.counters) merge_if_last(c);
+  }
+
+  // Fused split-KV merge: the last CTA to write one of the request's partial states (for this KV head and z
+  // slice) merges all of them, in their fixed order (so the bits do not depend on which CTA came last), and
+  // writes o / lse. Every writer fences its stores before thread 0 arrives; the last one leaves the counter at 0.
+  __device__ void merge_if_last(const Cursor& c) const {
+    __shared__ int first_n[2];   // the request's first partial row and count, or count 0: not the last
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const int m = p.merge_of_req[c.req];
+      const int* mi = p.plan + p.off_merge_indptr;
+      const int first = mi[m], n = mi[m + 1] - first;
+      int* cnt = p.counters + ((long long)m * gridDim.y + h) * p.z_split + (blockIdx.x % p.z_split);
+      const bool last = atomicAdd(cnt, 1) == n - 1;
+      if (last) atomicExch(cnt, 0);
+      first_n[0] = first;
+      first_n[1] = last ? n : 0;
+    }
+    __syncthreads();
+    const int first = first_n[0], n = first_n[1];
+    if (n == 0) return;   // (every thread has read first_n before the next item's epilogue barrier)
+    __threadfence();
+    for (int i = threadIdx.x; i < nrows * CHUNKS; i += THREADS) {
+      const int head = head0 + i / CHUNKS, ch = i % CHUNKS;
+      float acc[8];
+      const long long row = (long long)p.num_qo_heads * D;
+      float lse = merge_state_run<true, 1>(p.tmp_o + ((long long)first * p.num_qo_heads + head) * D + ch * 8, row,
+                                        p.tmp_lse + (long long)first * p.num_qo_heads + head, p.num_qo_heads, n, acc);
+      store_row(c.req, head, ch, acc, lse);
+    }
+  }
+
+  // Output row req, head `head`, 8-column chunk ch of a finished state (the variant's output hook applied).
+  __device__ __forceinline__ void store_row(int req, int head, int ch, float (&acc)[8], float lse) const {
+    if constexpr (V::kOutput) {
+      const float f = V::output(p, head, lse);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] *= f;
+    }
+    Vec8<T>::store(static_cast<T*>(p.o) + req * p.o_stride_n + head * p.o_stride_h + ch * 8, acc);
+    if (p.lse && ch == 0) p.lse[req * p.lse_stride_n + head] = lse;
+  }
+
+  // Fused merges: the requests without KV (merges of no partial state) get o = 0, lse = -inf from chunk 0.
+  __device__ void write_empty_rows() const {
+    const int nm = plan_header(p.plan).num_merge;
+    const int* mi = p.plan + p.off_merge_indptr;
+    for (int m = threadIdx.x; m < nm; m += THREADS) {
+      if (mi[m + 1] != mi[m]) continue;
+      const int req = p.plan[p.off_merge_req + m];
+      for (int i = 0; i < nrows * CHUNKS; ++i) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        store_row(req, head0 + i / CHUNKS, i % CHUNKS, acc, KVATTN_NEG_INF);
       }
     }
   }

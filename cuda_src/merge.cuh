@@ -22,6 +22,55 @@ struct MergeParams {
   const float* variant_data;   // the attention variant's data, read by its output hook (V::kOutput)
 };
 
+// Merges the n states of 8 consecutive elements (state i: o + i * o_n, lse[i * l_n]) in index order into acc
+// (normalised) and returns their lse (-inf when every state is empty; acc is then 0). One pass, R states per
+// round with online rescaling: the lse and o loads of a round are issued together, so each round costs one memory
+// latency (a max-then-accumulate pass would cost two). COHERENT: the states were written by other CTAs of the
+// running kernel (decode's fused split-KV merge, which takes R = 1: fewer registers inside its mainloop).
+template <bool COHERENT, int R, typename TIn>
+__device__ __forceinline__ float merge_state_run(const TIn* o, long long o_n, const float* lse, long long l_n, int n,
+                                                 float (&acc)[8]) {
+  float mx = KVATTN_NEG_INF, sum = 0.f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+  for (int i0 = 0; i0 < n; i0 += R) {
+    Raw8<TIn> raw[R];
+    float l[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      const bool ok = i0 + j < n;
+      l[j] = ok ? (COHERENT ? __ldcg(lse + (i0 + j) * l_n) : lse[(i0 + j) * l_n]) : KVATTN_NEG_INF;
+      if (ok) raw[j].template load<COHERENT>(o + (i0 + j) * o_n);
+    }
+    float bm = l[0];
+    if constexpr (R == 4) bm = fmaxf(fmaxf(l[0], l[1]), fmaxf(l[2], l[3]));
+    if (bm == KVATTN_NEG_INF) continue;
+    const float m_new = fmaxf(mx, bm);
+    const float scale = mx == KVATTN_NEG_INF ? 0.f : fast_exp2((mx - m_new) * kLog2e);
+    sum *= scale;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[k] *= scale;
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      if (l[j] != KVATTN_NEG_INF) {   // an empty state's o is never read (it may be garbage)
+        const float w = fast_exp2((l[j] - m_new) * kLog2e);
+        float v[8];
+        raw[j].to_float(v);
+        sum += w;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] = fmaf(w, v[k], acc[k]);
+      }
+    }
+    mx = m_new;
+  }
+  if (mx != KVATTN_NEG_INF) {
+    const float inv = 1.f / sum;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[k] *= inv;
+  }
+  return mx == KVATTN_NEG_INF ? KVATTN_NEG_INF : mx + __logf(sum);
+}
+
 // One thread merges 8 consecutive elements of one (row, head); head_dim / 8 threads per (row, head).
 // V: the attention variant whose output hook finishes each merged row (VariantBase: none).
 template <typename TIn, typename TOut, class V = VariantBase>
@@ -47,47 +96,8 @@ __global__ void __launch_bounds__(256) merge_states_kernel(const __grid_constant
   const long long orow = p.out_rows ? p.out_rows[m] : m;
   const float* lse = p.lse_in + lbase + h * p.l_h;
   const TIn* o = static_cast<const TIn*>(p.o_in) + base + h * p.s_h + d;
-  // One pass, four states per round with online rescaling: the lse and o loads of a round are issued
-  // together, so each round costs one memory latency (a max-then-accumulate pass would cost two).
-  float mx = KVATTN_NEG_INF, sum = 0.f;
   float acc[8];
-#pragma unroll
-  for (int k = 0; k < 8; ++k) acc[k] = 0.f;
-  for (int i0 = 0; i0 < n; i0 += 4) {
-    Raw8<TIn> raw[4];
-    float l[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const bool ok = i0 + j < n;
-      l[j] = ok ? lse[(i0 + j) * p.l_n] : KVATTN_NEG_INF;
-      if (ok) raw[j].load(o + (i0 + j) * p.s_n);
-    }
-    const float bm = fmaxf(fmaxf(l[0], l[1]), fmaxf(l[2], l[3]));
-    if (bm == KVATTN_NEG_INF) continue;
-    const float m_new = fmaxf(mx, bm);
-    const float scale = mx == KVATTN_NEG_INF ? 0.f : fast_exp2((mx - m_new) * kLog2e);
-    sum *= scale;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) acc[k] *= scale;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if (l[j] != KVATTN_NEG_INF) {   // an empty state's o is never read (it may be garbage)
-        const float w = fast_exp2((l[j] - m_new) * kLog2e);
-        float v[8];
-        raw[j].to_float(v);
-        sum += w;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) acc[k] = fmaf(w, v[k], acc[k]);
-      }
-    }
-    mx = m_new;
-  }
-  if (mx != KVATTN_NEG_INF) {
-    const float inv = 1.f / sum;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) acc[k] *= inv;
-  }
-  float lse_row = mx == KVATTN_NEG_INF ? KVATTN_NEG_INF : mx + __logf(sum);
+  float lse_row = merge_state_run<false, 4>(o, p.s_n, lse, p.l_n, n, acc);
   if constexpr (V::kOutput) {
     const float f = V::output(p, h, lse_row);
 #pragma unroll

@@ -35,7 +35,12 @@ DECODE_PARAMS = np.dtype([
     ("num_qo_heads", "i4"), ("group_size", "i4"), ("page_size", "i4"), ("page_shift", "i4"), ("window_left", "i4"),
     ("z_split", "i4"), ("score_scale", "f4"), ("cap_log2", "f4"), ("variant_data", "u8"),
     ("k_scale_ptr", "u8"), ("v_scale_ptr", "u8"), ("k_scale", "f4"), ("v_scale", "f4"),
+    ("counters", "u8"), ("merge_of_req", "u8"), ("off_merge_indptr", "i4"), ("off_merge_req", "i4"),
 ], align=True)
+
+#: Split-KV partial states merged inside the decode launch (the last CTA of each request's pieces merges them;
+#: decode.cuh merge_if_last), so a plan is one launch; False: a separate merge kernel after it.
+FUSED_MERGE = True
 
 THREADS = 128
 LOG2E = 1.4426950408889634
@@ -184,7 +189,9 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         off_indptr = align4(plan_cap)
         off_indices = off_indptr + align4(cap_b + 1)
         off_last = off_indices + align4(max(cap_p, 1))
-        off_variant = off_last + align4(max(cap_b, 1))       # the variant's data (float32 words)
+        off_merge_of = off_last + align4(max(cap_b, 1))      # fused merge: request -> merge index
+        off_counters = off_merge_of + align4(max(cap_b, 1))  # fused merge: arrivals [merges <= cap_b, Hkv, z_split]
+        off_variant = off_counters + align4(max(cap_b * num_kv_heads * zsplit, 1))   # the variant's data (float32)
         vdata = variant.data(num_qo_heads, batch, cap_b, **vvals)
         total_i32 = off_variant + (align4(vdata.size) if vdata is not None else 0)
         host_bytes = self._stage(total_i32 * 4)
@@ -197,6 +204,11 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         host[off_indptr:off_indptr + batch + 1] = page_table.indptr
         host[off_indices:off_indices + nnz] = page_table.indices
         host[off_last:off_last + batch] = page_table.last_page_len
+        fused = FUSED_MERGE
+        if fused:   # zeros: the counters' state between launches (each launch leaves them at 0)
+            host[off_merge_of:off_variant] = 0
+            host[off_merge_of:off_merge_of + cap_b] = -1
+            host[off_merge_of + plan.merge_req] = np.arange(plan.num_merge, dtype=np.int32)
         if vdata is not None:
             host[off_variant:off_variant + vdata.size] = vdata.view(np.int32)
 
@@ -222,8 +234,10 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
               page_shift=page_size_shift(page_size),
               window_left=window_left, z_split=zsplit,
               score_scale=(scale / logits_soft_cap) if logits_soft_cap > 0 else scale * LOG2E,
-              cap_log2=logits_soft_cap * LOG2E, variant_data=variant_ptr, k_scale=1.0, v_scale=1.0)
-        merge_rows = L.max_merge if self.use_cuda_graph else plan.num_merge
+              cap_log2=logits_soft_cap * LOG2E, variant_data=variant_ptr, k_scale=1.0, v_scale=1.0,
+              counters=base + off_counters * 4 if fused else 0, merge_of_req=base + off_merge_of * 4,
+              off_merge_indptr=L.merge_indptr, off_merge_req=L.merge_req)
+        merge_rows = 0 if fused else L.max_merge if self.use_cuda_graph else plan.num_merge
         merge, mp = self._merge_launch(merge_rows, dev["tmp_o"], dev["tmp_lse"], base, L.merge_indptr, L.merge_req,
                                        num_qo_heads, head_dim, plan.num_merge, q_dtype, variant, variant_ptr)
         kernel = get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"], tn["refill_first"],

@@ -208,3 +208,30 @@ def test_deterministic_decode_is_batch_invariant():
         graph.replay(s)
         assert np.array_equal(og.numpy(s)[pos].view(np.uint16), o0[0].view(np.uint16)), f"graph {trial}"
         assert np.array_equal(lg.numpy(s)[pos].view(np.uint32), l0[0].view(np.uint32)), f"graph {trial}"
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("group, hkv", [(4, 2), (32, 1), (20, 2)])
+def test_split_kv_merge_in_the_launch_and_apart(monkeypatch, fused, group, hkv):
+    """Split requests merged by the last CTA of their pieces (decode.FUSED_MERGE) or by the separate merge kernel,
+    several z slices, empty requests between split ones: every run of the same plan (the arrival counters must be
+    back at 0 after each) against the reference, on a freshly poisoned output."""
+    from kvattn import decode
+    monkeypatch.setattr(decode, "FUSED_MERGE", fused)
+    rng = np.random.default_rng(group * 10 + hkv + fused)
+    lens = [20000, 0, 7, 9000, 0, 65, 30000]
+    hq, d = group * hkv, 128
+    pt, q, k, v = make_case(rng, lens, 16, hq, hkv, d, "bfloat16", "NHD")
+    w = kvattn.BatchDecodeWithPagedKVCache()
+    w.plan(pt, hq, hkv, d)
+    assert w.last_plan.info["schedule"].split
+    assert (w.last_plan.merge is None) == fused
+    ro, rl = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1, dtype=np.int32), pt, return_lse=True)
+    qd, kd, vd = kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v)
+    for _ in range(3):
+        out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
+        w.run(qd, kd, vd, out=out, lse=lse)
+        got = out.numpy()
+        for i, n in enumerate(lens):
+            assert (np.all(got[i] == 0) if n == 0 else rel_l2(got[i], ro[i]) <= TOL["bfloat16"][0]), f"request {i}"
+        assert_lse(lse.numpy(), rl, TOL["bfloat16"][1])
