@@ -418,14 +418,16 @@ struct DecodeKernel {
         }
       }
     }
-    if (partial >= 0 && p.counters) merge_if_last(c);
+    if (partial >= 0 && p.counters) merge_if_last(c, reinterpret_cast<int*>(stage));
   }
 
   // Fused split-KV merge: the last CTA to write one of the request's partial states (for this KV head and z
   // slice) merges all of them, in their fixed order (so the bits do not depend on which CTA came last), and
   // writes o / lse. Every writer fences its stores before thread 0 arrives; the last one leaves the counter at 0.
-  __device__ void merge_if_last(const Cursor& c) const {
-    __shared__ int first_n[2];   // the request's first partial row and count, or count 0: not the last
+  // first_n (the request's first partial row and count, or count 0: not the last) lives in the stage just merged,
+  // free until the next iteration's barrier: static shared memory would cost a CTA per SM (3 CTAs fill the SM's
+  // 228 KB exactly at head dim 128).
+  __device__ void merge_if_last(const Cursor& c, int* first_n) const {
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {

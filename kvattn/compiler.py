@@ -23,6 +23,14 @@ class Resources:
     def spills(self) -> int:
         return self.spill_stores + self.spill_loads
 
+    def ctas_per_sm(self, threads: int, dynamic_smem: int, limit: int = 16) -> int:
+        """CTAs of `threads` threads one SM holds (H100 / H200: 228 KB of shared memory, 1 KB reserved per CTA;
+        64K registers, allocated per warp in units of 256)."""
+        by_smem = (228 * 1024) // (dynamic_smem + self.static_smem + 1024)
+        per_warp = -(-(self.registers or 255) * 32 // 256) * 256
+        by_regs = 65536 // (-(-threads // 32) * per_warp)
+        return max(1, min(by_smem, by_regs, limit))
+
 
 @dataclasses.dataclass(frozen=True)
 class Compiled:

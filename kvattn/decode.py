@@ -17,6 +17,7 @@ import numpy as np
 from . import _dtypes, scheduler
 from .contract import align4, page_size_shift
 from ._attn_args import DTYPES, HEAD_DIMS, check_plan_args
+from .compiler import Resources
 from .formats import PageTable
 from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
 from ._binding import import_array
@@ -38,10 +39,6 @@ DECODE_PARAMS = np.dtype([
     ("counters", "u8"), ("merge_of_req", "u8"), ("off_merge_indptr", "i4"), ("off_merge_req", "i4"),
 ], align=True)
 
-#: Split-KV partial states merged inside the decode launch (the last CTA of each request's pieces merges them;
-#: decode.cuh merge_if_last), so a plan is one launch; False: a separate merge kernel after it.
-FUSED_MERGE = True
-
 THREADS = 128
 LOG2E = 1.4426950408889634
 DEFAULT_WORKSPACE = 128 << 20
@@ -51,8 +48,10 @@ DEFAULT_WORKSPACE = 128 << 20
 #: The split of deterministic mode, in tokens: a multiple of every cut granularity (16..64).
 DETERMINISTIC_SPLIT_TOKENS = 2048
 
+#: fused_merge: split-KV partial states merged inside the decode launch (the last CTA of each request's pieces
+#: merges them; decode.cuh merge_if_last), so a plan is one launch; False: a separate merge kernel after it.
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=1,
-                      refill_first=False)
+                      refill_first=False, fused_merge=True)
 
 
 def default_stages(head_dim: int, kv_dtype: str | None = None) -> int:
@@ -169,7 +168,10 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         zsplit = -(-group // (16 * mt))
         stages = tn["stages"] or default_stages(head_dim, kv_dtype)
         smem = smem_bytes(head_dim, mt, stages, kv_dtype)
-        ctas_per_sm = tn["ctas_per_sm"] or max(1, min(3, (228 * 1024) // (smem + 1024)))
+        kernel = get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"], tn["refill_first"],
+                                        kv_dtype))
+        # at most 3 (measured: BENCHMARKS.md); from the kernel's registers and static shared memory as compiled
+        ctas_per_sm = tn["ctas_per_sm"] or (kernel.resources or Resources()).ctas_per_sm(THREADS, smem, limit=3)
 
         # Host buffers: plan region then page table (indptr, indices, last_page_len), one copy.
         kv_lens = page_table.kv_lens
@@ -204,7 +206,7 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         host[off_indptr:off_indptr + batch + 1] = page_table.indptr
         host[off_indices:off_indices + nnz] = page_table.indices
         host[off_last:off_last + batch] = page_table.last_page_len
-        fused = FUSED_MERGE
+        fused = tn["fused_merge"]
         if fused:   # zeros: the counters' state between launches (each launch leaves them at 0)
             host[off_merge_of:off_variant] = 0
             host[off_merge_of:off_merge_of + cap_b] = -1
@@ -240,8 +242,6 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         merge_rows = 0 if fused else L.max_merge if self.use_cuda_graph else plan.num_merge
         merge, mp = self._merge_launch(merge_rows, dev["tmp_o"], dev["tmp_lse"], base, L.merge_indptr, L.merge_req,
                                        num_qo_heads, head_dim, plan.num_merge, q_dtype, variant, variant_ptr)
-        kernel = get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"], tn["refill_first"],
-                                        kv_dtype))
         grid = (plan.num_chunks * zsplit, num_kv_heads, 1)
         kv = PagedKV(self.kv_layout, page_size, num_kv_heads, head_dim, _dtypes.to_numpy(kv_dtype),
                      int(page_table.indices.max(initial=-1)) + 1)

@@ -33,6 +33,7 @@ import numpy as np
 from . import _driver, _dtypes, _validate as _v, scheduler, tma
 from ._attn_args import check_plan_args
 from ._binding import import_array
+from .compiler import Resources
 from .contract import HEADER_INT32, align4, page_size_shift, write_header
 from .decode import LOG2E, THREADS
 from .formats import PageTable, pack_mask
@@ -173,11 +174,6 @@ def launch_grid(cfg, items: int, num_kv_heads: int, num_sms: int) -> tuple[int, 
     return (min(items * num_kv_heads, num_sms), 1, 1)
 
 
-def ctas_per_sm(head_dim: int, cta_rows: int, registers: int | None, kv_dtype: str | None = None) -> int:
-    by_smem = (228 * 1024) // (smem_bytes(head_dim, cta_rows, kv_dtype) + 1024)
-    regs = registers or 255
-    by_regs = 65536 // (4 * (-(-regs * 32 // 256) * 256))
-    return max(1, min(by_smem, by_regs, 16))
 
 
 BACKENDS = ("auto", "sm80", "sm90")
@@ -216,8 +212,9 @@ def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, 
                          "'sm90', a variant that compiles there without spills); use 64")
     spec = prefill_spec(head_dim, cta_rows, variant, dtype, kv_dtype)
     kernel = get_kernel(spec)
-    occ = ctas_per_sm(head_dim, cta_rows, kernel.resources.registers if kernel.resources else None, kv_dtype)
-    return LaunchConfig("sm80", spec, THREADS, smem_bytes(head_dim, cta_rows, kv_dtype), occ)
+    smem = smem_bytes(head_dim, cta_rows, kv_dtype)
+    occ = (kernel.resources or Resources()).ctas_per_sm(THREADS, smem)
+    return LaunchConfig("sm80", spec, THREADS, smem, occ)
 
 
 def sm90_choice(backend: str, head_dim: int, variant: Variant, dtype: str,

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from _bench import kvattn, random_device, record, table, torch_time_us, try_flashinfer
+from _bench import kvattn, random_device, record, table, time_rounds, torch_time_us, try_flashinfer
 from kvattn import reference
 from kvattn.timing import copy_bandwidth_tbs, time_us
 
@@ -35,7 +35,7 @@ def extra_cases():
 
 TUNINGS = {"default": {}, "l2_256B": dict(l2_prefetch=True), "refill1st": dict(refill_first=True),
            "st3": dict(stages=3), "st3_refill1st": dict(stages=3, refill_first=True),
-           "st4_refill1st": dict(stages=4, refill_first=True)}
+           "st4_refill1st": dict(stages=4, refill_first=True), "merge_apart": dict(fused_merge=False)}
 
 
 def build(lens, cfg, rng):
@@ -80,9 +80,15 @@ def run_case(name, lens, cfg, rng, ceiling, torch, fi, jsonl, tunings=None):
     err = sample_error(rng, lens, pt, q, k, v, out, cfg)
     row = dict(case=name, us=round(us, 1), TBps=round(tbs, 2), frac=round(tbs / ceiling, 3), err=f"{err:.1e}",
                plan_us=round(plan_us), chunks=w.last_plan.info["grid"][0], merges=w.last_plan.info["schedule"].num_merge)
-    for tname, tuning in (tunings or {}).items():
-        tus, _, _, _ = time_kvattn(pt, q, k, v, cfg, tuning)
-        row[tname] = round(nbytes / tus / 1e6, 3)
+    if tunings:   # timed in turns (time_rounds): the clocks drift over a long sequence of timings
+        fns = {}
+        for tname, tuning in tunings.items():
+            tw = kvattn.BatchDecodeWithPagedKVCache(kv_layout=cfg["layout"], tuning=tuning)
+            tw.plan(pt, cfg["hq"], cfg["hkv"], cfg["d"], q_dtype=cfg["dtype"])
+            tout = kvattn.empty(q.shape, cfg["dtype"])
+            fns[tname] = lambda tw=tw, tout=tout: tw.run(q, k, v, out=tout)
+        for tname, tus in time_rounds(fns).items():
+            row[tname] = round(nbytes / tus / 1e6, 3)
     hq, hkv, d, dtype, page = cfg["hq"], cfg["hkv"], cfg["d"], cfg["dtype"], cfg["page"]
     if fi is not None and cfg["layout"] == "NHD":
         dt = torch.bfloat16 if dtype == "bfloat16" else torch.float16
@@ -111,6 +117,7 @@ def main():
     ap.add_argument("--only", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--tune", action="store_true", help="also time the tuning alternatives (TB/s columns)")
+    ap.add_argument("--tunings", default=None, help="with --tune: a comma-separated subset of " + ",".join(TUNINGS))
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     ceiling = copy_bandwidth_tbs()
@@ -127,13 +134,15 @@ def main():
         if args.only and args.only not in name:
             continue
         peer = fi if name in MAIN else None   # FlashInfer JIT-compiles a module per shape: main cases only
-        tunings = TUNINGS if args.tune and name in MAIN else None
+        tunings = None
+        if args.tune and name in MAIN:
+            tunings = {t: TUNINGS[t] for t in (args.tunings.split(",") if args.tunings else TUNINGS)}
         rows.append(run_case(name, lens, cfg, rng, ceiling, torch, peer, args.json, tunings))
     print(f"\ndecode, bf16 unless named, Hq 32 Hkv 8 D 128 page 16 unless named; copy ceiling {ceiling:.2f} TB/s")
     table(rows, ["case", "us", "TBps", "frac", "fi_cc", "fi_tc", "err", "chunks", "merges", "plan_us"])
     if args.tune:
         print("\ntuning alternatives, TB/s")
-        table(rows, ["case", "TBps", *TUNINGS])
+        table(rows, ["case", "TBps", *(args.tunings.split(",") if args.tunings else TUNINGS)])
 
 
 if __name__ == "__main__":

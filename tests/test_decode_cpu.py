@@ -70,3 +70,28 @@ def test_graph_mode_refuses_a_later_plan_that_changes_a_baked_value(change):
     name = list(change)[0]
     with pytest.raises(ValueError, match=f"in graph mode {name} is baked into the captured graph"):
         plan(**change)
+
+
+@pytest.mark.parametrize("head_dim,kv,expected", [(64, None, 3), (128, None, 3), (256, None, 1),
+                                                   (64, "float8_e4m3fn", 3), (128, "float8_e4m3fn", 3),
+                                                   (256, "float8_e4m3fn", 2)])
+def test_decode_instances_keep_their_ctas_per_sm(head_dim, expected, kv):
+    """The plan sizes its split for the CTAs an SM holds, from the compiled kernel's registers and static shared
+    memory: 3 at head dims 64 / 128 (3 x 76.8 KB of stages fill the 228 KB exactly at 128, so one static byte would
+    cost a third of the CTAs), 1 at 256 (2 with an fp8 cache)."""
+    from kvattn import decode
+    from kvattn.variants import Variant
+    spec = decode.decode_spec(head_dim, 1, Variant(), "bfloat16", kv_dtype=kv)
+    compiled, _ = spec.compile("sm_90a")
+    (res,) = compiled.resources.values()
+    assert res.static_smem == 0, res
+    assert res.ctas_per_sm(decode.THREADS, decode.smem_bytes(head_dim, 1, kv_dtype=kv), limit=3) == expected
+
+
+def test_resources_ctas_per_sm_counts_static_shared_memory_and_registers():
+    from kvattn.compiler import Resources
+    assert Resources(registers=160).ctas_per_sm(128, 76800) == 3
+    assert Resources(registers=160, static_smem=8).ctas_per_sm(128, 76800) == 2
+    assert Resources(registers=168).ctas_per_sm(128, 1024) == 3      # 4 warps x 168 x 32 registers
+    assert Resources(registers=128).ctas_per_sm(128, 1024) == 4
+    assert Resources(registers=32).ctas_per_sm(128, 0, limit=3) == 3
