@@ -1,10 +1,11 @@
 // Batch decode on a paged KV cache: tensor-core (mma.sync m16n8k16) split-KV kernel.
 //
 // CTA (chunk c = blockIdx.x / z_split, kv head h = blockIdx.y) walks the work items [chunk_indptr[c], chunk_indptr[c+1])
-// of the plan as ONE stream of 64-token KV tiles, so the cp.async pipeline keeps bytes in flight across item
-// boundaries. The rows of the MMA tile are the group's query heads (head-group fusion): heads
+// of the plan as ONE stream of KV tiles (4 x WTOK tokens), so the cp.async pipeline keeps bytes in flight across
+// item boundaries. The rows of the MMA tile are the group's query heads (head-group fusion): heads
 // [z * ROWS, +ROWS) of the group with z = blockIdx.x % z_split, so any group size works; the z slices of one
-// chunk are adjacent CTAs, so their common K/V is read from DRAM once and then hit in L2. Each of the 4 warps takes 16 tokens of every tile; their partial softmax states are merged
+// chunk are adjacent CTAs, so their common K/V is read from DRAM once and then hit in L2. Each of the 4 warps takes WTOK
+// tokens of every tile; their partial softmax states are merged
 // through shared memory at the end of each item. Scores live in the log2 domain; the LSE written is natural.
 //
 // An fp8 cache (KV = __nv_fp8_e4m3 / e5m2) lands in shared memory as fp8 (half the bytes of a stage) and is
@@ -21,6 +22,10 @@
 
 #ifndef KVATTN_REFILL_FIRST
 #define KVATTN_REFILL_FIRST 0
+#endif
+// Tokens per warp per tile: 0 = the rule below (kvattn.decode.warp_tokens mirrors it), else 16 or 32 (A/B builds).
+#ifndef KVATTN_DECODE_WTOK
+#define KVATTN_DECODE_WTOK 0
 #endif
 
 namespace kvattn {
@@ -63,9 +68,10 @@ struct DecodeKernel {
   using MT = typename MmaType<T, KV>::type;          // the tensor-core operand type
   static constexpr int WARPS = 4;
   static constexpr int THREADS = WARPS * 32;
-  // Tokens per warp per tile: 16, or 32 with an fp8 cache (the stage keeps 16-bit's bytes; twice the work per
-  // barrier, one softmax rescale per 32 tokens; measured 2026-12-01 in BENCHMARKS.md).
-  static constexpr int WTOK = kFp8 && D <= 128 ? 32 : 16;   // (head dim 256: a 128-token stage would not fit twice)
+  // Tokens per warp per tile: 16, or 32 where a 16-token stage would carry half of head dim 128's 32 KB: an fp8
+  // cache at head dims 64 / 128 and a 16-bit one at 64 (twice the work per barrier, one softmax rescale per 32
+  // tokens; measured 2026-12-01 in BENCHMARKS.md). (At 256 a 128-token stage would not fit twice.)
+  static constexpr int WTOK = KVATTN_DECODE_WTOK ? KVATTN_DECODE_WTOK : (kFp8 ? D <= 128 : D == 64) ? 32 : 16;
   static constexpr int NB = WTOK / 8;                // 8-token n-blocks of a warp's scores
   static constexpr int TILE = WARPS * WTOK;          // tokens per pipeline stage
   static constexpr int CHUNKS = D / 8;               // 8-column chunks of an output row
@@ -78,7 +84,8 @@ struct DecodeKernel {
   // padded to fit), or for an fp8 cache in two passes of D / 2 columns (m / l in their own region).
   static constexpr int MERGE_PHASES = kFp8 && WTOK == 16 ? 2 : 1;
   using Merge = WarpMerge<D / MERGE_PHASES, WARPS, V::kSoftmax, kFp8 ? 0 : 4>;
-  static constexpr int STAGE_BYTES = kFp8 ? 2 * KV_BYTES : Merge::BYTES;   // K, V (+ room for the epilogue)
+  static constexpr int STAGE_BYTES =   // K and V, or the merge's scratch (which is larger at 16 tokens per warp)
+      kFp8 || 2 * KV_BYTES > Merge::BYTES ? 2 * KV_BYTES : Merge::BYTES;
   static constexpr int Q_BYTES = ROWS * D * 2;       // one Q slot; STAGES slots, by item ordinal
   static constexpr int RS_OFFSET = STAGES * (STAGE_BYTES + Q_BYTES);   // fp8: per-slot row scales, merge m / l
   static constexpr int SMEM_BYTES = RS_OFFSET + (kFp8 ? STAGES * ROWS * 4 + Merge::ML_BYTES : 0);
@@ -252,11 +259,15 @@ struct DecodeKernel {
       const T* kt = reinterpret_cast<const T*>(ks);
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        unsigned a[4], b[4];
+        unsigned a[4];
         ldmatrix_x4(a, q_tile + swz<D>(mt * 16 + (j % 2) * 8 + lane % 8, 2 * kk + j / 2));
-        ldmatrix_x4(b, kt + swz<D>(tw + (j / 2) * 8 + lane % 8, 2 * kk + j % 2));
-        Mma<T>::run(s[0], a, b[0], b[1]);
-        Mma<T>::run(s[1], a, b[2], b[3]);
+#pragma unroll
+        for (int g2 = 0; g2 < NB / 2; ++g2) {   // 16 tokens each
+          unsigned b[4];
+          ldmatrix_x4(b, kt + swz<D>(tw + 16 * g2 + (j / 2) * 8 + lane % 8, 2 * kk + j % 2));
+          Mma<T>::run(s[2 * g2], a, b[0], b[1]);
+          Mma<T>::run(s[2 * g2 + 1], a, b[2], b[3]);
+        }
       }
     } else {
       // A K register from ldmatrix holds dims 4t..4t+3 of token g: the k16 step's logical k (2t, 2t+1) are dims
@@ -293,14 +304,16 @@ struct DecodeKernel {
                                              int lane, float (&o)[CHUNKS][4]) const {
     const int j = lane / 8;
     if constexpr (!kFp8) {
-      static_assert(NB == 2, "16-bit caches: 16 tokens per warp");
       const T* vt = reinterpret_cast<const T*>(vs);
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
-        unsigned b[4];
-        ldmatrix_x4_trans(b, vt + swz<D>(tw + (j % 2) * 8 + lane % 8, 2 * dp + j / 2));
-        Mma<T>::run(o[2 * dp], pa[0], b[0], b[1]);
-        Mma<T>::run(o[2 * dp + 1], pa[0], b[2], b[3]);
+#pragma unroll
+        for (int g2 = 0; g2 < NB / 2; ++g2) {   // 16 tokens each
+          unsigned b[4];
+          ldmatrix_x4_trans(b, vt + swz<D>(tw + 16 * g2 + (j % 2) * 8 + lane % 8, 2 * dp + j / 2));
+          Mma<T>::run(o[2 * dp], pa[g2], b[0], b[1]);
+          Mma<T>::run(o[2 * dp + 1], pa[g2], b[2], b[3]);
+        }
       }
     } else {
       // ldmatrix.trans of byte pairs gives tokens (2t, 2t+1) of dims (2g, 2g+1) of a 16-dim chunk: the even dims
@@ -330,8 +343,8 @@ struct DecodeKernel {
                                                const float (&sc)[M_TILES][2], float (&o)[M_TILES][CHUNKS][4],
                                                float (&m)[M_TILES][2], float (&l)[M_TILES][2]) const {
     const int tw = warp * WTOK;  // this warp's first token in the tile
-    if constexpr (V::kQK) {   // this warp's 16 key rows, at their kv positions (only this warp reads them)
-      transform_rows<V, D>(p, qk_state, reinterpret_cast<T*>(stage), tw, 16, lane, 32, c.req, true,
+    if constexpr (V::kQK) {   // this warp's WTOK key rows, at their kv positions (only this warp reads them)
+      transform_rows<V, D>(p, qk_state, reinterpret_cast<T*>(stage), tw, WTOK, lane, 32, c.req, true,
                            [&](int r) { return c.t0 + r; });
       __syncwarp();
     }
@@ -444,14 +457,40 @@ struct DecodeKernel {
     const int first = first_n[0], n = first_n[1];
     if (n == 0) return;   // (every thread has read first_n before the next item's epilogue barrier)
     __threadfence();
-    for (int i = threadIdx.x; i < nrows * CHUNKS; i += THREADS) {
-      const int head = head0 + i / CHUNKS, ch = i % CHUNKS;
+    // `split` adjacent lanes (a power of two, at most 8, so that at most two passes of the CTA's threads cover
+    // every (head, 8-column chunk)) merge consecutive runs of the n states of one (head, chunk) and combine them
+    // through shuffles in a fixed tree (the bits depend on n alone). A run is a chain of dependent L2 loads: the
+    // tail of the whole launch for a request split over every SM (b1_L65536: 49 states).
+    const int units = nrows * CHUNKS;
+    int split = 1;
+    while (split < 8 && units * split * 2 <= 2 * THREADS) split *= 2;
+    const long long row = (long long)p.num_qo_heads * D;
+    for (int i0 = 0; i0 < units * split; i0 += THREADS) {   // (a uniform trip count: whole warps shuffle)
+      const int i = i0 + threadIdx.x, u = min(i / split, units - 1), part = i % split;
+      const int head = head0 + u / CHUNKS, ch = u % CHUNKS;
+      const int b = part * n / split, e = i < units * split ? (part + 1) * n / split : b;
       float acc[8];
-      const long long row = (long long)p.num_qo_heads * D;
-      float lse = merge_state_run<true, 1>(p.tmp_o + ((long long)first * p.num_qo_heads + head) * D + ch * 8, row,
-                                        p.tmp_lse + (long long)first * p.num_qo_heads + head, p.num_qo_heads, n, acc);
-      store_row(c.req, head, ch, acc, lse);
+      float lse = merge_state_run<true, 1>(p.tmp_o + ((long long)(first + b) * p.num_qo_heads + head) * D + ch * 8,
+                                           row, p.tmp_lse + (long long)(first + b) * p.num_qo_heads + head,
+                                           p.num_qo_heads, e - b, acc);
+      for (int off = 1; off < split; off *= 2) combine_lanes(acc, lse, off);
+      if (part == 0 && i < units * split) store_row(c.req, head, ch, acc, lse);
     }
+  }
+
+  // Merge this lane's normalised state (acc, lse; lse -inf: empty) with lane ^ off's.
+  __device__ __forceinline__ static void combine_lanes(float (&acc)[8], float& lse, int off) {
+    const float other = __shfl_xor_sync(0xffffffffu, lse, off);
+    const float m = fmaxf(lse, other);
+    const float w1 = m == KVATTN_NEG_INF ? 0.f : fast_exp2((lse - m) * kLog2e);
+    const float w2 = m == KVATTN_NEG_INF ? 0.f : fast_exp2((other - m) * kLog2e);
+    const float inv = m == KVATTN_NEG_INF ? 0.f : 1.f / (w1 + w2);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float o2 = __shfl_xor_sync(0xffffffffu, acc[k], off);
+      acc[k] = (w1 * acc[k] + w2 * o2) * inv;
+    }
+    lse = m == KVATTN_NEG_INF ? KVATTN_NEG_INF : m + __logf(w1 + w2);
   }
 
   // Output row req, head `head`, 8-column chunk ch of a finished state (the variant's output hook applied).

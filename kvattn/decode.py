@@ -51,43 +51,57 @@ DETERMINISTIC_SPLIT_TOKENS = 2048
 #: fused_merge: split-KV partial states merged inside the decode launch (the last CTA of each request's pieces
 #: merges them; decode.cuh merge_if_last), so a plan is one launch; False: a separate merge kernel after it.
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=1,
-                      refill_first=False, fused_merge=True)
+                      refill_first=False, fused_merge=True, wtok=None)
 
 
-def default_stages(head_dim: int, kv_dtype: str | None = None) -> int:
-    """Measured on the H200 (BENCHMARKS.md): head_dim 128 is best with 2 stages and 3 CTAs per SM (+2..4% over
-    3 stages and 2 CTAs per SM on 4 of the 5 anchor cases); 64 with 3 stages (3 CTAs per SM); 256 fits one CTA
-    per SM either way, so 3 stages keep more bytes in flight. An fp8 cache's stages (128 tokens) have 16-bit's
-    bytes: the same choice, but at 256 (64-token stages) 2 stages fit 2 CTAs per SM (1.5x faster than 3)."""
-    if kv_dtype is not None and _dtypes.is_fp8(kv_dtype) and head_dim == 256:
-        return 2
-    return 2 if head_dim == 128 else 3
+def warp_tokens(head_dim: int, kv_dtype: str | None = None, forced: int | None = None) -> int:
+    """Tokens per warp per tile (mirrors DecodeKernel::WTOK): 32 where 16 would make a stage of half head dim
+    128's 32 KB (an fp8 cache at head dims 64 / 128, a 16-bit one at 64), else 16; `forced` (tuning) wins."""
+    if forced:
+        return forced
+    fp8 = kv_dtype is not None and _dtypes.is_fp8(kv_dtype)
+    return 32 if (head_dim <= 128 if fp8 else head_dim == 64) else 16
+
+
+def default_stages(head_dim: int, kv_dtype: str | None = None, wtok: int | None = None) -> int:
+    """Measured on the H200 (BENCHMARKS.md): a 32 KB stage (head_dim 128 at 16 tokens per warp) is best with 2
+    stages and 3 CTAs per SM (+2..4% over 3 stages and 2 CTAs per SM on 4 of the 5 anchor cases); 64 at 16 tokens
+    per warp with 3 stages (3 CTAs per SM); 256 fits one CTA per SM either way, so 3 stages keep more bytes in
+    flight. An fp8 cache's stages (128 tokens) have 16-bit's bytes: the same choice, but at 256 (64-token stages)
+    2 stages fit 2 CTAs per SM (1.5x faster than 3)."""
+    if kv_dtype is not None and _dtypes.is_fp8(kv_dtype):
+        return 2 if head_dim in (128, 256) else 3
+    return 2 if head_dim * warp_tokens(head_dim, kv_dtype, wtok) == 128 * 16 else 3
 
 
 def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: int | None = None,
-                l2_prefetch: bool = False, refill_first: bool = False, kv_dtype: str | None = None) -> KernelSpec:
+                l2_prefetch: bool = False, refill_first: bool = False, kv_dtype: str | None = None,
+                wtok: int | None = None) -> KernelSpec:
+    """wtok: tokens per warp per tile forced (16 or 32; None or the rule's value: warp_tokens' rule, no define)."""
     kv_dtype = kv_dtype or dtype
-    stages = stages or default_stages(head_dim, kv_dtype)
+    stages = stages or default_stages(head_dim, kv_dtype, wtok)
     args = (f"{head_dim}, {mt}, {stages}, {variant.decode_type()}, {_dtypes.to_ctype(dtype)}, "
             f"{_dtypes.to_ctype(kv_dtype)}")
     traits = f"kvattn::DecodeKernel<{args}>"
-    return KernelSpec("decode.cuh", f"kvattn::decode_kernel<{args}>",
-                      defines=(("KVATTN_L2_PREFETCH", int(l2_prefetch)), ("KVATTN_REFILL_FIRST", int(refill_first))),
-                      prelude=variant.prelude(),
-                      checks=((f"{traits}::SMEM_BYTES", smem_bytes(head_dim, mt, stages, kv_dtype)),
+    defines = (("KVATTN_L2_PREFETCH", int(l2_prefetch)), ("KVATTN_REFILL_FIRST", int(refill_first)))
+    if wtok and wtok != warp_tokens(head_dim, kv_dtype):
+        defines += (("KVATTN_DECODE_WTOK", int(wtok)),)
+    return KernelSpec("decode.cuh", f"kvattn::decode_kernel<{args}>", defines=defines, prelude=variant.prelude(),
+                      checks=((f"{traits}::SMEM_BYTES", smem_bytes(head_dim, mt, stages, kv_dtype, wtok)),
                               (f"{traits}::THREADS", THREADS)))
 
 
-def smem_bytes(head_dim: int, mt: int, stages: int | None = None, kv_dtype: str | None = None) -> int:
+def smem_bytes(head_dim: int, mt: int, stages: int | None = None, kv_dtype: str | None = None,
+               wtok: int | None = None) -> int:
     """Dynamic shared memory of decode_kernel (mirrors DecodeKernel::SMEM_BYTES; a static_assert checks it)."""
     fp8 = kv_dtype is not None and _dtypes.is_fp8(kv_dtype)
-    stages = stages or default_stages(head_dim, kv_dtype)
+    tile = 4 * warp_tokens(head_dim, kv_dtype, wtok)   # tokens per stage
+    stages = stages or default_stages(head_dim, kv_dtype, wtok)
     rows = 16 * mt
     merge_ml = 2 * 4 * 16 * 4                      # WarpMerge's m and l
-    if fp8:   # K, V fp8 tiles (128 tokens, 64 at head dim 256); Q slots; their row scales; m / l apart
-        tile = 128 if head_dim <= 128 else 64
+    if fp8:   # K, V fp8 tiles; Q slots; their row scales; m / l apart
         return stages * (2 * tile * head_dim + rows * head_dim * 2) + stages * rows * 4 + merge_ml
-    stage = 4 * 16 * (head_dim + 4) * 4 + merge_ml   # the merge's scratch (larger than K and V)
+    stage = max(4 * 16 * (head_dim + 4) * 4 + merge_ml, 2 * tile * head_dim * 2)   # the merge's scratch, or K + V
     return stages * (stage + rows * head_dim * 2)
 
 
@@ -166,10 +180,10 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         tn = self.tuning
         mt = tn["m_tiles"]                  # 16-row MMA tiles per CTA; larger groups are sliced over CTAs
         zsplit = -(-group // (16 * mt))
-        stages = tn["stages"] or default_stages(head_dim, kv_dtype)
-        smem = smem_bytes(head_dim, mt, stages, kv_dtype)
+        stages = tn["stages"] or default_stages(head_dim, kv_dtype, tn["wtok"])
+        smem = smem_bytes(head_dim, mt, stages, kv_dtype, tn["wtok"])
         kernel = get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"], tn["refill_first"],
-                                        kv_dtype))
+                                        kv_dtype, tn["wtok"]))
         # at most 3 (measured: BENCHMARKS.md); from the kernel's registers and static shared memory as compiled
         ctas_per_sm = tn["ctas_per_sm"] or (kernel.resources or Resources()).ctas_per_sm(THREADS, smem, limit=3)
 

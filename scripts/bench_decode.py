@@ -25,7 +25,7 @@ def extra_cases():
     base = dict(hq=32, hkv=8, d=128, dtype="bfloat16", layout="NHD", page=16)
     out = {}
     for name, over in [("D64", dict(d=64)), ("D256", dict(d=256)), ("GQA1", dict(hq=32, hkv=32)),
-                       ("GQA8", dict(hq=64, hkv=8)), ("GQA32", dict(hq=32, hkv=1)), ("fp16", dict(dtype="float16")),
+                       ("GQA8", dict(hq=64, hkv=8)), ("GQA32", dict(hq=32, hkv=1)), ("GQA16", dict(hq=64, hkv=4)), ("fp16", dict(dtype="float16")),
                        ("HND", dict(layout="HND")), ("page1", dict(page=1))]:
         out[f"b64_L4096_{name}"] = ([4096] * 64, {**base, **over})
     for b in (1, 8, 32, 128, 256, 512):
@@ -35,7 +35,8 @@ def extra_cases():
 
 TUNINGS = {"default": {}, "l2_256B": dict(l2_prefetch=True), "refill1st": dict(refill_first=True),
            "st3": dict(stages=3), "st3_refill1st": dict(stages=3, refill_first=True),
-           "st4_refill1st": dict(stages=4, refill_first=True), "merge_apart": dict(fused_merge=False)}
+           "st4_refill1st": dict(stages=4, refill_first=True), "merge_apart": dict(fused_merge=False),
+           "mt2": dict(m_tiles=2), "wtok16": dict(wtok=16)}
 
 
 def build(lens, cfg, rng):
@@ -114,7 +115,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--extra", action="store_true")
     ap.add_argument("--no-peers", action="store_true")
-    ap.add_argument("--only", default=None)
+    ap.add_argument("--only", default=None, help="comma-separated substrings of the case names to run")
+    ap.add_argument("--skip", default=None, help="comma-separated substrings of the case names to leave out")
     ap.add_argument("--json", default=None)
     ap.add_argument("--tune", action="store_true", help="also time the tuning alternatives (TB/s columns)")
     ap.add_argument("--tunings", default=None, help="with --tune: a comma-separated subset of " + ",".join(TUNINGS))
@@ -131,11 +133,13 @@ def main():
         cases.update(extra_cases())
     rows = []
     for name, (lens, cfg) in cases.items():
-        if args.only and args.only not in name:
+        if args.only and not any(o in name for o in args.only.split(",")):
+            continue
+        if args.skip and any(o in name for o in args.skip.split(",")):
             continue
         peer = fi if name in MAIN else None   # FlashInfer JIT-compiles a module per shape: main cases only
         tunings = None
-        if args.tune and name in MAIN:
+        if args.tune and (name in MAIN or args.tunings):
             tunings = {t: TUNINGS[t] for t in (args.tunings.split(",") if args.tunings else TUNINGS)}
         rows.append(run_case(name, lens, cfg, rng, ceiling, torch, peer, args.json, tunings))
     print(f"\ndecode, bf16 unless named, Hq 32 Hkv 8 D 128 page 16 unless named; copy ceiling {ceiling:.2f} TB/s")
