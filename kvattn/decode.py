@@ -6,7 +6,9 @@
 
 plan() schedules with kvattn.scheduler.plan_decode, packs the work lists AND the page table into one
 pinned host buffer and issues one host-to-device copy into a fixed workspace region. run() launches the
-split-KV kernel and, when the plan split a request, the merge kernel over the partial states.
+split-KV kernel and, when the plan split a request, the merge kernel over the partial states; with tuning
+fused_merge=True, one launch: the last CTA to write one of a request's partial states (an arrival counter per
+merge, KV head and z slice in the plan buffer, left at 0 by every launch) merges them in their fixed order.
 """
 from __future__ import annotations
 
@@ -49,9 +51,12 @@ DEFAULT_WORKSPACE = 128 << 20
 DETERMINISTIC_SPLIT_TOKENS = 2048
 
 #: fused_merge: split-KV partial states merged inside the decode launch (the last CTA of each request's pieces
-#: merges them; decode.cuh merge_if_last), so a plan is one launch; False: a separate merge kernel after it.
+#: merges them; decode.cuh merge_if_last), so a plan is one launch. Off by default: on the H200 (run 17b,
+#: BENCHMARKS.md) the merge kernel after the decode launch was 0.5-3.6% faster in GPU time on every case timed
+#: back to back (the fused merge runs at the launch's tail, and every split item pays a release fence); one
+#: launch saves only host time (~4-10 us), which a CUDA graph removes anyway.
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=1,
-                      refill_first=False, fused_merge=True, wtok=None)
+                      refill_first=False, fused_merge=False, wtok=None)
 
 
 def warp_tokens(head_dim: int, kv_dtype: str | None = None, forced: int | None = None) -> int:

@@ -213,8 +213,8 @@ def test_deterministic_decode_is_batch_invariant():
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("group, hkv", [(4, 2), (32, 1), (20, 2)])
 def test_split_kv_merge_in_the_launch_and_apart(fused, group, hkv):
-    """Split requests merged by the last CTA of their pieces (tuning fused_merge, the default) or by the separate
-    merge kernel, several z slices, empty requests between split ones: every run of the same plan (the arrival
+    """Split requests merged by the last CTA of their pieces (tuning fused_merge) or by the separate merge kernel
+    (the default), several z slices, empty requests between split ones: every run of the same plan (the arrival
     counters must be back at 0 after each) against the reference, on a freshly poisoned output."""
     rng = np.random.default_rng(group * 10 + hkv + fused)
     lens = [20000, 0, 7, 9000, 0, 65, 30000]
