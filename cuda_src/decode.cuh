@@ -344,8 +344,7 @@ struct DecodeKernel {
                                                float (&m)[M_TILES][2], float (&l)[M_TILES][2]) const {
     const int tw = warp * WTOK;  // this warp's first token in the tile
     if constexpr (V::kQK) {   // this warp's WTOK key rows, at their kv positions (only this warp reads them)
-      transform_rows<V, D>(p, qk_state, reinterpret_cast<T*>(stage), tw, WTOK, lane, 32, c.req, true,
-                           [&](int r) { return c.t0 + r; });
+      transform_key_rows<V, D, WTOK>(p, qk_state, reinterpret_cast<T*>(stage), tw, lane, c.t0, c.req);
       __syncwarp();
     }
 #pragma unroll

@@ -53,6 +53,7 @@ struct VariantBase {
   static constexpr bool kSoftmax = true;
   static constexpr bool kOutput = false;
   static constexpr bool kQK = false;
+  static constexpr int kRope = 0;   // built-in RoPE (1 NeoX, 2 GPT-J): key tiles rotate by rope_key_run
   template <class P> __device__ __forceinline__ static float logits(const P&, float x) { return x; }
   struct QKState {};
   template <int D, class P> __device__ __forceinline__ static QKState qk_init(const P&, int /*d0*/) { return {}; }
@@ -117,6 +118,79 @@ __device__ __forceinline__ void rope_rotate(float (&lo)[8], float (&hi)[8], cons
     const float x = a, y = b;
     a = x * cs - y * sn;
     b = y * cs + x * sn;
+  }
+}
+
+template <typename T> __device__ __forceinline__ float2 unpack2(unsigned w);
+template <> __device__ __forceinline__ float2 unpack2<half>(unsigned w) {
+  return __half22float2(*reinterpret_cast<const half2*>(&w));
+}
+template <> __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(unsigned w) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+}
+
+// RoPE of the key rows [r0, r0 + N) of a [rows][D] tile (swizzle: swz<D>) at positions pos0 + r, by one warp:
+// each lane takes 4 pairs (NeoX: dims 4q..4q+3 and their + D/2 partners; GPT-J: the 8 dims of chunk q) of the
+// rows r0 + lane / (D / 8) + k * RP. Only its first row's angles take sine / cosine; each next row's come from
+// the previous by one rotation through the step angle RP * rcp_scale * freq (4 pairs: 8 sine / cosine per row
+// set instead of 8 per row and pair group; the fast sine and cosine were 4x the key rotation's cost). The angles
+// are the per-row path's (rope_rotate) to ~1e-6 after 15 steps. rd: RoPE's variant data (log2 theta,
+// 1 / scale, the per-request offsets).
+template <bool INTERLEAVE, int D, int N, typename T>
+__device__ __forceinline__ void rope_key_run(T* tile, int r0, int lane, const float* rd, int pos0, int req) {
+  constexpr int LPR = D / 8;       // lanes per row
+  constexpr int RP = 32 / LPR;     // rows in flight per warp
+  static_assert(N % RP == 0, "whole row sets");
+  const int q = lane % LPR, rfirst = r0 + lane / LPR;
+  const float log2_theta = __ldg(rd), rcp = __ldg(rd + 1);
+  const float p_first = (float)(pos0 + rfirst + __float_as_int(__ldg(rd + 2 + req))) * rcp;
+  const float p_step = (float)RP * rcp;
+  float cs[4], sn[4], cd[4], sd[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float inv = exp2f(-(float)(4 * q + e) * (2.f / D) * log2_theta);   // pair 4q + e
+    rope_sincos(p_first * inv, sn[e], cs[e]);
+    rope_sincos(p_step * inv, sd[e], cd[e]);
+  }
+#pragma unroll   // (unrolled: every row's shared-memory loads issue together, not one row's latency at a time)
+  for (int k = 0; k < N / RP; ++k) {
+    const int r = rfirst + k * RP;
+    unsigned* a;   // NeoX: dims 4q.. (2 words) and 4q + D/2.. (2 words); GPT-J: the pairs of chunk q (4 words)
+    unsigned* b;
+    if (INTERLEAVE) {
+      a = b = reinterpret_cast<unsigned*>(tile + swz<D>(r, q));
+    } else {
+      a = reinterpret_cast<unsigned*>(tile + swz<D>(r, q / 2) + 4 * (q % 2));
+      b = reinterpret_cast<unsigned*>(tile + swz<D>(r, D / 16 + q / 2) + 4 * (q % 2));
+    }
+    float x[4], y[4];   // pair e: (x, y) -> (x cos - y sin, y cos + x sin)
+    if (INTERLEAVE) {
+      const uint4 w = *reinterpret_cast<const uint4*>(a);
+      const unsigned ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) { const float2 f = unpack2<T>(ws[e]); x[e] = f.x; y[e] = f.y; }
+    } else {
+      const uint2 wa = *reinterpret_cast<const uint2*>(a), wb = *reinterpret_cast<const uint2*>(b);
+      const float2 a0 = unpack2<T>(wa.x), a1 = unpack2<T>(wa.y), b0 = unpack2<T>(wb.x), b1 = unpack2<T>(wb.y);
+      x[0] = a0.x; x[1] = a0.y; x[2] = a1.x; x[3] = a1.y;
+      y[0] = b0.x; y[1] = b0.y; y[2] = b1.x; y[3] = b1.y;
+    }
+    float u[4], v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      u[e] = x[e] * cs[e] - y[e] * sn[e];
+      v[e] = y[e] * cs[e] + x[e] * sn[e];
+      const float c2 = cs[e] * cd[e] - sn[e] * sd[e];   // the next row's angle
+      sn[e] = sn[e] * cd[e] + cs[e] * sd[e];
+      cs[e] = c2;
+    }
+    if (INTERLEAVE) {
+      *reinterpret_cast<uint4*>(a) = make_uint4(Mma<T>::pack(u[0], v[0]), Mma<T>::pack(u[1], v[1]),
+                                                Mma<T>::pack(u[2], v[2]), Mma<T>::pack(u[3], v[3]));
+    } else {
+      *reinterpret_cast<uint2*>(a) = make_uint2(Mma<T>::pack(u[0], u[1]), Mma<T>::pack(u[2], u[3]));
+      *reinterpret_cast<uint2*>(b) = make_uint2(Mma<T>::pack(v[0], v[1]), Mma<T>::pack(v[2], v[3]));
+    }
   }
 }
 
@@ -237,6 +311,7 @@ struct Builtin : VariantBase {
   static constexpr bool kCustomMask = CUSTOM;
   static constexpr bool kOutput = SINK;
   static constexpr bool kQK = ROPE != 0;
+  static constexpr int kRope = ROPE;
 
   template <class P> __device__ __forceinline__ static float logits(const P& p, float x) {
     if (SOFT_CAP) x = p.cap_log2 * softcap_tanh(x);
@@ -276,5 +351,17 @@ struct Builtin : VariantBase {
     return f;
   }
 };
+
+// One warp's N key rows [r0, r0 + N) of a [rows][D] tile at positions pos0 + r, lane of 32: built-in RoPE through
+// rope_key_run, any other key transform row by row (transform_rows).
+template <class V, int D, int N, typename T, class P>
+__device__ __forceinline__ void transform_key_rows(const P& p, const typename V::QKState& st, T* tile, int r0,
+                                                   int lane, int pos0, int req) {
+  if constexpr (V::kRope != 0) {
+    rope_key_run<V::kRope == 2, D, N>(tile, r0, lane, V::rope_data(p), pos0, req);
+  } else {
+    transform_rows<V, D>(p, st, tile, r0, N, lane, 32, req, true, [&](int r) { return pos0 + r; });
+  }
+}
 
 }  // namespace kvattn

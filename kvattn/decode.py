@@ -6,9 +6,10 @@
 
 plan() schedules with kvattn.scheduler.plan_decode, packs the work lists AND the page table into one
 pinned host buffer and issues one host-to-device copy into a fixed workspace region. run() launches the
-split-KV kernel and, when the plan split a request, the merge kernel over the partial states; with tuning
-fused_merge=True, one launch: the last CTA to write one of a request's partial states (an arrival counter per
-merge, KV head and z slice in the plan buffer, left at 0 by every launch) merges them in their fixed order.
+split-KV kernel and, when the plan split a request, the merge kernel over the partial states; where the grid has
+fewer CTAs than the GPU has SMs (tuning fused_merge), one launch: the last CTA to write one of a request's
+partial states (an arrival counter per merge, KV head and z slice in the plan buffer, left at 0 by every
+launch) merges them in their fixed order.
 """
 from __future__ import annotations
 
@@ -51,12 +52,14 @@ DEFAULT_WORKSPACE = 128 << 20
 DETERMINISTIC_SPLIT_TOKENS = 2048
 
 #: fused_merge: split-KV partial states merged inside the decode launch (the last CTA of each request's pieces
-#: merges them; decode.cuh merge_if_last), so a plan is one launch. Off by default: on the H200 (run 17b,
-#: BENCHMARKS.md) the merge kernel after the decode launch was 0.5-3.6% faster in GPU time on every case timed
-#: back to back (the fused merge runs at the launch's tail, and every split item pays a release fence); one
-#: launch saves only host time (~4-10 us), which a CUDA graph removes anyway.
+#: merges them; decode.cuh merge_if_last), so a plan is one launch. None (auto): only where the grid has fewer
+#: CTAs than the GPU has SMs, and never in deterministic mode (the two merges' bits differ). Measured on the
+#: H200 (runs 17b / 17c, BENCHMARKS.md): with a full grid the merge kernel after the decode launch was 0.5-5.6%
+#: faster in GPU time (the fused merge runs at the launch's tail and every split item pays a release fence);
+#: with a part-filled grid (b1_L2048: 104 CTAs) the call is latency- and host-bound and one launch was 15%
+#: faster (16.7 against 19.7 us).
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=1,
-                      refill_first=False, fused_merge=False, wtok=None)
+                      refill_first=False, fused_merge=None, wtok=None)
 
 
 def warp_tokens(head_dim: int, kv_dtype: str | None = None, forced: int | None = None) -> int:
@@ -226,6 +229,9 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         host[off_indices:off_indices + nnz] = page_table.indices
         host[off_last:off_last + batch] = page_table.last_page_len
         fused = tn["fused_merge"]
+        if fused is None:   # (graph mode: the grid is the layout's, so the choice holds for every later plan;
+            # deterministic mode: one merge for every batch, since the two merges' bits differ)
+            fused = not self.deterministic and plan.num_chunks * zsplit * num_kv_heads < num_sms
         if fused:   # zeros: the counters' state between launches (each launch leaves them at 0)
             host[off_merge_of:off_variant] = 0
             host[off_merge_of:off_merge_of + cap_b] = -1

@@ -233,3 +233,21 @@ def test_split_kv_merge_in_the_launch_and_apart(fused, group, hkv):
         for i, n in enumerate(lens):
             assert (np.all(got[i] == 0) if n == 0 else rel_l2(got[i], ro[i]) <= TOL["bfloat16"][0]), f"request {i}"
         assert_lse(lse.numpy(), rl, TOL["bfloat16"][1])
+
+
+def test_merge_fused_only_where_the_grid_leaves_sms_idle():
+    """tuning fused_merge=None: one launch where the grid has fewer CTAs than the GPU has SMs (a latency-bound call),
+    the merge kernel after it on a full grid (faster there in GPU time); both outputs against the reference."""
+    rng = np.random.default_rng(7)
+    for lens, fused in (([2048], True), ([4096] * 16, False)):
+        pt, q, k, v = make_case(rng, lens, 16, 32, 8, 128, "bfloat16", "NHD")
+        w = kvattn.BatchDecodeWithPagedKVCache()
+        w.plan(pt, 32, 8, 128)
+        grid = w.last_plan.info["grid"]
+        assert w.last_plan.info["schedule"].split
+        assert (grid[0] * grid[1] < w.num_sms) == fused and (w.last_plan.merge is None) == fused, (lens, grid)
+        out = poisoned(q.shape, "bfloat16")
+        w.run(kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v), out=out)
+        ro = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1, dtype=np.int32), pt)
+        got = out.numpy()
+        assert max(rel_l2(got[i], ro[i]) for i in range(len(lens))) <= TOL["bfloat16"][0]
