@@ -54,10 +54,10 @@ DETERMINISTIC_SPLIT_TOKENS = 2048
 #: fused_merge: split-KV partial states merged inside the decode launch (the last CTA of each request's pieces
 #: merges them; decode.cuh merge_if_last), so a plan is one launch. None (auto): only where the grid has fewer
 #: CTAs than the GPU has SMs, and never in deterministic mode (the two merges' bits differ). Measured on the
-#: H200 (runs 17b / 17c, BENCHMARKS.md): with a full grid the merge kernel after the decode launch was 0.5-5.6%
-#: faster in GPU time (the fused merge runs at the launch's tail and every split item pays a release fence);
-#: with a part-filled grid (b1_L2048: 104 CTAs) the call is latency- and host-bound and one launch was 15%
-#: faster (16.7 against 19.7 us).
+#: H200 (runs 17b / 17c, BENCHMARKS.md): with a full grid the merge kernel after the decode launch was as fast or
+#: faster in GPU time on 10 of 12 cases (up to 5.9%: the fused merge runs at the launch's tail and every split
+#: item pays a release fence; page size 1 and GQA 8 were 2.4% / 0.3% faster fused); with a part-filled grid
+#: (b1_L2048: 104 CTAs) one launch was 15% faster on a slow host (16.7 against 19.7 us) and 3% slower on a fast one.
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=1,
                       refill_first=False, fused_merge=None, wtok=None)
 
