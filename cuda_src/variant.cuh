@@ -132,10 +132,10 @@ template <> __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(unsigned w)
 // RoPE of the key rows [r0, r0 + N) of a [rows][D] tile (swizzle: swz<D>) at positions pos0 + r, by one warp:
 // each lane takes 4 pairs (NeoX: dims 4q..4q+3 and their + D/2 partners; GPT-J: the 8 dims of chunk q) of the
 // rows r0 + lane / (D / 8) + k * RP. Only its first row's angles take sine / cosine; each next row's come from
-// the previous by one rotation through the step angle RP * rcp_scale * freq (4 pairs: 8 sine / cosine per row
-// set instead of 8 per row and pair group; the fast sine and cosine were 4x the key rotation's cost). The angles
-// are the per-row path's (rope_rotate) to ~1e-6 after 15 steps. rd: RoPE's variant data (log2 theta,
-// 1 / scale, the per-request offsets).
+// the previous by one rotation through the step angle RP * rcp_scale * freq (8 sine / cosine per lane and tile
+// instead of 32), and the rows are unrolled so that their shared-memory loads issue together (that, more than
+// the sines, is what made it faster: BENCHMARKS.md). The angles stay within the per-row path's (rope_rotate) own
+// fp32 error. rd: RoPE's variant data (log2 theta, 1 / scale, the per-request offsets).
 template <bool INTERLEAVE, int D, int N, typename T>
 __device__ __forceinline__ void rope_key_run(T* tile, int r0, int lane, const float* rd, int pos0, int req) {
   constexpr int LPR = D / 8;       // lanes per row
