@@ -462,7 +462,7 @@ struct DecodeKernel {
     // tail of the whole launch for a request split over every SM (b1_L65536: 49 states).
     const int units = nrows * CHUNKS;
     int split = 1;
-    while (split < 8 && units * split * 2 <= 2 * THREADS) split *= 2;
+    while (split < 8 && units * split <= THREADS) split *= 2;
     const long long row = (long long)p.num_qo_heads * D;
     for (int i0 = 0; i0 < units * split; i0 += THREADS) {   // (a uniform trip count: whole warps shuffle)
       const int i = i0 + threadIdx.x, u = min(i / split, units - 1), part = i % split;

@@ -30,6 +30,7 @@ struct MergeParams {
 template <bool COHERENT, int R, typename TIn>
 __device__ __forceinline__ float merge_state_run(const TIn* o, long long o_n, const float* lse, long long l_n, int n,
                                                  float (&acc)[8]) {
+  static_assert(R == 1 || R == 4, "a round's maximum below is written for 1 or 4 states");
   float mx = KVATTN_NEG_INF, sum = 0.f;
 #pragma unroll
   for (int k = 0; k < 8; ++k) acc[k] = 0.f;

@@ -96,14 +96,18 @@ __device__ __forceinline__ void rope_sincos(float angle, float& s, float& c) {
   __sincosf(r, &s, &c);
 }
 
-// The inverse frequencies theta^(-2 i / D) of the 8 pairs the dims [d0, d0 + 8) and [d0 + D/2, +8) hold.
+// The inverse frequency theta^(-2 i / D) of pair i.
+template <int D> __device__ __forceinline__ float rope_freq(int i, float log2_theta) {
+  return exp2f(-(float)i * (2.f / D) * log2_theta);
+}
+
+// The inverse frequencies of the 8 pairs the dims [d0, d0 + 8) and [d0 + D/2, +8) hold.
 template <bool INTERLEAVE, int D>
 __device__ __forceinline__ void rope_inv_freq(float (&inv)[8], int d0, float log2_theta) {
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
     // NeoX: pair d0 + e; interleaved: pairs (d0 + 2e') / 2 of lo (e < 4), then of hi
-    const int i = INTERLEAVE ? (d0 + (e < 4 ? 0 : D / 2) + 2 * (e & 3)) / 2 : d0 + e;
-    inv[e] = exp2f(-(float)i * (2.f / D) * log2_theta);
+    inv[e] = rope_freq<D>(INTERLEAVE ? (d0 + (e < 4 ? 0 : D / 2) + 2 * (e & 3)) / 2 : d0 + e, log2_theta);
   }
 }
 
@@ -148,7 +152,7 @@ __device__ __forceinline__ void rope_key_run(T* tile, int r0, int lane, const fl
   float cs[4], sn[4], cd[4], sd[4];
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const float inv = exp2f(-(float)(4 * q + e) * (2.f / D) * log2_theta);   // pair 4q + e
+    const float inv = rope_freq<D>(4 * q + e, log2_theta);
     rope_sincos(p_first * inv, sn[e], cs[e]);
     rope_sincos(p_step * inv, sd[e], cd[e]);
   }

@@ -174,8 +174,6 @@ def launch_grid(cfg, items: int, num_kv_heads: int, num_sms: int) -> tuple[int, 
     return (min(items * num_kv_heads, num_sms), 1, 1)
 
 
-
-
 BACKENDS = ("auto", "sm80", "sm90")
 SM90_HEAD_DIMS = (64, 128, 256)
 SM90_THREADS = 384   # a producer warpgroup and two consumer warpgroups
@@ -404,7 +402,8 @@ class _BatchPrefill(AttentionOp):
         host = self._stage((total_i32 * 4 + mask_bytes + 15) // 16 * 16)
         h = host.view(np.int32)
         write_level(h[:total_i32], off, plan.items, batch, qo_indptr, kv_lens, page_indptr, page_indices, vdata,
-                    mask_offsets, num_kv_heads=hkv, num_partial_rows=plan.num_partial_rows, merge=(plan.merge_indptr, plan.merge_rows, cap_m))
+                    mask_offsets, num_kv_heads=hkv, num_partial_rows=plan.num_partial_rows,
+                    merge=(plan.merge_indptr, plan.merge_rows, cap_m))
         if mask_bytes:
             host[total_i32 * 4:total_i32 * 4 + mask_bytes] = packed_mask
 

@@ -8,9 +8,10 @@ and all query heads of its GQA group, the work items ``[chunk_indptr[c], chunk_i
 Work item ``w`` is ``(work_req[w], work_begin[w], work_end[w], work_partial[w])``: the request,
 the token range ``[begin, end)`` inside it (never empty) and the partial row.  ``-1`` means the
 item covers the whole request and writes the final output row directly; otherwise it writes
-``(o, lse)`` into row ``work_partial[w]`` of a float32 temp buffer.  The merge (inside the decode
-launch by the last CTA of the request's pieces, or the merge kernel after it) then combines, for ``m in [0, num_merge)``, the rows ``[merge_indptr[m], merge_indptr[m+1])`` (in kv
-order) into the output of request ``merge_req[m]``.  Requests with ``kv_len == 0`` are in the
+``(o, lse)`` into row ``work_partial[w]`` of a float32 temp buffer.  The merge (the merge kernel
+after the decode launch, or inside it the last CTA of the request's pieces) then combines, for
+``m in [0, num_merge)``, the rows ``[merge_indptr[m], merge_indptr[m+1])`` (in kv order) into the
+output of request ``merge_req[m]``.  Requests with ``kv_len == 0`` are in the
 merge list with an empty range (output 0, lse -inf); a request covered by a single whole item is
 not.  So every request is written by exactly one item or by the merge kernel, never both.
 

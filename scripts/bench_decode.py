@@ -25,8 +25,8 @@ def extra_cases():
     base = dict(hq=32, hkv=8, d=128, dtype="bfloat16", layout="NHD", page=16)
     out = {}
     for name, over in [("D64", dict(d=64)), ("D256", dict(d=256)), ("GQA1", dict(hq=32, hkv=32)),
-                       ("GQA8", dict(hq=64, hkv=8)), ("GQA32", dict(hq=32, hkv=1)), ("GQA16", dict(hq=64, hkv=4)), ("fp16", dict(dtype="float16")),
-                       ("HND", dict(layout="HND")), ("page1", dict(page=1))]:
+                       ("GQA8", dict(hq=64, hkv=8)), ("GQA32", dict(hq=32, hkv=1)), ("GQA16", dict(hq=64, hkv=4)),
+                       ("fp16", dict(dtype="float16")), ("HND", dict(layout="HND")), ("page1", dict(page=1))]:
         out[f"b64_L4096_{name}"] = ([4096] * 64, {**base, **over})
     for b in (1, 8, 32, 128, 256, 512):
         out[f"b{b}_L2048"] = ([2048] * b, base)
@@ -131,6 +131,7 @@ def main():
     cases = {k: (v, base) for k, v in MAIN.items()}
     if args.extra:
         cases.update(extra_cases())
+    tune_names = args.tunings.split(",") if args.tunings else list(TUNINGS)
     rows = []
     for name, (lens, cfg) in cases.items():
         if args.only and not any(o in name for o in args.only.split(",")):
@@ -140,13 +141,13 @@ def main():
         peer = fi if name in MAIN else None   # FlashInfer JIT-compiles a module per shape: main cases only
         tunings = None
         if args.tune and (name in MAIN or args.tunings):
-            tunings = {t: TUNINGS[t] for t in (args.tunings.split(",") if args.tunings else TUNINGS)}
+            tunings = {t: TUNINGS[t] for t in tune_names}
         rows.append(run_case(name, lens, cfg, rng, ceiling, torch, peer, args.json, tunings))
     print(f"\ndecode, bf16 unless named, Hq 32 Hkv 8 D 128 page 16 unless named; copy ceiling {ceiling:.2f} TB/s")
     table(rows, ["case", "us", "TBps", "frac", "fi_cc", "fi_tc", "err", "chunks", "merges", "plan_us"])
     if args.tune:
         print("\ntuning alternatives, TB/s")
-        table(rows, ["case", "TBps", *(args.tunings.split(",") if args.tunings else TUNINGS)])
+        table(rows, ["case", "TBps", *tune_names])
 
 
 if __name__ == "__main__":
