@@ -24,6 +24,20 @@ __device__ __forceinline__ const PlanHeader& plan_header(const int* plan) {
   return *reinterpret_cast<const PlanHeader*>(plan);
 }
 
+// Programmatic dependent launch (sm_90+; no-ops before, and when the launch carries no programmatic dependency).
+// A kernel launched with the programmatic-serialization attribute starts while its predecessor runs; it must
+// wait before reading what the predecessor writes. The predecessor lets it launch early with the trigger.
+__device__ __forceinline__ void wait_for_predecessor_grid() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependent_launch() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 #define KVATTN_NEG_INF (-__int_as_float(0x7f800000))

@@ -472,24 +472,9 @@ struct DecodeKernel {
       float lse = merge_state_run<true, 1>(p.tmp_o + ((long long)(first + b) * p.num_qo_heads + head) * D + ch * 8,
                                            row, p.tmp_lse + (long long)(first + b) * p.num_qo_heads + head,
                                            p.num_qo_heads, e - b, acc);
-      for (int off = 1; off < split; off *= 2) combine_lanes(acc, lse, off);
+      for (int off = 1; off < split; off *= 2) combine_lane_states(acc, lse, off, 0xffffffffu);
       if (part == 0 && i < units * split) store_row(c.req, head, ch, acc, lse);
     }
-  }
-
-  // Merge this lane's normalised state (acc, lse; lse -inf: empty) with lane ^ off's.
-  __device__ __forceinline__ static void combine_lanes(float (&acc)[8], float& lse, int off) {
-    const float other = __shfl_xor_sync(0xffffffffu, lse, off);
-    const float m = fmaxf(lse, other);
-    const float w1 = m == KVATTN_NEG_INF ? 0.f : fast_exp2((lse - m) * kLog2e);
-    const float w2 = m == KVATTN_NEG_INF ? 0.f : fast_exp2((other - m) * kLog2e);
-    const float inv = m == KVATTN_NEG_INF ? 0.f : 1.f / (w1 + w2);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const float o2 = __shfl_xor_sync(0xffffffffu, acc[k], off);
-      acc[k] = (w1 * acc[k] + w2 * o2) * inv;
-    }
-    lse = m == KVATTN_NEG_INF ? KVATTN_NEG_INF : m + __logf(w1 + w2);
   }
 
   // Output row req, head `head`, 8-column chunk ch of a finished state (the variant's output hook applied).
@@ -521,6 +506,7 @@ struct DecodeKernel {
 template <int D, int M_TILES, int STAGES, class V, typename T, typename KV = T>
 __global__ void __launch_bounds__(128) decode_kernel(const __grid_constant__ DecodeParams p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
+  allow_dependent_launch();   // the split-KV merge kernel may launch now and wait for this grid's end on the GPU
   const int chunk = blockIdx.x / p.z_split, z = blockIdx.x - chunk * p.z_split;
   DecodeKernel<D, M_TILES, STAGES, V, T, KV> k(p, blockIdx.y, z);
   k.run(chunk, smem_raw);

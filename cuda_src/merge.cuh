@@ -19,6 +19,7 @@ struct MergeParams {
   long long l_row, l_n, l_h;
   long long so_row, so_h, lo_row, lo_h;
   int num_rows, n, num_heads, head_dim;
+  int lane_shift;              // log2 of the lanes that share one (row, head, 8 columns): each merges a run of states
   const float* variant_data;   // the attention variant's data, read by its output hook (V::kOutput)
 };
 
@@ -72,19 +73,42 @@ __device__ __forceinline__ float merge_state_run(const TIn* o, long long o_n, co
   return mx == KVATTN_NEG_INF ? KVATTN_NEG_INF : mx + __logf(sum);
 }
 
-// One thread merges 8 consecutive elements of one (row, head); head_dim / 8 threads per (row, head).
+// Merge this lane's normalised state (acc, lse; lse -inf: empty) with lane ^ off's (both in `mask`).
+__device__ __forceinline__ void combine_lane_states(float (&acc)[8], float& lse, int off, unsigned mask) {
+  const float other = __shfl_xor_sync(mask, lse, off);
+  const float m = fmaxf(lse, other);
+  const float w1 = m == KVATTN_NEG_INF ? 0.f : fast_exp2((lse - m) * kLog2e);
+  const float w2 = m == KVATTN_NEG_INF ? 0.f : fast_exp2((other - m) * kLog2e);
+  const float inv = m == KVATTN_NEG_INF ? 0.f : 1.f / (w1 + w2);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float o2 = __shfl_xor_sync(mask, acc[k], off);
+    acc[k] = (w1 * acc[k] + w2 * o2) * inv;
+  }
+  lse = m == KVATTN_NEG_INF ? KVATTN_NEG_INF : m + __logf(w1 + w2);
+}
+
+// 2^lane_shift adjacent threads merge 8 consecutive elements of one (row, head) (head_dim / 8 such units per
+// (row, head)): lane j takes the j-th of near-equal consecutive runs of the row's n states, and the runs combine
+// through shuffles in a fixed tree, so the bits depend on n and lane_shift alone. One state chain per thread
+// costs a memory latency per 4 states (b1_L65536 decode: 49 states per row, 14 us on 2 CTAs; split over 16 lanes,
+// one round). Launched after the kernel that wrote the states, possibly programmatically (before it finishes).
 // V: the attention variant whose output hook finishes each merged row (VariantBase: none).
 template <typename TIn, typename TOut, class V = VariantBase>
 __global__ void __launch_bounds__(256) merge_states_kernel(const __grid_constant__ MergeParams p) {
-  // 32-bit index math (64-bit division costs ~100 instructions per thread; launches keep rows*heads*D/8 < 2^31).
+  wait_for_predecessor_grid();
+  // 32-bit index math (64-bit division costs ~100 instructions per thread; launches keep rows*heads*D/8*lanes
+  // < 2^31).
   const unsigned tpp = unsigned(p.head_dim) >> 3;
   const unsigned gid = blockIdx.x * blockDim.x + threadIdx.x;
-  const unsigned pair = gid / tpp;
-  const int d = int(gid - pair * tpp) * 8;
+  const unsigned lanes = 1u << p.lane_shift, part = gid & (lanes - 1);
+  const unsigned unit = gid >> p.lane_shift;
+  const unsigned pair = unit / tpp;
+  const int d = int(unit - pair * tpp) * 8;
   const int rows = p.num_rows_dev ? *p.num_rows_dev : p.num_rows;
   const int m = int(pair / unsigned(p.num_heads));
   const int h = int(pair - unsigned(m) * unsigned(p.num_heads));
-  if (m >= rows) return;
+  if (m >= rows) return;   // (a unit's lanes leave together: they share m)
   if (p.mask && !p.mask[m]) return;
   int n = p.n;
   long long base = m * p.s_row, lbase = m * p.l_row;
@@ -97,8 +121,15 @@ __global__ void __launch_bounds__(256) merge_states_kernel(const __grid_constant
   const long long orow = p.out_rows ? p.out_rows[m] : m;
   const float* lse = p.lse_in + lbase + h * p.l_h;
   const TIn* o = static_cast<const TIn*>(p.o_in) + base + h * p.s_h + d;
+  const int b = int(part * unsigned(n) >> p.lane_shift), e = int((part + 1) * unsigned(n) >> p.lane_shift);
   float acc[8];
-  float lse_row = merge_state_run<false, 4>(o, p.s_n, lse, p.l_n, n, acc);
+  float lse_row = merge_state_run<false, 4>(o + b * p.s_n, p.s_n, lse + b * p.l_n, p.l_n, e - b, acc);
+  if (lanes > 1) {
+    const unsigned lane = threadIdx.x & 31;
+    const unsigned mask = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1) << (lane & ~(lanes - 1));
+    for (unsigned off = 1; off < lanes; off *= 2) combine_lane_states(acc, lse_row, int(off), mask);
+    if (part) return;
+  }
   if constexpr (V::kOutput) {
     const float f = V::output(p, h, lse_row);
 #pragma unroll

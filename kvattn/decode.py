@@ -58,8 +58,10 @@ DETERMINISTIC_SPLIT_TOKENS = 2048
 #: faster in GPU time on 10 of 12 cases (up to 5.9%: the fused merge runs at the launch's tail and every split
 #: item pays a release fence; page size 1 and GQA 8 were 2.4% / 0.3% faster fused); with a part-filled grid
 #: (b1_L2048: 104 CTAs) one launch was 15% faster on a slow host (16.7 against 19.7 us) and 3% slower on a fast one.
+#: merge_lanes: None (auto: kvattn.merge.lane_shift) or 1 (one lane per unit: the A/B); merge_programmatic: the
+#: merge kernel launched programmatically (it starts while decode ends; False: a plain launch, the A/B).
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=1,
-                      refill_first=False, fused_merge=None, wtok=None)
+                      refill_first=False, fused_merge=None, wtok=None, merge_lanes=None, merge_programmatic=True)
 
 
 def warp_tokens(head_dim: int, kv_dtype: str | None = None, forced: int | None = None) -> int:
@@ -266,7 +268,9 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
               off_merge_indptr=L.merge_indptr, off_merge_req=L.merge_req)
         merge_rows = 0 if fused else L.max_merge if self.use_cuda_graph else plan.num_merge
         merge, mp = self._merge_launch(merge_rows, dev["tmp_o"], dev["tmp_lse"], base, L.merge_indptr, L.merge_req,
-                                       num_qo_heads, head_dim, plan.num_merge, q_dtype, variant, variant_ptr)
+                                       num_qo_heads, head_dim, plan.num_merge, q_dtype, variant, variant_ptr,
+                                       None if self.use_cuda_graph else plan.merge_indptr,
+                                       self.deterministic or tn["merge_lanes"] == 1, tn["merge_programmatic"])
         grid = (plan.num_chunks * zsplit, num_kv_heads, 1)
         kv = PagedKV(self.kv_layout, page_size, num_kv_heads, head_dim, _dtypes.to_numpy(kv_dtype),
                      int(page_table.indices.max(initial=-1)) + 1)

@@ -142,6 +142,8 @@ class Kernel:
         self.spec = spec
         self.name = compiled.lowered[spec.kernel]
         self.resources = compiled.resources.get(self.name)
+        major, minor = _driver.current_device().compute_capability
+        self.sm = 10 * major + minor   # the loading device's compute capability, e.g. 90
         self.module = _driver.call("cuModuleLoadData", compiled.cubin)
         self.function = _driver.call("cuModuleGetFunction", self.module, self.name.encode())
         self._max_dynamic_smem = 48 * 1024
@@ -177,11 +179,17 @@ class Kernel:
 
 class Launch:
     """One kernel launch bound to its grid, block, shared memory and parameter struct; `launch(stream)` is the
-    whole host cost of issuing it (one driver call)."""
+    whole host cost of issuing it (one driver call).
 
-    __slots__ = ("kernel", "params", "_fn", "_args", "_argv")
+    programmatic: launch it with programmatic stream serialization (sm_90+, else a plain launch): it may start
+    before the previous kernel on the stream ends, so the kernel must call wait_for_predecessor_grid()
+    (common.cuh) before reading that kernel's output; the previous kernel lets it start early with
+    allow_dependent_launch(). This hides the launch gap between two kernels (the split-KV merge after decode)."""
 
-    def __init__(self, kernel: "Kernel", grid, block, shared_bytes: int, params: ParamBuffer):
+    __slots__ = ("kernel", "params", "_fn", "_args", "_argv", "_config")
+
+    def __init__(self, kernel: "Kernel", grid, block, shared_bytes: int, params: ParamBuffer,
+                 programmatic: bool = False):
         if shared_bytes > kernel._max_dynamic_smem:
             kernel._allow_smem(shared_bytes)   # now, not during a graph capture
         gx, gy, gz = grid if isinstance(grid, tuple) else (grid, 1, 1)
@@ -190,11 +198,30 @@ class Launch:
         self._fn = kernel._launch
         self._args = (kernel.function, gx, gy, gz, bx, by, bz, shared_bytes)
         self._argv = params.argv_addr
+        self._config = _programmatic_config(self._args) if programmatic and kernel.sm >= 90 else None
 
     def launch(self, stream_handle):
-        err, = self._fn(*self._args, stream_handle, self._argv, 0)
+        if self._config is not None:
+            self._config.hStream = stream_handle
+            err, = _driver.driver().cuLaunchKernelEx(self._config, self._args[0], self._argv, 0)
+        else:
+            err, = self._fn(*self._args, stream_handle, self._argv, 0)
         if err:
             _launch_error(err, self.kernel, self._args)
+
+
+def _programmatic_config(args):
+    """A CUlaunchConfig for (function, grid, block, shared bytes) with programmatic stream serialization."""
+    drv = _driver.driver()
+    cfg = drv.CUlaunchConfig()
+    (_, cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ,
+     cfg.sharedMemBytes) = args
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    return cfg
 
 
 def _launch_error(err, kernel, args):

@@ -19,10 +19,32 @@ MERGE_PARAMS = np.dtype([
     ("s_row", "i8"), ("s_n", "i8"), ("s_h", "i8"),
     ("l_row", "i8"), ("l_n", "i8"), ("l_h", "i8"),
     ("so_row", "i8"), ("so_h", "i8"), ("lo_row", "i8"), ("lo_h", "i8"),
-    ("num_rows", "i4"), ("n", "i4"), ("num_heads", "i4"), ("head_dim", "i4"), ("variant_data", "u8"),
+    ("num_rows", "i4"), ("n", "i4"), ("num_heads", "i4"), ("head_dim", "i4"), ("lane_shift", "i4"),
+    ("variant_data", "u8"),
 ], align=True)
 
 THREADS = 256
+#: Lanes per (row, head, 8 columns) grow (up to 16) while the grid stays within this many threads (about one
+#: resident wave of 256-thread CTAs on an H200), so a merge of few rows with many states each is spread over the
+#: GPU instead of one chain of loads per thread (merge_states_kernel).
+LANE_THREAD_BUDGET = 1 << 17
+
+
+def lane_shift(units: int, max_states: int | None = None) -> int:
+    """log2 of the lanes that share one merge unit ((row, head, 8 columns); units of them): the most, up to 16,
+    that keep units * lanes within LANE_THREAD_BUDGET, and, where the most states of a row is known, no more
+    than give each lane a run of 4 (one round of loads). The bits of a merge depend on it: a batch-invariant
+    caller passes a constant."""
+    shift = 0
+    while shift < 4 and units << (shift + 1) <= LANE_THREAD_BUDGET and (max_states is None
+                                                                      or 4 << shift < max_states):
+        shift += 1
+    return shift
+
+
+def merge_grid(units: int, shift: int) -> int:
+    """CTAs (of THREADS) covering units << shift threads."""
+    return -(-(units << shift) // THREADS)
 STATE_DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -76,9 +98,11 @@ def _out_pair(o_shape, dtype, out, lse_out, s, capturing):
 def _launch(in_dtype, out: DeviceArray, params: ParamBuffer, rows: int, heads: int, head_dim: int, s,
             lse_out: DeviceArray):
     kernel = get_kernel(merge_spec(in_dtype, out.dtype_name))
-    threads = rows * heads * (head_dim // 8)
-    if threads:
-        kernel.launch((threads + THREADS - 1) // THREADS, THREADS, 0, params, s)
+    units = rows * heads * (head_dim // 8)
+    if units:
+        shift = lane_shift(units, params["n"] or None)
+        params.set(lane_shift=shift)
+        kernel.launch(merge_grid(units, shift), THREADS, 0, params, s)
     out.stream = lse_out.stream = s.ptr
 
 

@@ -27,7 +27,7 @@ from ._binding import begin, import_array, misaligned16, output
 from .contract import NUM_MERGE
 from .kernels import Launch, ParamBuffer, get_kernel
 from .memory import DeviceArray, StagingRing, fit_workspace
-from .merge import MERGE_PARAMS, merge_spec
+from .merge import MERGE_PARAMS, lane_shift, merge_grid, merge_spec
 from .stream import as_stream
 
 F32 = np.dtype(np.float32)
@@ -291,19 +291,27 @@ class AttentionOp:
 
     @staticmethod
     def _merge_launch(rows: int, tmp_o: DeviceArray, tmp_lse: DeviceArray, base: int, indptr_off: int,
-                      rows_off: int, hq: int, d: int, num_merge: int, dtype: str, variant, variant_data: int):
+                      rows_off: int, hq: int, d: int, num_merge: int, dtype: str, variant, variant_data: int,
+                      merge_indptr=None, one_lane: bool = False, programmatic: bool = True):
         """(merge Launch or None, its ParamBuffer): the merge of float32 partial states into out / lse, its row
         list at base + 4 * indptr_off / rows_off (int32 offsets), its row count in the plan header in graph mode;
         the variant's output hook finishes the merged rows. rows: the rows the grid covers (graph mode: the
-        bound)."""
+        bound). merge_indptr: the plan's (host) merge row pointers, whose longest row sizes the lanes per unit
+        (None in graph mode: the grid's size alone); one_lane: one lane per unit (deterministic mode: bits that do
+        not depend on the batch). programmatic: the grid starts while the attention kernel ends (decode lets
+        it)."""
         mp = ParamBuffer(MERGE_PARAMS)
         mp.set(o_in=tmp_o.ptr, lse_in=tmp_lse.ptr, indptr=base + indptr_off * 4, out_rows=base + rows_off * 4,
                num_rows_dev=base + NUM_MERGE * 4, s_row=hq * d, s_n=hq * d, s_h=d, l_row=hq, l_n=hq, l_h=1,
                num_rows=num_merge, n=0, num_heads=hq, head_dim=d, variant_data=variant_data)
         if not rows:
             return None, mp
-        grid = -(-rows * hq * (d // 8) // 256)
-        return Launch(get_kernel(merge_spec("float32", dtype, variant)), grid, 256, 0, mp), mp
+        units = rows * hq * (d // 8)
+        most = int(np.diff(merge_indptr).max(initial=0)) if merge_indptr is not None else None
+        shift = 0 if one_lane else lane_shift(units, most)
+        mp.set(lane_shift=shift)
+        kernel = get_kernel(merge_spec("float32", dtype, variant))
+        return Launch(kernel, merge_grid(units, shift), 256, 0, mp, programmatic=programmatic), mp
 
     def _finish_plan(self, *, rows, max_rows, hq, d, dtype, kv, launch, params, merge, merge_params, s, copy_done,
                      bind_tma=None, **info):

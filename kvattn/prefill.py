@@ -424,7 +424,8 @@ class _BatchPrefill(AttentionOp):
         mi = off["merge_indptr"]
         merge_rows = cap_m if self.use_cuda_graph else plan.num_merge
         merge, mp = self._merge_launch(merge_rows, dev["tmp_o"], dev["tmp_lse"], base, mi, off["merge_rows"], hq,
-                                       head_dim, plan.num_merge, q_dtype, variant, variant_ptr)
+                                       head_dim, plan.num_merge, q_dtype, variant, variant_ptr,
+                                       None if self.use_cuda_graph else plan.merge_indptr, self.deterministic)
         npdtype = _dtypes.to_numpy(kv_dtype)
         if make_kv is not None:
             kv = make_kv(hkv, head_dim, npdtype)

@@ -109,3 +109,19 @@ def test_variant_decode_instances_keep_three_ctas_per_sm(head_dim, flags):
     (res,) = compiled.resources.values()
     assert res.spills == 0 and res.stack_frame == 0, res
     assert res.ctas_per_sm(decode.THREADS, decode.smem_bytes(head_dim, 1), limit=3) == 3, res
+
+
+def test_merge_lanes_spread_few_rows_with_many_states():
+    """The split-KV merge's lanes per (row, head, 8 columns): 16 where one long request has 49 states (b1_L65536:
+    one round of loads each instead of 13), none where every row has at most 4, and never a grid past the thread
+    budget (a big graph-mode batch whose state counts are unknown at capture)."""
+    from kvattn.merge import LANE_THREAD_BUDGET, lane_shift, merge_grid
+    units_b1 = 1 * 32 * 16   # rows x heads x 8-column chunks at Hq 32, head_dim 128
+    assert lane_shift(units_b1, 49) == 4
+    assert lane_shift(units_b1, 9) == 2 and lane_shift(units_b1, 8) == 1 and lane_shift(units_b1, 4) == 0
+    assert lane_shift(units_b1, None) == 4
+    for units in (units_b1, 64 * 32 * 16, 128 * 32 * 16, 1024 * 64 * 32):
+        shift = lane_shift(units, None)
+        assert units << shift <= max(LANE_THREAD_BUDGET, units)
+        assert merge_grid(units, shift) * 256 >= units << shift
+    assert lane_shift(128 * 32 * 16, None) == 1 and lane_shift(1024 * 64 * 32, None) == 0

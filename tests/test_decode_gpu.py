@@ -224,6 +224,8 @@ def test_split_kv_merge_in_the_launch_and_apart(fused, group, hkv):
     w.plan(pt, hq, hkv, d)
     assert w.last_plan.info["schedule"].split
     assert (w.last_plan.merge is None) == fused
+    if not fused:   # the 30000-token request's states are spread over lanes that combine through shuffles
+        assert w.last_plan.info["merge_params"]["lane_shift"] > 0
     ro, rl = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1, dtype=np.int32), pt, return_lse=True)
     qd, kd, vd = kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v)
     for _ in range(3):
