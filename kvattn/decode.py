@@ -60,14 +60,10 @@ DETERMINISTIC_SPLIT_TOKENS = 2048
 #: (b1_L2048: 104 CTAs) one launch was 15% faster on a slow host (16.7 against 19.7 us) and 3% slower on a fast one.
 #: Merging after each CTA's stream instead (run 18d) was slower still on full grids (b64_L4096 -2.6%, b128_L1024
 #: -4%): every CTA's merges then land on the launch's tail.
-#: latency_stages: a grid of fewer CTAs than SMs (latency-bound: one CTA per SM, a few tiles each) runs the deepest
-#: pipeline that fits (latency_stages()), so a CTA's tiles are in flight together instead of one DRAM latency
-#: each; False: the default stages (the A/B). Plain variants, eager mode (graph mode's grid is the full layout).
 #: merge_lanes: None (auto: kvattn.merge.lane_shift) or 1 (one lane per unit: the A/B); merge_programmatic: the
 #: merge kernel launched programmatically (it starts while decode ends; False: a plain launch, the A/B).
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=1,
-                      refill_first=False, fused_merge=None, wtok=None, merge_lanes=None, merge_programmatic=True,
-                      latency_stages=True)
+                      refill_first=False, fused_merge=None, wtok=None, merge_lanes=None, merge_programmatic=True)
 
 
 def warp_tokens(head_dim: int, kv_dtype: str | None = None, forced: int | None = None) -> int:
@@ -88,16 +84,6 @@ def default_stages(head_dim: int, kv_dtype: str | None = None, wtok: int | None 
     if kv_dtype is not None and _dtypes.is_fp8(kv_dtype):
         return 2 if head_dim in (128, 256) else 3
     return 2 if head_dim * warp_tokens(head_dim, kv_dtype, wtok) == 128 * 16 else 3
-
-
-def latency_stages(head_dim: int, kv_dtype: str | None = None, wtok: int | None = None, mt: int = 1) -> int:
-    """The deepest pipeline (at most 4 stages: 3 tiles in flight) whose shared memory fits one CTA per SM."""
-    fits = [s for s in (4, 3, 2) if smem_bytes(head_dim, mt, s, kv_dtype, wtok) <= MAX_DYNAMIC_SMEM]
-    return max(fits[0], default_stages(head_dim, kv_dtype, wtok))
-
-
-#: The H100 / H200 opt-in dynamic shared memory per CTA (227 KB).
-MAX_DYNAMIC_SMEM = 232448
 
 
 def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: int | None = None,
@@ -131,9 +117,8 @@ def smem_bytes(head_dim: int, mt: int, stages: int | None = None, kv_dtype: str 
     return stages * (stage + rows * head_dim * 2)
 
 
-register("decode", [decode_spec(d, 1, Variant(), t, stages=st, kv_dtype=kv) for d in HEAD_DIMS for t in DTYPES
-                    for kv in (t, *_dtypes.FP8)
-                    for st in sorted({default_stages(d, kv), latency_stages(d, kv)})]
+register("decode", [decode_spec(d, 1, Variant(), t, kv_dtype=kv) for d in HEAD_DIMS for t in DTYPES
+                    for kv in (t, *_dtypes.FP8)]
          + [decode_spec(128, 1, Variant(soft_cap=True, window=True), "bfloat16")])
 
 
@@ -247,17 +232,10 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         host[off_indptr:off_indptr + batch + 1] = page_table.indptr
         host[off_indices:off_indices + nnz] = page_table.indices
         host[off_last:off_last + batch] = page_table.last_page_len
-        latency_bound = plan.num_chunks * zsplit * num_kv_heads < num_sms
         fused = tn["fused_merge"]
         if fused is None:   # (graph mode: the grid is the layout's, so the choice holds for every later plan;
             # deterministic mode: one merge for every batch, since the two merges' bits differ)
-            fused = not self.deterministic and latency_bound
-        if (latency_bound and tn["latency_stages"] and not tn["stages"] and not self.use_cuda_graph
-                and variant == Variant()):   # (the plan is the same: it never fills an SM's second slot)
-            stages = latency_stages(head_dim, kv_dtype, tn["wtok"], mt)
-            smem = smem_bytes(head_dim, mt, stages, kv_dtype, tn["wtok"])
-            kernel = get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"],
-                                            tn["refill_first"], kv_dtype, tn["wtok"]))
+            fused = not self.deterministic and plan.num_chunks * zsplit * num_kv_heads < num_sms
         if fused:   # zeros: the counters' state between launches (each launch leaves them at 0)
             host[off_merge_of:off_variant] = 0
             host[off_merge_of:off_merge_of + cap_b] = -1

@@ -30,8 +30,6 @@ def extra_cases():
         out[f"b64_L4096_{name}"] = ([4096] * 64, {**base, **over})
     for b in (1, 8, 32, 128, 256, 512):
         out[f"b{b}_L2048"] = ([2048] * b, base)
-    for b, n in ((1, 512), (1, 8192), (2, 4096), (4, 1024)):   # latency-bound grids (fewer CTAs than SMs)
-        out[f"b{b}_L{n}"] = ([n] * b, base)
     return out
 
 
@@ -40,8 +38,7 @@ TUNINGS = {"default": {}, "l2_256B": dict(l2_prefetch=True), "refill1st": dict(r
            "st4_refill1st": dict(stages=4, refill_first=True), "fused_merge": dict(fused_merge=True),
            "mt2": dict(m_tiles=2), "wtok16": dict(wtok=16), "merge_1lane": dict(merge_lanes=1),
            "merge_plain": dict(merge_programmatic=False),
-           "merge_before": dict(merge_lanes=1, merge_programmatic=False), "merge_apart": dict(fused_merge=False),
-           "shallow": dict(latency_stages=False), "shallow_apart": dict(latency_stages=False, fused_merge=False)}
+           "merge_before": dict(merge_lanes=1, merge_programmatic=False), "merge_apart": dict(fused_merge=False)}
 
 
 def build(lens, cfg, rng):

@@ -125,20 +125,3 @@ def test_merge_lanes_spread_few_rows_with_many_states():
         assert units << shift <= max(LANE_THREAD_BUDGET, units)
         assert merge_grid(units, shift) * 256 >= units << shift
     assert lane_shift(128 * 32 * 16, None) == 1 and lane_shift(1024 * 64 * 32, None) == 0
-
-
-def test_latency_bound_grids_get_the_deepest_pipeline_that_fits():
-    """A grid of fewer CTAs than SMs (one per SM) runs up to 4 stages (3 tiles in flight); head dim 256's 3 stages
-    already fill the SM's shared memory. Every such instance is registered (compiled by fill_cache / CI)."""
-    from kvattn import decode
-    from kvattn.kernels import REGISTRY
-    from kvattn.variants import Variant
-    assert decode.latency_stages(128) == 4 and decode.latency_stages(64) == 4
-    assert decode.latency_stages(256) == decode.default_stages(256) == 3
-    assert decode.latency_stages(256, "float8_e4m3fn") == 4
-    for d in (64, 128, 256):
-        for kv in ("bfloat16", "float8_e4m3fn"):
-            st = decode.latency_stages(d, kv)
-            assert decode.smem_bytes(d, 1, st, kv) <= decode.MAX_DYNAMIC_SMEM
-            assert decode.decode_spec(d, 1, Variant(), "bfloat16", st, kv_dtype=kv) in REGISTRY["decode"], (d, kv)
-

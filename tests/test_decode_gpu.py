@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import kvattn
-from kvattn import _dtypes, decode, reference
+from kvattn import _dtypes, reference
 from _gpu import assert_lse, poisoned, rel_l2, requires_gpu
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
@@ -248,9 +248,6 @@ def test_merge_fused_only_where_the_grid_leaves_sms_idle():
         grid = w.last_plan.info["grid"]
         assert w.last_plan.info["schedule"].split
         assert (grid[0] * grid[1] < w.num_sms) == fused and (w.last_plan.merge is None) == fused, (lens, grid)
-        # a latency-bound grid runs the deepest pipeline (4 stages at head dim 128), a full one the default
-        stages = decode.latency_stages(128) if fused else decode.default_stages(128)
-        assert w.last_plan.info["smem"] == decode.smem_bytes(128, 1, stages), stages
         out = poisoned(q.shape, "bfloat16")
         w.run(kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v), out=out)
         ro = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1, dtype=np.int32), pt)
