@@ -199,11 +199,13 @@ class Launch:
         self._args = (kernel.function, gx, gy, gz, bx, by, bz, shared_bytes)
         self._argv = params.argv_addr
         self._config = _programmatic_config(self._args) if programmatic and kernel.sm >= 90 else None
+        if self._config is not None:
+            self._fn = _driver.driver().cuLaunchKernelEx
 
     def launch(self, stream_handle):
         if self._config is not None:
             self._config.hStream = stream_handle
-            err, = _driver.driver().cuLaunchKernelEx(self._config, self._args[0], self._argv, 0)
+            err, = self._fn(self._config, self._args[0], self._argv, 0)
         else:
             err, = self._fn(*self._args, stream_handle, self._argv, 0)
         if err:

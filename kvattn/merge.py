@@ -45,6 +45,16 @@ def lane_shift(units: int, max_states: int | None = None) -> int:
 def merge_grid(units: int, shift: int) -> int:
     """CTAs (of THREADS) covering units << shift threads."""
     return -(-(units << shift) // THREADS)
+
+
+def set_lanes(params: ParamBuffer, units: int, max_states: int | None, one_lane: bool = False) -> int:
+    """Set params' lane_shift for `units` merge units (lane_shift's rule, or one lane) and return the grid that
+    covers them."""
+    shift = 0 if one_lane else lane_shift(units, max_states)
+    params.set(lane_shift=shift)
+    return merge_grid(units, shift)
+
+
 STATE_DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -100,9 +110,7 @@ def _launch(in_dtype, out: DeviceArray, params: ParamBuffer, rows: int, heads: i
     kernel = get_kernel(merge_spec(in_dtype, out.dtype_name))
     units = rows * heads * (head_dim // 8)
     if units:
-        shift = lane_shift(units, params["n"] or None)
-        params.set(lane_shift=shift)
-        kernel.launch(merge_grid(units, shift), THREADS, 0, params, s)
+        kernel.launch(set_lanes(params, units, params["n"] or None), THREADS, 0, params, s)
     out.stream = lse_out.stream = s.ptr
 
 

@@ -27,7 +27,7 @@ from ._binding import begin, import_array, misaligned16, output
 from .contract import NUM_MERGE
 from .kernels import Launch, ParamBuffer, get_kernel
 from .memory import DeviceArray, StagingRing, fit_workspace
-from .merge import MERGE_PARAMS, lane_shift, merge_grid, merge_spec
+from .merge import MERGE_PARAMS, THREADS as MERGE_THREADS, merge_spec, set_lanes
 from .stream import as_stream
 
 F32 = np.dtype(np.float32)
@@ -306,12 +306,10 @@ class AttentionOp:
                num_rows=num_merge, n=0, num_heads=hq, head_dim=d, variant_data=variant_data)
         if not rows:
             return None, mp
-        units = rows * hq * (d // 8)
         most = int(np.diff(merge_indptr).max(initial=0)) if merge_indptr is not None else None
-        shift = 0 if one_lane else lane_shift(units, most)
-        mp.set(lane_shift=shift)
+        grid = set_lanes(mp, rows * hq * (d // 8), most, one_lane)
         kernel = get_kernel(merge_spec("float32", dtype, variant))
-        return Launch(kernel, merge_grid(units, shift), 256, 0, mp, programmatic=programmatic), mp
+        return Launch(kernel, grid, MERGE_THREADS, 0, mp, programmatic=programmatic), mp
 
     def _finish_plan(self, *, rows, max_rows, hq, d, dtype, kv, launch, params, merge, merge_params, s, copy_done,
                      bind_tma=None, **info):
