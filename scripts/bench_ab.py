@@ -125,7 +125,8 @@ def main():
     print(f"GPU {kvattn._driver.device_name()}")
     rows = []
     us = lambda t: f"{t:.1f} us"   # noqa: E731
-    for name, lens in DECODE_CASES.items():
+    latency = {"b1_L2048": [2048], "b4_L1024": [1024] * 4, "b1_L8192": [8192]}   # fewer CTAs than SMs
+    for name, lens in {**DECODE_CASES, **latency}.items():
         pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), PAGE, rng=rng)
         shape = (pt.num_pages_used, PAGE, HKV, D)
         arrays = (random_device((len(lens), HQ, D), "bfloat16", rng), random_device(shape, "bfloat16", rng),
