@@ -2,12 +2,13 @@
 
     ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size \\
         --csv --log-file decode.csv -k regex:'decode|merge|Merge|Batch' \\
-        python3 scripts/ncu_decode.py [case ...] [--apart]      (cases: bench_decode.py's, e.g. b64_L4096_GQA32)
+        python3 scripts/ncu_decode.py [case ...] [--apart] [--rope]   (cases: bench_decode.py's, e.g. b64_L4096_GQA32)
 
 Each case issues kvattn's run() twice, then FlashInfer's two decode paths (CUDA cores, tensor cores) twice each;
 stdout names the order, so the CSV's kernels (the decode launch and, where a request was split, the merge
 kernel) read in the same order. Shapes and data as bench_decode.py builds them. --apart forces kvattn's merge
-kernel (tuning fused_merge=False) where the plan would merge inside the launch. Session 8 found the split-KV
+kernel (tuning fused_merge=False) where the plan would merge inside the launch; --rope plans kvattn's fused RoPE
+(NeoX, theta 5e5; FlashInfer then runs without it). Session 8 found the split-KV
 merge's cost this way (BENCHMARKS.md).
 """
 import sys
@@ -24,6 +25,7 @@ CASES = {**{k: (v, BASE) for k, v in MAIN.items()}, **extra_cases()}
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     tuning = dict(fused_merge=False) if "--apart" in sys.argv else None
+    rope = dict(rope=kvattn.RoPE(theta=5e5)) if "--rope" in sys.argv else {}
     try:
         import torch
         import flashinfer
@@ -35,7 +37,7 @@ def main():
         pt, q, k, v = build(lens, cfg, np.random.default_rng(0))
         hq, hkv, d, dtype, page = cfg["hq"], cfg["hkv"], cfg["d"], cfg["dtype"], cfg["page"]
         w = kvattn.BatchDecodeWithPagedKVCache(kv_layout=cfg["layout"], tuning=tuning)
-        w.plan(pt, hq, hkv, d, q_dtype=dtype)
+        w.plan(pt, hq, hkv, d, q_dtype=dtype, **rope)
         out = kvattn.empty(q.shape, dtype)
         print(f"CASE {name} kvattn x2 (grid {w.last_plan.info['grid']}, merge kernel "
               f"{'yes' if w.last_plan.merge is not None else 'no'})", flush=True)
