@@ -38,6 +38,19 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #endif
 }
 
+// A hint: bring the 128-byte line holding p into L1 (no register, no wait).
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+}
+
+// *p += v as one gpu-scope acquire-release atomic (sm_70+): the release half orders what the calling thread's
+// CTA wrote before a preceding barrier, the acquire half what other CTAs released before theirs. Returns the old value.
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 #define KVATTN_NEG_INF (-__int_as_float(0x7f800000))

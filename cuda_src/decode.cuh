@@ -140,6 +140,19 @@ struct DecodeKernel {
       else { pg = tok / p.page_size; in = tok - pg * p.page_size; }
       off[j] = (long long)p.page_indices[pbase + pg] * p.kv_stride_page + (long long)in * p.kv_stride_token;
     }
+    // Pages under 8 tokens: the page ids of the item's next tile, into L1 (one thread per 128-byte line). They
+    // are loaded one iteration from now, and with one id per row (page size 1) an L2 round trip each time stood
+    // between a tile's issue and its offsets (ncu, session 9: page size 1 at 0.72 of page 16's rate, long-scoreboard
+    // stalls 2.4x; run 20c: +4.7%). Larger pages share a line over several tiles (and the hint cost them ~0.5%).
+    constexpr int LINES = TILE / 32 + 1;   // a tile's ids span at most TILE + 1 ints
+    const int nt = c.t0 + TILE;
+    if (p.page_size < 8 && threadIdx.x < LINES && nt < c.end) {
+      const int last = min(nt + TILE, c.end) - 1;
+      const int a = p.page_shift >= 0 ? nt >> p.page_shift : nt / p.page_size;
+      const int b = p.page_shift >= 0 ? last >> p.page_shift : last / p.page_size;
+      const int i = a + 32 * (int)threadIdx.x;
+      if (i <= b) prefetch_l1(p.page_indices + pbase + i);
+    }
   }
 
   __device__ __forceinline__ int slot(const Cursor& c) const { return (c.w - c.w_first) % STAGES; }
@@ -435,19 +448,21 @@ struct DecodeKernel {
 
   // Fused split-KV merge: the last CTA to write one of the request's partial states (for this KV head and z
   // slice) merges all of them, in their fixed order (so the bits do not depend on which CTA came last), and
-  // writes o / lse. Every writer fences its stores before thread 0 arrives; the last one leaves the counter at 0.
+  // writes o / lse. Thread 0 arrives with a gpu-scope acquire-release atomic after the CTA barrier (release is
+  // cumulative: it orders the whole CTA's partial-state stores), and the last arrival's acquire makes every
+  // writer's stores visible to its CTA after the next barrier; the last one leaves the counter at 0. (One
+  // thread's MEMBAR.ALL.GPU instead of every thread's MEMBAR.SC.GPU pair; no faster in run 20c.)
   // first_n (the request's first partial row and count, or count 0: not the last) lives in the stage just merged,
   // free until the next iteration's barrier: static shared memory would cost a CTA per SM (3 CTAs fill the SM's
   // 228 KB exactly at head dim 128).
   __device__ void merge_if_last(const Cursor& c, int* first_n) const {
-    __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
       const int m = p.merge_of_req[c.req];
       const int* mi = p.plan + p.off_merge_indptr;
       const int first = mi[m], n = mi[m + 1] - first;
       int* cnt = p.counters + ((long long)m * gridDim.y + h) * p.z_split + (blockIdx.x % p.z_split);
-      const bool last = atomicAdd(cnt, 1) == n - 1;
+      const bool last = atomic_add_acq_rel_gpu(cnt, 1) == n - 1;
       if (last) atomicExch(cnt, 0);
       first_n[0] = first;
       first_n[1] = last ? n : 0;
@@ -455,7 +470,6 @@ struct DecodeKernel {
     __syncthreads();
     const int first = first_n[0], n = first_n[1];
     if (n == 0) return;   // (every thread has read first_n before the next item's epilogue barrier)
-    __threadfence();
     // `split` adjacent lanes (a power of two, at most 8, so that at most two passes of the CTA's threads cover
     // every (head, 8-column chunk)) merge consecutive runs of the n states of one (head, chunk) and combine them
     // through shuffles in a fixed tree (the bits depend on n alone). A run is a chain of dependent L2 loads: the

@@ -53,7 +53,9 @@ DETERMINISTIC_SPLIT_TOKENS = 2048
 
 #: fused_merge: split-KV partial states merged inside the decode launch (the last CTA of each request's pieces
 #: merges them; decode.cuh merge_if_last), so a plan is one launch. None (auto): only where the grid has fewer
-#: CTAs than the GPU has SMs, and never in deterministic mode (the two merges' bits differ). Measured on the
+#: CTAs than the GPU has SMs, never in deterministic mode (the two merges' bits differ) and never with
+#: use_cuda_graph (in a replay the merge kernel's launch is free: run 20c, b1_L2048 10.3 us per step apart against
+#: 14.7 fused, b1_L512 9.0 against 10.6; eagerly, on a host-bound call, one launch saves ~4 us). Measured on the
 #: H200 (runs 17b / 17c, BENCHMARKS.md): with a full grid the merge kernel after the decode launch was as fast or
 #: faster in GPU time on 10 of 12 cases (up to 5.9%: the fused merge runs at the launch's tail and every split
 #: item pays a release fence; page size 1 and GQA 8 were 2.4% / 0.3% faster fused); with a part-filled grid
@@ -235,7 +237,10 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         fused = tn["fused_merge"]
         if fused is None:   # (graph mode: the grid is the layout's, so the choice holds for every later plan;
             # deterministic mode: one merge for every batch, since the two merges' bits differ)
-            fused = not self.deterministic and plan.num_chunks * zsplit * num_kv_heads < num_sms
+            # a CUDA-graph wrapper: the merge kernel (its launch costs nothing in a replay, and the fused merge
+            # took longer on the GPU: b1_L2048 14.7 against 10.3 us per replayed step, session 9)
+            fused = (not self.deterministic and not self.use_cuda_graph
+                     and plan.num_chunks * zsplit * num_kv_heads < num_sms)
         if fused:   # zeros: the counters' state between launches (each launch leaves them at 0)
             host[off_merge_of:off_variant] = 0
             host[off_merge_of:off_merge_of + cap_b] = -1

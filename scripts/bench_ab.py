@@ -125,10 +125,12 @@ def main():
     print(f"GPU {kvattn._driver.device_name()}")
     rows = []
     us = lambda t: f"{t:.1f} us"   # noqa: E731
-    latency = {"b1_L2048": [2048], "b4_L1024": [1024] * 4, "b1_L8192": [8192]}   # fewer CTAs than SMs
-    for name, lens in {**DECODE_CASES, **latency}.items():
-        pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), PAGE, rng=rng)
-        shape = (pt.num_pages_used, PAGE, HKV, D)
+    cases = {name: (lens, PAGE) for name, lens in DECODE_CASES.items()}
+    cases.update({"b1_L2048": ([2048], PAGE), "b4_L1024": ([1024] * 4, PAGE),   # fewer CTAs than SMs
+                  "b1_L8192": ([8192], PAGE), "b64_L4096 page 1": ([4096] * 64, 1)})
+    for name, (lens, page) in cases.items():
+        pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), page, rng=rng)
+        shape = (pt.num_pages_used, page, HKV, D)
         arrays = (random_device((len(lens), HQ, D), "bfloat16", rng), random_device(shape, "bfloat16", rng),
                   random_device(shape, "bfloat16", rng))
         rows.append(ab(f"decode {name}", old, decode_runner(old, pt, arrays), decode_runner(kvattn, pt, arrays), us))
