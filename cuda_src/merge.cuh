@@ -96,7 +96,6 @@ __device__ __forceinline__ void combine_lane_states(float (&acc)[8], float& lse,
 // V: the attention variant whose output hook finishes each merged row (VariantBase: none).
 template <typename TIn, typename TOut, class V = VariantBase>
 __global__ void __launch_bounds__(256) merge_states_kernel(const __grid_constant__ MergeParams p) {
-  wait_for_predecessor_grid();
   // 32-bit index math (64-bit division costs ~100 instructions per thread; launches keep rows*heads*D/8*lanes
   // < 2^31).
   const unsigned tpp = unsigned(p.head_dim) >> 3;
@@ -119,6 +118,9 @@ __global__ void __launch_bounds__(256) merge_states_kernel(const __grid_constant
     lbase = b * p.l_row;
   }
   const long long orow = p.out_rows ? p.out_rows[m] : m;
+  // Only the states come from the predecessor (a programmatic launch: the attention kernel ending): the row
+  // lists above are the plan's, copied before that kernel started, so their loads overlap its tail.
+  wait_for_predecessor_grid();
   const float* lse = p.lse_in + lbase + h * p.l_h;
   const TIn* o = static_cast<const TIn*>(p.o_in) + base + h * p.s_h + d;
   const int b = int(part * unsigned(n) >> p.lane_shift), e = int((part + 1) * unsigned(n) >> p.lane_shift);
