@@ -15,8 +15,8 @@
 // exact in f16; bf16 queries are converted per row with a power-of-two scale); k_scale folds into the score
 // scale, v_scale into the epilogue.
 #pragma once
-#include "fp8.cuh"
 #include "merge.cuh"
+#include "traits.cuh"
 #include "variant.cuh"
 #include "warp_merge.cuh"
 
@@ -32,12 +32,12 @@ namespace kvattn {
 
 // Mirrored by kvattn.decode.DECODE_PARAMS (a test checks size and offsets). Strides in elements.
 struct DecodeParams {
-  const void* q;               // [batch, Hq, D]
+  const void* q;               // [batch, Hq, D_QK]
   const void* k;               // cache base; token t of page p, head h at p*kv_stride_page + t*kv_stride_token + h*kv_stride_head
   const void* v;
-  void* o;                     // [batch, Hq, D]
+  void* o;                     // [batch, Hq, D_VO]
   float* lse;                  // [batch, Hq] natural log, may be null
-  float* tmp_o;                // [partial rows, Hq, D] float32
+  float* tmp_o;                // [partial rows, Hq, D_VO] float32
   float* tmp_lse;              // [partial rows, Hq]
   const int* plan;             // the scheduler's int32 work lists (kvattn.scheduler layout)
   const int* page_indptr;      // [batch + 1]
@@ -60,40 +60,65 @@ struct DecodeParams {
   int off_merge_indptr, off_merge_req;
 };
 
-// T: the query and output element type; KV: the cache's (T, or fp8).
-template <int D, int M_TILES, int STAGES_, class V, typename T, typename KV = T>
+// A: the element types and head dims (traits.cuh).
+template <class A, int M_TILES, int STAGES_, class V>
 struct DecodeKernel {
-  static constexpr bool kFp8 = IsFp8<KV>::value;
-  static constexpr bool kQToHalf = kFp8 && IsBf16<T>::value;   // bf16 queries, fp8 cache
-  using MT = typename MmaType<T, KV>::type;          // the tensor-core operand type
+  using Q = typename A::Q;
+  using KV = typename A::KV;
+  using O = typename A::O;
+  static constexpr int D_QK = A::D_QK;
+  static constexpr int D_VO = A::D_VO;
+  static constexpr bool kFp8 = A::kFp8;
+  static constexpr bool kQToHalf = kFp8 && IsBf16<Q>::value;   // bf16 queries, fp8 cache
+  using MT = typename A::MT;                        // the tensor-core operand type
   static constexpr int WARPS = 4;
   static constexpr int THREADS = WARPS * 32;
-  // Tokens per warp per tile: 16, or 32 where a 16-token stage would carry half of head dim 128's 32 KB: an fp8
-  // cache at head dims 64 / 128 and a 16-bit one at 64 (twice the work per barrier, one softmax rescale per 32
-  // tokens; measured 2026-12-01 in BENCHMARKS.md). (At 256 a 128-token stage would not fit twice.)
-  static constexpr int WTOK = KVATTN_DECODE_WTOK ? KVATTN_DECODE_WTOK : (kFp8 ? D <= 128 : D == 64) ? 32 : 16;
+  // Tokens per warp per tile: 16, or 32 where a 16-token stage would carry at most half of head dim 128's 32 KB:
+  // an fp8 cache at head dims 64 / 128 and a 16-bit one at 64 (twice the work per barrier, one softmax rescale
+  // per 32 tokens; measured 2026-12-01 in BENCHMARKS.md). (At 256 a 128-token stage would not fit twice.)
+  static constexpr int WTOK = KVATTN_DECODE_WTOK ? KVATTN_DECODE_WTOK
+                                                 : 64 * (A::K_ROW_BYTES + A::V_ROW_BYTES) <= 16384 ? 32 : 16;
   static constexpr int NB = WTOK / 8;                // 8-token n-blocks of a warp's scores
   static constexpr int TILE = WARPS * WTOK;          // tokens per pipeline stage
-  static constexpr int CHUNKS = D / 8;               // 8-column chunks of an output row
-  static constexpr int ROW_BYTES = D * (int)sizeof(KV);
-  static constexpr int KV_CHUNKS = ROW_BYTES / 16;   // 16-byte chunks per K / V row
+  static constexpr int Q_CHUNKS = A::QK_CHUNKS;      // 16-byte chunks of a query row
+  static constexpr int CHUNKS = A::VO_CHUNKS;        // 8-column chunks of an output row
+  static constexpr int K_CHUNKS = A::K_ROW_BYTES / 16;   // 16-byte chunks per K row
+  static constexpr int V_CHUNKS = A::V_ROW_BYTES / 16;   // and per V row
   static constexpr int ROWS = 16 * M_TILES;          // query rows of the MMA tile
   static constexpr int STAGES = STAGES_;             // cp.async ring depth (tiles in flight + 1)
-  static constexpr int KV_BYTES = TILE * ROW_BYTES;  // one of K or V per stage
+  static constexpr int K_BYTES = TILE * A::K_ROW_BYTES;   // K of a stage (V follows)
+  static constexpr int V_BYTES = TILE * A::V_ROW_BYTES;
   // The epilogue merges the warps' states in the stage just consumed: in one pass (m / l there too, the stage
-  // padded to fit), or for an fp8 cache in two passes of D / 2 columns (m / l in their own region).
+  // padded to fit), or for an fp8 cache in two passes of D_VO / 2 columns (m / l in their own region).
   static constexpr int MERGE_PHASES = kFp8 && WTOK == 16 ? 2 : 1;
-  using Merge = WarpMerge<D / MERGE_PHASES, WARPS, V::kSoftmax, kFp8 ? 0 : 4>;
+  using Merge = WarpMerge<D_VO / MERGE_PHASES, WARPS, V::kSoftmax, kFp8 ? 0 : 4>;
   static constexpr int STAGE_BYTES =   // K and V, or the merge's scratch (which is larger at 16 tokens per warp)
-      kFp8 || 2 * KV_BYTES > Merge::BYTES ? 2 * KV_BYTES : Merge::BYTES;
-  static constexpr int Q_BYTES = ROWS * D * 2;       // one Q slot; STAGES slots, by item ordinal
+      kFp8 || K_BYTES + V_BYTES > Merge::BYTES ? K_BYTES + V_BYTES : Merge::BYTES;
+  static constexpr int Q_BYTES = ROWS * D_QK * (int)sizeof(Q);   // one Q slot; STAGES slots, by item ordinal
   static constexpr int RS_OFFSET = STAGES * (STAGE_BYTES + Q_BYTES);   // fp8: per-slot row scales, merge m / l
   static constexpr int SMEM_BYTES = RS_OFFSET + (kFp8 ? STAGES * ROWS * 4 + Merge::ML_BYTES : 0);
-  static constexpr int ROWS_PER_THREAD = TILE * KV_CHUNKS / THREADS;   // K rows each thread copies per tile
-  static_assert(D % 64 == 0, "head_dim must be 64, 128 or 256");
-  static_assert((THREADS % KV_CHUNKS) == 0, "thread layout");
-  static_assert(sizeof(T) == 2, "queries are f16 or bf16");
-  static_assert(kFp8 ? Merge::O_BYTES <= STAGE_BYTES : 2 * KV_BYTES <= STAGE_BYTES, "epilogue scratch fits a stage");
+  // The 16-byte copies of a tile's K (CH = K_CHUNKS) or V rows: where CH divides THREADS, thread t takes chunk
+  // t % CH of rows t / CH + j (THREADS / CH); else copy j is chunk (t + j THREADS) % CH of row (t + j THREADS) / CH.
+  template <int CH> struct Copies {
+    static constexpr bool kWholeRows = THREADS % CH == 0;
+    static constexpr int N = (TILE * CH + THREADS - 1) / THREADS;   // copies per thread
+    __device__ __forceinline__ static int row(int j) {
+      if constexpr (kWholeRows) return threadIdx.x / CH + j * (THREADS / CH);
+      else return min((int)(threadIdx.x + j * THREADS) / CH, TILE - 1);
+    }
+    __device__ __forceinline__ static int chunk(int j) {
+      if constexpr (kWholeRows) return threadIdx.x % CH;
+      else return (int)(threadIdx.x + j * THREADS) % CH;
+    }
+    __device__ __forceinline__ static bool in_tile(int j) { return kWholeRows || threadIdx.x + j * THREADS < TILE * CH; }
+  };
+  using KCopies = Copies<K_CHUNKS>;
+  using VCopies = Copies<V_CHUNKS>;
+  // K and V rows alike: one page offset per copied row serves both; else V's offsets follow K's.
+  static constexpr bool kOneLayout = K_CHUNKS == V_CHUNKS;
+  static constexpr int V_OFF = kOneLayout ? 0 : KCopies::N;
+  static constexpr int OFFS = V_OFF + VCopies::N;     // page offsets each thread holds per tile
+  static_assert(kFp8 ? Merge::O_BYTES <= STAGE_BYTES : K_BYTES + V_BYTES <= STAGE_BYTES, "epilogue scratch fits a stage");
   static_assert(!(kFp8 && V::kQK), "a query / key transform (RoPE) needs a 16-bit cache");
 
   // Position in the tile stream: work item w (index into the plan), its token range, tile start t0.
@@ -111,8 +136,9 @@ struct DecodeKernel {
   __device__ DecodeKernel(const DecodeParams& p_, int h_, int z)
       : p(p_), h(h_), head0(h_ * p_.group_size + z * ROWS), nrows(min(ROWS, p_.group_size - z * ROWS)) {}
 
-  // Byte offset of 16-byte chunk c of row r in a K or V tile.
-  __device__ __forceinline__ static int kv_at(int r, int c) { return swz_bytes<ROW_BYTES>(r, c); }
+  // Byte offset of 16-byte chunk c of row r in a K / a V tile.
+  __device__ __forceinline__ static int k_at(int r, int c) { return swz_bytes<A::K_ROW_BYTES>(r, c); }
+  __device__ __forceinline__ static int v_at(int r, int c) { return swz_bytes<A::V_ROW_BYTES>(r, c); }
 
   __device__ __forceinline__ void load_item(Cursor& c) const {
     if (c.w < c.w_end) {
@@ -127,18 +153,29 @@ struct DecodeKernel {
     if (c.t0 >= c.end) { ++c.w; load_item(c); }
   }
 
-  // Element offsets (page base + in-page token) of the K/V rows this thread copies for the cursor's tile.
-  __device__ __forceinline__ void row_offsets(const Cursor& c, long long (&off)[ROWS_PER_THREAD]) const {
+  // Element offsets (page base + in-page token) of the K/V rows this thread copies for the cursor's tile
+  // (off[j]: K copy j, off[V_OFF + j]: V copy j).
+  __device__ __forceinline__ void row_offsets(const Cursor& c, long long (&off)[OFFS]) const {
     if (!c.valid()) return;
     const int pbase = p.page_indptr[c.req];
 #pragma unroll
-    for (int j = 0; j < ROWS_PER_THREAD; ++j) {
-      const int row = threadIdx.x / KV_CHUNKS + j * (THREADS / KV_CHUNKS);
+    for (int j = 0; j < KCopies::N; ++j) {
+      const int row = KCopies::row(j);
       const int tok = min(c.t0 + row, c.end - 1);
       int pg, in;
       if (p.page_shift >= 0) { pg = tok >> p.page_shift; in = tok & (p.page_size - 1); }
       else { pg = tok / p.page_size; in = tok - pg * p.page_size; }
       off[j] = (long long)p.page_indices[pbase + pg] * p.kv_stride_page + (long long)in * p.kv_stride_token;
+    }
+    if constexpr (!kOneLayout) {
+#pragma unroll
+      for (int j = 0; j < VCopies::N; ++j) {
+        const int tok = min(c.t0 + VCopies::row(j), c.end - 1);
+        int pg, in;
+        if (p.page_shift >= 0) { pg = tok >> p.page_shift; in = tok & (p.page_size - 1); }
+        else { pg = tok / p.page_size; in = tok - pg * p.page_size; }
+        off[V_OFF + j] = (long long)p.page_indices[pbase + pg] * p.kv_stride_page + (long long)in * p.kv_stride_token;
+      }
     }
     // Pages under 8 tokens: the page ids of the item's next tile, into L1 (one thread per 128-byte line). They
     // are loaded one iteration from now, and with one id per row (page size 1) an L2 round trip each time stood
@@ -156,39 +193,57 @@ struct DecodeKernel {
   }
 
   __device__ __forceinline__ int slot(const Cursor& c) const { return (c.w - c.w_first) % STAGES; }
-  __device__ __forceinline__ T* q_slot(const Cursor& c, unsigned char* smem) const {
-    return reinterpret_cast<T*>(smem + STAGES * STAGE_BYTES + slot(c) * Q_BYTES);
+  __device__ __forceinline__ Q* q_slot(const Cursor& c, unsigned char* smem) const {
+    return reinterpret_cast<Q*>(smem + STAGES * STAGE_BYTES + slot(c) * Q_BYTES);
   }
   // fp8 with bf16 queries: the power-of-two factors of the slot's query rows (q_rows_to_half)
   __device__ __forceinline__ float* row_scales(const Cursor& c, unsigned char* smem) const {
     return reinterpret_cast<float*>(smem + RS_OFFSET) + slot(c) * ROWS;
   }
 
-  __device__ __forceinline__ void issue(const Cursor& c, const long long (&off)[ROWS_PER_THREAD],
-                                        unsigned char* stage, T* qs) const {
-    const int chunk = threadIdx.x % KV_CHUNKS;
-    const KV* kb = static_cast<const KV*>(p.k) + h * p.kv_stride_head + chunk * (16 / (int)sizeof(KV));
-    const KV* vb = static_cast<const KV*>(p.v) + h * p.kv_stride_head + chunk * (16 / (int)sizeof(KV));
+  __device__ __forceinline__ void issue(const Cursor& c, const long long (&off)[OFFS], unsigned char* stage,
+                                        Q* qs) const {
+    constexpr int E16 = 16 / (int)sizeof(KV);   // elements per 16-byte chunk
+    if constexpr (kOneLayout && KCopies::kWholeRows) {   // one chunk column of K and V per thread
+      const int chunk = KCopies::chunk(0);
+      const KV* kb = static_cast<const KV*>(p.k) + h * p.kv_stride_head + chunk * E16;
+      const KV* vb = static_cast<const KV*>(p.v) + h * p.kv_stride_head + chunk * E16;
 #pragma unroll
-    for (int j = 0; j < ROWS_PER_THREAD; ++j) {
-      const int row = threadIdx.x / KV_CHUNKS + j * (THREADS / KV_CHUNKS);
-      const int bytes = c.t0 + row < c.end ? 16 : 0;
-      cp_async16(stage + kv_at(row, chunk), kb + off[j], bytes);
-      cp_async16(stage + KV_BYTES + kv_at(row, chunk), vb + off[j], bytes);
+      for (int j = 0; j < KCopies::N; ++j) {
+        const int row = KCopies::row(j);
+        const int bytes = c.t0 + row < c.end ? 16 : 0;
+        cp_async16(stage + k_at(row, chunk), kb + off[j], bytes);
+        cp_async16(stage + K_BYTES + v_at(row, chunk), vb + off[j], bytes);
+      }
+    } else {
+      const KV* kg = static_cast<const KV*>(p.k) + h * p.kv_stride_head;
+      const KV* vg = static_cast<const KV*>(p.v) + h * p.kv_stride_head;
+#pragma unroll
+      for (int j = 0; j < KCopies::N; ++j) {
+        const int row = KCopies::row(j), chunk = KCopies::chunk(j);
+        if (KCopies::in_tile(j))
+          cp_async16(stage + k_at(row, chunk), kg + chunk * E16 + off[j], c.t0 + row < c.end ? 16 : 0);
+      }
+#pragma unroll
+      for (int j = 0; j < VCopies::N; ++j) {
+        const int row = VCopies::row(j), chunk = VCopies::chunk(j);
+        if (VCopies::in_tile(j))
+          cp_async16(stage + K_BYTES + v_at(row, chunk), vg + chunk * E16 + off[V_OFF + j], c.t0 + row < c.end ? 16 : 0);
+      }
     }
     if (c.t0 == c.begin) {  // first tile of an item: bring its query rows (zeros past the group)
-      const T* qb = static_cast<const T*>(p.q) + c.req * p.q_stride_n + (long long)head0 * p.q_stride_h;
-      for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
-        const int r = i / CHUNKS, ch = i % CHUNKS;
+      const Q* qb = static_cast<const Q*>(p.q) + c.req * p.q_stride_n + (long long)head0 * p.q_stride_h;
+      for (int i = threadIdx.x; i < ROWS * Q_CHUNKS; i += THREADS) {
+        const int r = i / Q_CHUNKS, ch = i % Q_CHUNKS;
         const bool ok = r < nrows;
-        cp_async16(qs + swz<D>(r, ch), ok ? qb + r * p.q_stride_h + ch * 8 : qb, ok ? 16 : 0);
+        cp_async16(qs + swz<D_QK>(r, ch), ok ? qb + r * p.q_stride_h + ch * 8 : qb, ok ? 16 : 0);
       }
     }
   }
 
   // Issue the producer's tile into the slot consumed at iteration it - 1, move the producer on, and start the
   // page-id loads of its next tile (used one iteration later). Always commits a group (maybe empty).
-  __device__ __forceinline__ void refill(Cursor& prod, long long (&off)[ROWS_PER_THREAD], unsigned char* smem,
+  __device__ __forceinline__ void refill(Cursor& prod, long long (&off)[OFFS], unsigned char* smem,
                                          int it) const {
     if (prod.valid()) {
       issue(prod, off, smem + ((it + STAGES - 1) % STAGES) * STAGE_BYTES, q_slot(prod, smem));
@@ -206,7 +261,7 @@ struct DecodeKernel {
     if (prod.w >= prod.w_end) return;
     load_item(prod);
     Cursor cons = prod;
-    long long off[ROWS_PER_THREAD];
+    long long off[OFFS];
     row_offsets(prod, off);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) refill(prod, off, smem, s + 1 - STAGES);   // fills slot s
@@ -217,7 +272,7 @@ struct DecodeKernel {
     const float k_factor = kFp8 ? p.score_scale * kv_cache_scale(p.k_scale_ptr, p.k_scale, h) : 0.f;
     int kv_len = 0;
     // the query / key transform's per-thread constants (the same dims for Q, by all threads, and K, by lanes)
-    const typename V::QKState qk_state = V::template qk_init<D>(p, qk_dims<D>(threadIdx.x));
+    const typename V::QKState qk_state = V::template qk_init<D_QK>(p, qk_dims<D_QK>(threadIdx.x));
     for (int it = 0; cons.valid(); ++it) {
       unsigned char* stage = smem + (it % STAGES) * STAGE_BYTES;
 #if KVATTN_REFILL_FIRST
@@ -241,12 +296,12 @@ struct DecodeKernel {
           kv_len = np == 0 ? 0 : (np - 1) * p.page_size + p.last_page_len[cons.req];
         }
         if constexpr (V::kQK) {   // the item's query rows (landed with its first tile), at the row's diagonal
-          transform_rows<V, D>(p, qk_state, q_slot(cons, smem), 0, nrows, threadIdx.x, THREADS, cons.req, false,
+          transform_rows<V, D_QK>(p, qk_state, q_slot(cons, smem), 0, nrows, threadIdx.x, THREADS, cons.req, false,
                                [&](int) { return kv_len - 1; });
           __syncthreads();
         }
         if constexpr (kQToHalf) {
-          q_rows_to_half<D, ROWS, THREADS>(q_slot(cons, smem), row_scales(cons, smem));
+          q_rows_to_half<D_QK, ROWS, THREADS>(q_slot(cons, smem), row_scales(cons, smem));
           __syncthreads();
         }
         if constexpr (kFp8) {
@@ -265,21 +320,21 @@ struct DecodeKernel {
   }
 
   // S = Q K^T of this warp's 16 tokens for m-tile mt (accumulator layout).
-  __device__ __forceinline__ void qk_product(const unsigned char* ks, const T* q_tile, int mt, int tw, int lane,
+  __device__ __forceinline__ void qk_product(const unsigned char* ks, const Q* q_tile, int mt, int tw, int lane,
                                              float (&s)[NB][4]) const {
     const int j = lane / 8;
     if constexpr (!kFp8) {
-      const T* kt = reinterpret_cast<const T*>(ks);
+      const KV* kt = reinterpret_cast<const KV*>(ks);
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
+      for (int kk = 0; kk < D_QK / 16; ++kk) {
         unsigned a[4];
-        ldmatrix_x4(a, q_tile + swz<D>(mt * 16 + (j % 2) * 8 + lane % 8, 2 * kk + j / 2));
+        ldmatrix_x4(a, q_tile + swz<D_QK>(mt * 16 + (j % 2) * 8 + lane % 8, 2 * kk + j / 2));
 #pragma unroll
         for (int g2 = 0; g2 < NB / 2; ++g2) {   // 16 tokens each
           unsigned b[4];
-          ldmatrix_x4(b, kt + swz<D>(tw + 16 * g2 + (j / 2) * 8 + lane % 8, 2 * kk + j % 2));
-          Mma<T>::run(s[2 * g2], a, b[0], b[1]);
-          Mma<T>::run(s[2 * g2 + 1], a, b[2], b[3]);
+          ldmatrix_x4(b, kt + swz<D_QK>(tw + 16 * g2 + (j / 2) * 8 + lane % 8, 2 * kk + j % 2));
+          Mma<MT>::run(s[2 * g2], a, b[0], b[1]);
+          Mma<MT>::run(s[2 * g2 + 1], a, b[2], b[3]);
         }
       }
     } else {
@@ -287,17 +342,18 @@ struct DecodeKernel {
       // (4t, 4t+1) and (2t+8, 2t+9) are (4t+2, 4t+3), so the query fragments are read in the same order.
       const int g = lane / 4, t = lane % 4;
 #pragma unroll
-      for (int k2 = 0; k2 < D / 32; ++k2) {
+      for (int k2 = 0; k2 < D_QK / 32; ++k2) {
         unsigned kr[NB / 2][4];   // per 16 tokens: (0-7, step 2 k2), (8-15, 2 k2), (0-7, 2 k2 + 1), (8-15, 2 k2 + 1)
 #pragma unroll
         for (int g2 = 0; g2 < NB / 2; ++g2)
-          ldmatrix_x4(kr[g2], ks + kv_at(tw + 16 * g2 + (j % 2) * 8 + lane % 8, 2 * k2 + j / 2));
+          ldmatrix_x4(kr[g2], ks + k_at(tw + 16 * g2 + (j % 2) * 8 + lane % 8, 2 * k2 + j / 2));
 #pragma unroll
         for (int hs = 0; hs < 2; ++hs) {
           const int kk = 2 * k2 + hs;
-          const uint2 lo = *reinterpret_cast<const uint2*>(q_tile + swz<D>(mt * 16 + g, 2 * kk + t / 2) + (t & 1) * 4);
+          const uint2 lo =
+              *reinterpret_cast<const uint2*>(q_tile + swz<D_QK>(mt * 16 + g, 2 * kk + t / 2) + (t & 1) * 4);
           const uint2 hi =
-              *reinterpret_cast<const uint2*>(q_tile + swz<D>(mt * 16 + g + 8, 2 * kk + t / 2) + (t & 1) * 4);
+              *reinterpret_cast<const uint2*>(q_tile + swz<D_QK>(mt * 16 + g + 8, 2 * kk + t / 2) + (t & 1) * 4);
           const unsigned a[4] = {lo.x, hi.x, lo.y, hi.y};
 #pragma unroll
           for (int g2 = 0; g2 < NB / 2; ++g2) {
@@ -317,26 +373,26 @@ struct DecodeKernel {
                                              int lane, float (&o)[CHUNKS][4]) const {
     const int j = lane / 8;
     if constexpr (!kFp8) {
-      const T* vt = reinterpret_cast<const T*>(vs);
+      const KV* vt = reinterpret_cast<const KV*>(vs);
 #pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
+      for (int dp = 0; dp < D_VO / 16; ++dp) {
 #pragma unroll
         for (int g2 = 0; g2 < NB / 2; ++g2) {   // 16 tokens each
           unsigned b[4];
-          ldmatrix_x4_trans(b, vt + swz<D>(tw + 16 * g2 + (j % 2) * 8 + lane % 8, 2 * dp + j / 2));
-          Mma<T>::run(o[2 * dp], pa[g2], b[0], b[1]);
-          Mma<T>::run(o[2 * dp + 1], pa[g2], b[2], b[3]);
+          ldmatrix_x4_trans(b, vt + swz<D_VO>(tw + 16 * g2 + (j % 2) * 8 + lane % 8, 2 * dp + j / 2));
+          Mma<MT>::run(o[2 * dp], pa[g2], b[0], b[1]);
+          Mma<MT>::run(o[2 * dp + 1], pa[g2], b[2], b[3]);
         }
       }
     } else {
       // ldmatrix.trans of byte pairs gives tokens (2t, 2t+1) of dims (2g, 2g+1) of a 16-dim chunk: the even dims
       // feed n-block 2c, the odd ones 2c + 1 (WarpMerge::stash_even_odd reads them back in order).
 #pragma unroll
-      for (int c2 = 0; c2 < D / 32; ++c2) {
+      for (int c2 = 0; c2 < D_VO / 32; ++c2) {
 #pragma unroll
         for (int g2 = 0; g2 < NB / 2; ++g2) {
           unsigned vr[4];   // (tokens 0-7, chunk 2 c2), (8-15, 2 c2), (0-7, 2 c2 + 1), (8-15, 2 c2 + 1)
-          ldmatrix_x4_trans(vr, vs + kv_at(tw + 16 * g2 + (j % 2) * 8 + lane % 8, 2 * c2 + j / 2));
+          ldmatrix_x4_trans(vr, vs + v_at(tw + 16 * g2 + (j % 2) * 8 + lane % 8, 2 * c2 + j / 2));
 #pragma unroll
           for (int hs = 0; hs < 2; ++hs) {
             const int c = 2 * c2 + hs;
@@ -351,13 +407,13 @@ struct DecodeKernel {
     }
   }
 
-  __device__ __forceinline__ void compute_tile(unsigned char* stage, const T* q_tile, const Cursor& c, int kv_len,
+  __device__ __forceinline__ void compute_tile(unsigned char* stage, const Q* q_tile, const Cursor& c, int kv_len,
                                                int lane, int warp, const typename V::QKState& qk_state,
                                                const float (&sc)[M_TILES][2], float (&o)[M_TILES][CHUNKS][4],
                                                float (&m)[M_TILES][2], float (&l)[M_TILES][2]) const {
     const int tw = warp * WTOK;  // this warp's first token in the tile
     if constexpr (V::kQK) {   // this warp's WTOK key rows, at their kv positions (only this warp reads them)
-      transform_key_rows<V, D, WTOK>(p, qk_state, reinterpret_cast<T*>(stage), tw, lane, c.t0, c.req);
+      transform_key_rows<V, D_QK, WTOK>(p, qk_state, reinterpret_cast<KV*>(stage), tw, lane, c.t0, c.req);
       __syncwarp();
     }
 #pragma unroll
@@ -401,7 +457,7 @@ struct DecodeKernel {
       }
 #pragma unroll
       for (int g2 = 0; g2 < NB / 2; ++g2) a_from_c<MT>(&s[2 * g2][0], pa[g2]);
-      pv_product(stage + KV_BYTES, pa, tw, lane, o[mt]);
+      pv_product(stage + K_BYTES, pa, tw, lane, o[mt]);
     }
   }
 
@@ -437,7 +493,7 @@ struct DecodeKernel {
           if (partial < 0) {
             store_row(c.req, head, ch, acc, lse);
           } else {
-            Vec8<float>::store(p.tmp_o + ((long long)partial * p.num_qo_heads + head) * D + ch * 8, acc);
+            Vec8<float>::store(p.tmp_o + ((long long)partial * p.num_qo_heads + head) * D_VO + ch * 8, acc);
             if (ch == 0) p.tmp_lse[(long long)partial * p.num_qo_heads + head] = lse;
           }
         }
@@ -477,13 +533,13 @@ struct DecodeKernel {
     const int units = nrows * CHUNKS;
     int split = 1;
     while (split < 8 && units * split <= THREADS) split *= 2;
-    const long long row = (long long)p.num_qo_heads * D;
+    const long long row = (long long)p.num_qo_heads * D_VO;
     for (int i0 = 0; i0 < units * split; i0 += THREADS) {   // (a uniform trip count: whole warps shuffle)
       const int i = i0 + threadIdx.x, u = min(i / split, units - 1), part = i % split;
       const int head = head0 + u / CHUNKS, ch = u % CHUNKS;
       const int b = part * n / split, e = i < units * split ? (part + 1) * n / split : b;
       float acc[8];
-      float lse = merge_state_run<true, 1>(p.tmp_o + ((long long)(first + b) * p.num_qo_heads + head) * D + ch * 8,
+      float lse = merge_state_run<true, 1>(p.tmp_o + ((long long)(first + b) * p.num_qo_heads + head) * D_VO + ch * 8,
                                            row, p.tmp_lse + (long long)(first + b) * p.num_qo_heads + head,
                                            p.num_qo_heads, e - b, acc);
       for (int off = 1; off < split; off *= 2) combine_lane_states(acc, lse, off, 0xffffffffu);
@@ -491,14 +547,15 @@ struct DecodeKernel {
     }
   }
 
-  // Output row req, head `head`, 8-column chunk ch of a finished state (the variant's output hook applied).
+  // Output row req, head `head`, 8-column chunk ch of a finished state (the variant's output hook applied),
+  // converted to O.
   __device__ __forceinline__ void store_row(int req, int head, int ch, float (&acc)[8], float lse) const {
     if constexpr (V::kOutput) {
       const float f = V::output(p, head, lse);
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[e] *= f;
     }
-    Vec8<T>::store(static_cast<T*>(p.o) + req * p.o_stride_n + head * p.o_stride_h + ch * 8, acc);
+    Vec8<O>::store(static_cast<O*>(p.o) + req * p.o_stride_n + head * p.o_stride_h + ch * 8, acc);
     if (p.lse && ch == 0) p.lse[req * p.lse_stride_n + head] = lse;
   }
 
@@ -517,12 +574,12 @@ struct DecodeKernel {
   }
 };
 
-template <int D, int M_TILES, int STAGES, class V, typename T, typename KV = T>
+template <class A, int M_TILES, int STAGES, class V>
 __global__ void __launch_bounds__(128) decode_kernel(const __grid_constant__ DecodeParams p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   allow_dependent_launch();   // the split-KV merge kernel may launch now and wait for this grid's end on the GPU
   const int chunk = blockIdx.x / p.z_split, z = blockIdx.x - chunk * p.z_split;
-  DecodeKernel<D, M_TILES, STAGES, V, T, KV> k(p, blockIdx.y, z);
+  DecodeKernel<A, M_TILES, STAGES, V> k(p, blockIdx.y, z);
   k.run(chunk, smem_raw);
 }
 

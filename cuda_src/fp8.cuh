@@ -73,10 +73,13 @@ __device__ __forceinline__ float kv_cache_scale(const float* per_head, float f, 
 }
 
 // Byte offset of 16-byte chunk c of row r in a [rows][ROW_BYTES] tile, XOR-swizzled so that 8 consecutive rows at
-// one chunk column hit 8 different bank groups (64-byte rows: two rows share a 128-byte line).
+// one chunk column hit 8 different bank groups (64-byte rows: two rows share a 128-byte line). Rows of 128 k + 64
+// bytes (fp8 head dims 192, 576) swizzle their last 64 bytes by r % 4, so that every chunk stays in its row.
 template <int ROW_BYTES> __device__ __forceinline__ int swz_bytes(int r, int c) {
-  if constexpr (ROW_BYTES >= 128) return r * ROW_BYTES + ((c ^ (r & 7)) << 4);
-  else return r * ROW_BYTES + ((c ^ ((r >> 1) & 3)) << 4);
+  static_assert(ROW_BYTES % 64 == 0, "rows of whole 64-byte groups");
+  if constexpr (ROW_BYTES % 128 == 0) return r * ROW_BYTES + ((c ^ (r & 7)) << 4);
+  else if constexpr (ROW_BYTES == 64) return r * ROW_BYTES + ((c ^ ((r >> 1) & 3)) << 4);
+  else return r * ROW_BYTES + ((c ^ (c < ROW_BYTES / 128 * 8 ? r & 7 : r & 3)) << 4);
 }
 
 // In place: bf16 query rows [ROWS][D] (swizzle swz<D>) -> f16, each row scaled by a power of two 2^-e (e >= 0, the

@@ -22,7 +22,7 @@ from .contract import align4, page_size_shift
 from ._attn_args import DTYPES, HEAD_DIMS, check_plan_args
 from .compiler import Resources
 from .formats import PageTable
-from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
+from .kernels import KernelSpec, Launch, ParamBuffer, attn_types, get_kernel, register
 from ._binding import import_array
 from .memory import asarray
 from .opcore import AttentionOp, PagedKV, on_device
@@ -68,16 +68,19 @@ DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas
                       refill_first=False, fused_merge=None, wtok=None, merge_lanes=None, merge_programmatic=True)
 
 
-def warp_tokens(head_dim: int, kv_dtype: str | None = None, forced: int | None = None) -> int:
-    """Tokens per warp per tile (mirrors DecodeKernel::WTOK): 32 where 16 would make a stage of half head dim
-    128's 32 KB (an fp8 cache at head dims 64 / 128, a 16-bit one at 64), else 16; `forced` (tuning) wins."""
+def warp_tokens(head_dim: int, kv_dtype: str | None = None, forced: int | None = None,
+                head_dim_vo: int | None = None) -> int:
+    """Tokens per warp per tile (mirrors DecodeKernel::WTOK): 32 where 16 would make a stage of at most half head
+    dim 128's 32 KB (an fp8 cache at head dims 64 / 128, a 16-bit one at 64), else 16; `forced` (tuning) wins.
+    head_dim_vo: V's head dim where it differs from head_dim (Q / K's)."""
     if forced:
         return forced
-    fp8 = kv_dtype is not None and _dtypes.is_fp8(kv_dtype)
-    return 32 if (head_dim <= 128 if fp8 else head_dim == 64) else 16
+    elt = 1 if kv_dtype is not None and _dtypes.is_fp8(kv_dtype) else 2
+    return 32 if 64 * (head_dim + (head_dim_vo or head_dim)) * elt <= 16384 else 16
 
 
-def default_stages(head_dim: int, kv_dtype: str | None = None, wtok: int | None = None) -> int:
+def default_stages(head_dim: int, kv_dtype: str | None = None, wtok: int | None = None,
+                   head_dim_vo: int | None = None) -> int:
     """Measured on the H200 (BENCHMARKS.md): a 32 KB stage (head_dim 128 at 16 tokens per warp) is best with 2
     stages and 3 CTAs per SM (+2..4% over 3 stages and 2 CTAs per SM on 4 of the 5 anchor cases); 64 at 16 tokens
     per warp with 3 stages (3 CTAs per SM); 256 fits one CTA per SM either way, so 3 stages keep more bytes in
@@ -85,37 +88,39 @@ def default_stages(head_dim: int, kv_dtype: str | None = None, wtok: int | None 
     2 stages fit 2 CTAs per SM (1.5x faster than 3)."""
     if kv_dtype is not None and _dtypes.is_fp8(kv_dtype):
         return 2 if head_dim in (128, 256) else 3
-    return 2 if head_dim * warp_tokens(head_dim, kv_dtype, wtok) == 128 * 16 else 3
+    return 2 if head_dim * warp_tokens(head_dim, kv_dtype, wtok, head_dim_vo) == 128 * 16 else 3
 
 
 def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: int | None = None,
                 l2_prefetch: bool = False, refill_first: bool = False, kv_dtype: str | None = None,
-                wtok: int | None = None) -> KernelSpec:
-    """wtok: tokens per warp per tile forced (16 or 32; None or the rule's value: warp_tokens' rule, no define)."""
+                wtok: int | None = None, head_dim_vo: int | None = None) -> KernelSpec:
+    """wtok: tokens per warp per tile forced (16 or 32; None or the rule's value: warp_tokens' rule, no define).
+    head_dim_vo: V / O's head dim where it differs from head_dim (Q / K's): compile tests only, no op runs it."""
     kv_dtype = kv_dtype or dtype
-    stages = stages or default_stages(head_dim, kv_dtype, wtok)
-    args = (f"{head_dim}, {mt}, {stages}, {variant.decode_type()}, {_dtypes.to_ctype(dtype)}, "
-            f"{_dtypes.to_ctype(kv_dtype)}")
+    stages = stages or default_stages(head_dim, kv_dtype, wtok, head_dim_vo)
+    args = f"{attn_types(head_dim, dtype, kv_dtype, head_dim_vo)}, {mt}, {stages}, {variant.decode_type()}"
     traits = f"kvattn::DecodeKernel<{args}>"
     defines = (("KVATTN_L2_PREFETCH", int(l2_prefetch)), ("KVATTN_REFILL_FIRST", int(refill_first)))
-    if wtok and wtok != warp_tokens(head_dim, kv_dtype):
+    if wtok and wtok != warp_tokens(head_dim, kv_dtype, head_dim_vo=head_dim_vo):
         defines += (("KVATTN_DECODE_WTOK", int(wtok)),)
+    smem = smem_bytes(head_dim, mt, stages, kv_dtype, wtok, head_dim_vo)
     return KernelSpec("decode.cuh", f"kvattn::decode_kernel<{args}>", defines=defines, prelude=variant.prelude(),
-                      checks=((f"{traits}::SMEM_BYTES", smem_bytes(head_dim, mt, stages, kv_dtype, wtok)),
-                              (f"{traits}::THREADS", THREADS)))
+                      checks=((f"{traits}::SMEM_BYTES", smem), (f"{traits}::THREADS", THREADS)))
 
 
 def smem_bytes(head_dim: int, mt: int, stages: int | None = None, kv_dtype: str | None = None,
-               wtok: int | None = None) -> int:
-    """Dynamic shared memory of decode_kernel (mirrors DecodeKernel::SMEM_BYTES; a static_assert checks it)."""
+               wtok: int | None = None, head_dim_vo: int | None = None) -> int:
+    """Dynamic shared memory of decode_kernel (mirrors DecodeKernel::SMEM_BYTES; a static_assert checks it).
+    head_dim: Q / K's; head_dim_vo: V / O's (None: head_dim)."""
+    dvo = head_dim_vo or head_dim
     fp8 = kv_dtype is not None and _dtypes.is_fp8(kv_dtype)
-    tile = 4 * warp_tokens(head_dim, kv_dtype, wtok)   # tokens per stage
-    stages = stages or default_stages(head_dim, kv_dtype, wtok)
+    tile = 4 * warp_tokens(head_dim, kv_dtype, wtok, head_dim_vo)   # tokens per stage
+    stages = stages or default_stages(head_dim, kv_dtype, wtok, head_dim_vo)
     rows = 16 * mt
     merge_ml = 2 * 4 * 16 * 4                      # WarpMerge's m and l
     if fp8:   # K, V fp8 tiles; Q slots; their row scales; m / l apart
-        return stages * (2 * tile * head_dim + rows * head_dim * 2) + stages * rows * 4 + merge_ml
-    stage = max(4 * 16 * (head_dim + 4) * 4 + merge_ml, 2 * tile * head_dim * 2)   # the merge's scratch, or K + V
+        return stages * (tile * (head_dim + dvo) + rows * head_dim * 2) + stages * rows * 4 + merge_ml
+    stage = max(4 * 16 * (dvo + 4) * 4 + merge_ml, tile * (head_dim + dvo) * 2)   # the merge's scratch, or K + V
     return stages * (stage + rows * head_dim * 2)
 
 

@@ -14,7 +14,7 @@ import threading
 
 import numpy as np
 
-from . import _driver, cache
+from . import _driver, _dtypes, cache
 from ._errors import CudaError
 from .stream import as_stream
 
@@ -57,6 +57,15 @@ class KernelSpec:
         files = ({self.prelude[0]: self.prelude[1], f"{self.prelude[0]}_params": self.prelude[2]}
                  if self.prelude[1] else None)
         return cache.get_or_compile(self.source(), self.uri(), self.all_options(), [self.kernel], arch, files)
+
+
+def attn_types(head_dim: int, dtype: str, kv_dtype: str | None = None, head_dim_vo: int | None = None) -> str:
+    """The element types and head dims an attention kernel is built with (cuda_src/traits.cuh,
+    `AttnTypes<D_QK, D_VO, Q, KV, O>`): queries of dtype, a cache of kv_dtype (None: dtype), the output of q's
+    dtype; head_dim is Q / K's, head_dim_vo V / O's (None: head_dim)."""
+    q = _dtypes.to_ctype(dtype)
+    return (f"kvattn::AttnTypes<{head_dim}, {head_dim_vo or head_dim}, {q}, {_dtypes.to_ctype(kv_dtype or dtype)}, "
+            f"{q}>")
 
 
 REGISTRY: dict[str, list] = {}   # op name -> [KernelSpec] of its documented default instantiations
