@@ -97,27 +97,12 @@ struct DecodeKernel {
   static constexpr int Q_BYTES = ROWS * D_QK * (int)sizeof(Q);   // one Q slot; STAGES slots, by item ordinal
   static constexpr int RS_OFFSET = STAGES * (STAGE_BYTES + Q_BYTES);   // fp8: per-slot row scales, merge m / l
   static constexpr int SMEM_BYTES = RS_OFFSET + (kFp8 ? STAGES * ROWS * 4 + Merge::ML_BYTES : 0);
-  // The 16-byte copies of a tile's K (CH = K_CHUNKS) or V rows: where CH divides THREADS, thread t takes chunk
-  // t % CH of rows t / CH + j (THREADS / CH); else copy j is chunk (t + j THREADS) % CH of row (t + j THREADS) / CH.
-  template <int CH> struct Copies {
-    static constexpr bool kWholeRows = THREADS % CH == 0;
-    static constexpr int N = (TILE * CH + THREADS - 1) / THREADS;   // copies per thread
-    __device__ __forceinline__ static int row(int j) {
-      if constexpr (kWholeRows) return threadIdx.x / CH + j * (THREADS / CH);
-      else return min((int)(threadIdx.x + j * THREADS) / CH, TILE - 1);
-    }
-    __device__ __forceinline__ static int chunk(int j) {
-      if constexpr (kWholeRows) return threadIdx.x % CH;
-      else return (int)(threadIdx.x + j * THREADS) % CH;
-    }
-    __device__ __forceinline__ static bool in_tile(int j) { return kWholeRows || threadIdx.x + j * THREADS < TILE * CH; }
-  };
-  using KCopies = Copies<K_CHUNKS>;
-  using VCopies = Copies<V_CHUNKS>;
-  // K and V rows alike: one page offset per copied row serves both; else V's offsets follow K's.
-  static constexpr bool kOneLayout = K_CHUNKS == V_CHUNKS;
-  static constexpr int V_OFF = kOneLayout ? 0 : KCopies::N;
-  static constexpr int OFFS = V_OFF + VCopies::N;     // page offsets each thread holds per tile
+  // The tile's copies: TPR adjacent threads take one token's K row and V row (TPR divides both rows' 16-byte
+  // chunks and THREADS; one page offset serves both): thread t copies chunks t % TPR + k TPR of rows t / TPR + j
+  // (THREADS / TPR). Equal K and V rows: TPR = K_CHUNKS, one chunk of each row per thread.
+  static constexpr int TPR = gcd(gcd(K_CHUNKS, V_CHUNKS), THREADS);
+  static constexpr int ROWS_PER_THREAD = TILE * TPR / THREADS;   // K (and V) rows each thread copies per tile
+  static_assert(TILE % (THREADS / TPR) == 0, "whole copy passes per tile");
   static_assert(kFp8 ? Merge::O_BYTES <= STAGE_BYTES : K_BYTES + V_BYTES <= STAGE_BYTES, "epilogue scratch fits a stage");
   static_assert(!(kFp8 && V::kQK), "a query / key transform (RoPE) needs a 16-bit cache");
 
@@ -153,29 +138,18 @@ struct DecodeKernel {
     if (c.t0 >= c.end) { ++c.w; load_item(c); }
   }
 
-  // Element offsets (page base + in-page token) of the K/V rows this thread copies for the cursor's tile
-  // (off[j]: K copy j, off[V_OFF + j]: V copy j).
-  __device__ __forceinline__ void row_offsets(const Cursor& c, long long (&off)[OFFS]) const {
+  // Element offsets (page base + in-page token) of the K/V rows this thread copies for the cursor's tile.
+  __device__ __forceinline__ void row_offsets(const Cursor& c, long long (&off)[ROWS_PER_THREAD]) const {
     if (!c.valid()) return;
     const int pbase = p.page_indptr[c.req];
 #pragma unroll
-    for (int j = 0; j < KCopies::N; ++j) {
-      const int row = KCopies::row(j);
+    for (int j = 0; j < ROWS_PER_THREAD; ++j) {
+      const int row = threadIdx.x / TPR + j * (THREADS / TPR);
       const int tok = min(c.t0 + row, c.end - 1);
       int pg, in;
       if (p.page_shift >= 0) { pg = tok >> p.page_shift; in = tok & (p.page_size - 1); }
       else { pg = tok / p.page_size; in = tok - pg * p.page_size; }
       off[j] = (long long)p.page_indices[pbase + pg] * p.kv_stride_page + (long long)in * p.kv_stride_token;
-    }
-    if constexpr (!kOneLayout) {
-#pragma unroll
-      for (int j = 0; j < VCopies::N; ++j) {
-        const int tok = min(c.t0 + VCopies::row(j), c.end - 1);
-        int pg, in;
-        if (p.page_shift >= 0) { pg = tok >> p.page_shift; in = tok & (p.page_size - 1); }
-        else { pg = tok / p.page_size; in = tok - pg * p.page_size; }
-        off[V_OFF + j] = (long long)p.page_indices[pbase + pg] * p.kv_stride_page + (long long)in * p.kv_stride_token;
-      }
     }
     // Pages under 8 tokens: the page ids of the item's next tile, into L1 (one thread per 128-byte line). They
     // are loaded one iteration from now, and with one id per row (page size 1) an L2 round trip each time stood
@@ -201,35 +175,22 @@ struct DecodeKernel {
     return reinterpret_cast<float*>(smem + RS_OFFSET) + slot(c) * ROWS;
   }
 
-  __device__ __forceinline__ void issue(const Cursor& c, const long long (&off)[OFFS], unsigned char* stage,
-                                        Q* qs) const {
-    constexpr int E16 = 16 / (int)sizeof(KV);   // elements per 16-byte chunk
-    if constexpr (kOneLayout && KCopies::kWholeRows) {   // one chunk column of K and V per thread
-      const int chunk = KCopies::chunk(0);
-      const KV* kb = static_cast<const KV*>(p.k) + h * p.kv_stride_head + chunk * E16;
-      const KV* vb = static_cast<const KV*>(p.v) + h * p.kv_stride_head + chunk * E16;
+  __device__ __forceinline__ void issue(const Cursor& c, const long long (&off)[ROWS_PER_THREAD],
+                                        unsigned char* stage, Q* qs) const {
+    constexpr int STEP = TPR * (16 / (int)sizeof(KV));   // elements between a thread's chunks of a row
+    const int chunk = threadIdx.x % TPR;
+    const KV* kb = static_cast<const KV*>(p.k) + h * p.kv_stride_head + chunk * (16 / (int)sizeof(KV));
+    const KV* vb = static_cast<const KV*>(p.v) + h * p.kv_stride_head + chunk * (16 / (int)sizeof(KV));
 #pragma unroll
-      for (int j = 0; j < KCopies::N; ++j) {
-        const int row = KCopies::row(j);
-        const int bytes = c.t0 + row < c.end ? 16 : 0;
-        cp_async16(stage + k_at(row, chunk), kb + off[j], bytes);
-        cp_async16(stage + K_BYTES + v_at(row, chunk), vb + off[j], bytes);
-      }
-    } else {
-      const KV* kg = static_cast<const KV*>(p.k) + h * p.kv_stride_head;
-      const KV* vg = static_cast<const KV*>(p.v) + h * p.kv_stride_head;
+    for (int j = 0; j < ROWS_PER_THREAD; ++j) {
+      const int row = threadIdx.x / TPR + j * (THREADS / TPR);
+      const int bytes = c.t0 + row < c.end ? 16 : 0;
 #pragma unroll
-      for (int j = 0; j < KCopies::N; ++j) {
-        const int row = KCopies::row(j), chunk = KCopies::chunk(j);
-        if (KCopies::in_tile(j))
-          cp_async16(stage + k_at(row, chunk), kg + chunk * E16 + off[j], c.t0 + row < c.end ? 16 : 0);
-      }
+      for (int k = 0; k < K_CHUNKS / TPR; ++k)
+        cp_async16(stage + k_at(row, chunk + k * TPR), kb + off[j] + k * STEP, bytes);
 #pragma unroll
-      for (int j = 0; j < VCopies::N; ++j) {
-        const int row = VCopies::row(j), chunk = VCopies::chunk(j);
-        if (VCopies::in_tile(j))
-          cp_async16(stage + K_BYTES + v_at(row, chunk), vg + chunk * E16 + off[V_OFF + j], c.t0 + row < c.end ? 16 : 0);
-      }
+      for (int k = 0; k < V_CHUNKS / TPR; ++k)
+        cp_async16(stage + K_BYTES + v_at(row, chunk + k * TPR), vb + off[j] + k * STEP, bytes);
     }
     if (c.t0 == c.begin) {  // first tile of an item: bring its query rows (zeros past the group)
       const Q* qb = static_cast<const Q*>(p.q) + c.req * p.q_stride_n + (long long)head0 * p.q_stride_h;
@@ -243,7 +204,7 @@ struct DecodeKernel {
 
   // Issue the producer's tile into the slot consumed at iteration it - 1, move the producer on, and start the
   // page-id loads of its next tile (used one iteration later). Always commits a group (maybe empty).
-  __device__ __forceinline__ void refill(Cursor& prod, long long (&off)[OFFS], unsigned char* smem,
+  __device__ __forceinline__ void refill(Cursor& prod, long long (&off)[ROWS_PER_THREAD], unsigned char* smem,
                                          int it) const {
     if (prod.valid()) {
       issue(prod, off, smem + ((it + STAGES - 1) % STAGES) * STAGE_BYTES, q_slot(prod, smem));
@@ -261,7 +222,7 @@ struct DecodeKernel {
     if (prod.w >= prod.w_end) return;
     load_item(prod);
     Cursor cons = prod;
-    long long off[OFFS];
+    long long off[ROWS_PER_THREAD];
     row_offsets(prod, off);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) refill(prod, off, smem, s + 1 - STAGES);   // fills slot s

@@ -17,9 +17,9 @@
 // warp-specialised) replaces; it shares the plan, the item decoding (load_item), the variants (score,
 // needs_mask), the Q copy (copy_q) and the epilogue (store_rows) defined here.
 // An fp8 cache (KV = __nv_fp8_e4m3 / e5m2) streams through the ring as fp8; each tile is expanded (times
-// k_scale / v_scale, rounded once to T) into one 16-bit K/V tile that the unchanged mainloop reads.
+// k_scale / v_scale, rounded once to Q's type) into one 16-bit K/V tile that the unchanged mainloop reads.
 #pragma once
-#include "fp8.cuh"
+#include "traits.cuh"
 #include "variant.cuh"
 #include "warp_merge.cuh"
 
@@ -33,12 +33,12 @@ struct alignas(64) TmaMap {
 };
 
 struct PrefillParams {
-  const void* q;               // [total_qo, Hq, D] (any row / head strides, D contiguous)
+  const void* q;               // [total_qo, Hq, D_QK] (any row / head strides, D_QK contiguous)
   const void* k;               // token t of page pg, head h at pg*kv_stride_page + t*kv_stride_token + h*kv_stride_head
   const void* v;
-  void* o;                     // [total_qo, Hq, D]
+  void* o;                     // [total_qo, Hq, D_VO]
   float* lse;                  // [total_qo, Hq] natural log, may be null
-  float* tmp_o;                // [partial rows, Hq, D] float32
+  float* tmp_o;                // [partial rows, Hq, D_VO] float32
   float* tmp_lse;              // [partial rows, Hq]
   const int* plan;             // PlanHeader (common.cuh), then the regions below
   const unsigned char* mask;   // bit-packed custom mask (V::kCustomMask only), little bit order
@@ -58,9 +58,16 @@ struct PrefillParams {
   TmaMap tma_k, tma_v;         // cuTensorMapEncodeTiled descriptors of k and v, written by run()
 };
 
-template <int D, int WARPS_M, int MT, class V, typename T, typename KV = T>
+// A: the element types and head dims (traits.cuh).
+template <class A, int WARPS_M, int MT, class V>
 struct PrefillKernel {
-  static constexpr bool kFp8 = IsFp8<KV>::value;
+  using Q = typename A::Q;
+  using KV = typename A::KV;
+  using O = typename A::O;
+  using T = Q;   // the 16-bit tiles' and MMA operands' type (an fp8 cache is expanded to it)
+  static constexpr int D_QK = A::D_QK;
+  static constexpr int D_VO = A::D_VO;
+  static constexpr bool kFp8 = A::kFp8;
   static constexpr int WARPS = 4;
   static constexpr int THREADS = WARPS * 32;
   static constexpr int WARPS_N = WARPS / WARPS_M;
@@ -95,26 +102,32 @@ struct PrefillKernel {
 #endif
   // (variant kernels of MT = 2 keep 16: their extra registers would spill at 32)
   static constexpr int SUB_CAP = MT == 2 ? (VariantTraits<V>::kAny ? 16 : KVATTN_PF_SUBN2) : 32;
-  static constexpr int SUBN = (D * MT <= 128) ? NW : (NW < SUB_CAP ? NW : SUB_CAP);
+  static constexpr int SUBN = (D_VO * MT <= 128) ? NW : (NW < SUB_CAP ? NW : SUB_CAP);
   static constexpr bool QREGS = KVATTN_PF_QREGS && MT == 1;
-  static constexpr int KK_UNROLL = QREGS ? D / 16 : KVATTN_PF_KK_UNROLL;
-  static constexpr int QF = QREGS ? D / 16 : 1;      // Q fragments held in registers
+  static constexpr int KK_UNROLL = QREGS ? D_QK / 16 : KVATTN_PF_KK_UNROLL;
+  static constexpr int QF = QREGS ? D_QK / 16 : 1;   // Q fragments held in registers
   static constexpr int NB = SUBN / 8;                // 8-token MMA blocks per step (compute's STEP / 8)
-  static constexpr int CHUNKS = D / 8;               // 16-byte chunks per row
-  static constexpr int STAGES = (WARPS_M == 1 && D <= 128) ? 3 : 2;
-  static constexpr int KV_ELEMS = TILE * D;          // one of K or V per stage
-  static constexpr int Q_ELEMS = ROWS * D;
-  static constexpr int RSTEP = THREADS / CHUNKS;     // rows per copy pass
+  static constexpr int Q_CHUNKS = A::QK_CHUNKS;      // 16-byte chunks per Q / K row
+  static constexpr int CHUNKS = A::VO_CHUNKS;        // per V / O row (8-column blocks of the output)
+  static constexpr int STAGES = (WARPS_M == 1 && D_QK + D_VO <= 256) ? 3 : 2;
+  static constexpr int K_ELEMS = TILE * D_QK;        // K of a 16-bit stage (V follows)
+  static constexpr int V_ELEMS = TILE * D_VO;
+  static constexpr int STAGE_ELEMS = K_ELEMS + V_ELEMS; // a 16-bit stage
+  static constexpr int Q_ELEMS = ROWS * D_QK;
+  // TPR adjacent threads copy one token's K and V rows (TPR divides both rows' 16-byte chunks and THREADS):
+  // thread t chunks t % TPR + k TPR of rows t / TPR + j RSTEP (equal rows: TPR = CHUNKS, one chunk of each).
+  static constexpr int TPR = gcd(gcd(Q_CHUNKS, CHUNKS), THREADS);
+  static constexpr int RSTEP = THREADS / TPR;        // rows per copy pass
   static constexpr int RPT = TILE / RSTEP;           // rows each thread copies per tile (of K and of V)
   // K/V region: STAGES 16-bit stages, or (fp8) one 16-bit K/V tile then STAGES fp8 stages
-  static constexpr int FP8_STAGE = 2 * TILE * D;     // bytes of an fp8 stage (K then V, rows of D bytes)
-  static constexpr int KV_REGION = kFp8 ? 2 * KV_ELEMS * (int)sizeof(T) + STAGES * FP8_STAGE
-                                        : STAGES * 2 * KV_ELEMS * (int)sizeof(T);
+  static constexpr int FP8_STAGE = TILE * (A::K_ROW_BYTES + A::V_ROW_BYTES);   // an fp8 stage (K rows, then V's)
+  static constexpr int KV_REGION = kFp8 ? STAGE_ELEMS * (int)sizeof(T) + STAGES * FP8_STAGE
+                                        : STAGES * STAGE_ELEMS * (int)sizeof(T);
   static constexpr int SMEM_BYTES = Q_ELEMS * (int)sizeof(T) + KV_REGION + 2 * TILE * 8;
-  static_assert(D % 64 == 0, "head_dim must be 64, 128 or 256");
+  static_assert(TILE % RSTEP == 0, "whole copy passes per tile");
   static_assert(WARPS_N == 1 || MT == 1, "warps split the KV tile only with one m-tile per warp");
   static_assert(SUBN % 16 == 0, "softmax step is a multiple of the MMA k");
-  static_assert(WARPS_N == 1 || WarpMerge<D, WARPS>::BYTES <= KV_REGION, "warp-merge scratch fits the K/V stages");
+  static_assert(WARPS_N == 1 || WarpMerge<D_VO, WARPS>::BYTES <= KV_REGION, "warp-merge scratch fits the K/V stages");
 
   // Per-item state of this thread.
   struct Item {
@@ -136,10 +149,11 @@ struct PrefillKernel {
     return (long long)__ldg(pages + pg) * p.kv_stride_page + (long long)in * p.kv_stride_token;
   }
 
-  // fp8: the tile's rows as fp8 (row r of K at stage + r * D bytes, V after TILE rows), zero past ke.
+  // fp8: the tile's rows as fp8 (row r of K at stage + r * D_QK bytes, V's after TILE rows), zero past ke.
   __device__ __forceinline__ static void issue_kv8(const PrefillParams& p, unsigned char* stage, const long long* off,
                                                    int t0, int ke, int kvh) {
-    constexpr int C8 = D / 16, RS8 = THREADS / C8;   // 16-byte chunks per row, rows per pass
+    // threads per row (dividing both rows' 16-byte chunks), rows per pass
+    constexpr int C8 = gcd(gcd(D_QK / 16, D_VO / 16), THREADS), RS8 = THREADS / C8;
     const int chunk = threadIdx.x % C8;
     const KV* kg = static_cast<const KV*>(p.k) + kvh * p.kv_stride_head + chunk * 16;
     const KV* vg = static_cast<const KV*>(p.v) + kvh * p.kv_stride_head + chunk * 16;
@@ -148,59 +162,83 @@ struct PrefillKernel {
       const int row = threadIdx.x / C8 + j * RS8;
       const long long o = off[row];
       const int bytes = t0 + row < ke ? 16 : 0;
-      cp_async16(stage + row * D + chunk * 16, kg + o, bytes);
-      cp_async16(stage + TILE * D + row * D + chunk * 16, vg + o, bytes);
+#pragma unroll
+      for (int k = 0; k < D_QK / 16 / C8; ++k)
+        cp_async16(stage + row * D_QK + (chunk + k * C8) * 16, kg + o + k * C8 * 16, bytes);
+#pragma unroll
+      for (int k = 0; k < D_VO / 16 / C8; ++k)
+        cp_async16(stage + TILE * D_QK + row * D_VO + (chunk + k * C8) * 16, vg + o + k * C8 * 16, bytes);
     }
   }
 
   // fp8: expand a landed fp8 stage into the 16-bit K/V tile (swizzled as the mainloop reads it).
   __device__ __forceinline__ static void expand_kv8(const unsigned char* stage, T* tile, float ks, float vs) {
-    constexpr int C8 = D / 16;
+    if constexpr (D_QK == D_VO) {   // one pass over the rows of both
+      constexpr int D = D_QK, C8 = D / 16;
+      for (int i = threadIdx.x; i < TILE * C8; i += THREADS) {
+        const int row = i / C8, c = i % C8;
+        uint4 lo, hi;
+        dequant16<KV, T>(*reinterpret_cast<const uint4*>(stage + row * D + c * 16), ks, lo, hi);
+        *reinterpret_cast<uint4*>(tile + swz<D>(row, 2 * c)) = lo;
+        *reinterpret_cast<uint4*>(tile + swz<D>(row, 2 * c + 1)) = hi;
+        dequant16<KV, T>(*reinterpret_cast<const uint4*>(stage + TILE * D + row * D + c * 16), vs, lo, hi);
+        *reinterpret_cast<uint4*>(tile + K_ELEMS + swz<D>(row, 2 * c)) = lo;
+        *reinterpret_cast<uint4*>(tile + K_ELEMS + swz<D>(row, 2 * c + 1)) = hi;
+      }
+    } else {
+      expand_rows8<D_QK>(stage, tile, ks);
+      expand_rows8<D_VO>(stage + TILE * D_QK, tile + K_ELEMS, vs);
+    }
+  }
+  // The TILE fp8 rows of DR values at src (times scale) -> the 16-bit [TILE][DR] tile dst.
+  template <int DR> __device__ __forceinline__ static void expand_rows8(const unsigned char* src, T* dst, float scale) {
+    constexpr int C8 = DR / 16;
     for (int i = threadIdx.x; i < TILE * C8; i += THREADS) {
       const int row = i / C8, c = i % C8;
       uint4 lo, hi;
-      dequant16<KV, T>(*reinterpret_cast<const uint4*>(stage + row * D + c * 16), ks, lo, hi);
-      *reinterpret_cast<uint4*>(tile + swz<D>(row, 2 * c)) = lo;
-      *reinterpret_cast<uint4*>(tile + swz<D>(row, 2 * c + 1)) = hi;
-      dequant16<KV, T>(*reinterpret_cast<const uint4*>(stage + TILE * D + row * D + c * 16), vs, lo, hi);
-      *reinterpret_cast<uint4*>(tile + KV_ELEMS + swz<D>(row, 2 * c)) = lo;
-      *reinterpret_cast<uint4*>(tile + KV_ELEMS + swz<D>(row, 2 * c + 1)) = hi;
+      dequant16<KV, T>(*reinterpret_cast<const uint4*>(src + row * DR + c * 16), scale, lo, hi);
+      *reinterpret_cast<uint4*>(dst + swz<DR>(row, 2 * c)) = lo;
+      *reinterpret_cast<uint4*>(dst + swz<DR>(row, 2 * c + 1)) = hi;
     }
   }
 
   __device__ __forceinline__ static void issue_kv(const PrefillParams& p, T* stage, const long long* off, int t0,
                                                   int ke, int kvh) {
-    const int chunk = threadIdx.x % CHUNKS;
-    const T* kg = static_cast<const T*>(p.k) + kvh * p.kv_stride_head + chunk * 8;
-    const T* vg = static_cast<const T*>(p.v) + kvh * p.kv_stride_head + chunk * 8;
+    const int chunk = threadIdx.x % TPR;
+    const KV* kg = static_cast<const KV*>(p.k) + kvh * p.kv_stride_head + chunk * 8;
+    const KV* vg = static_cast<const KV*>(p.v) + kvh * p.kv_stride_head + chunk * 8;
 #pragma unroll
     for (int j = 0; j < RPT; ++j) {
-      const int row = threadIdx.x / CHUNKS + j * RSTEP;
+      const int row = threadIdx.x / TPR + j * RSTEP;
       const long long o = off[row];
       const int bytes = t0 + row < ke ? 16 : 0;
-      cp_async16(stage + swz<D>(row, chunk), kg + o, bytes);
-      cp_async16(stage + KV_ELEMS + swz<D>(row, chunk), vg + o, bytes);
+#pragma unroll
+      for (int k = 0; k < Q_CHUNKS / TPR; ++k)
+        cp_async16(stage + swz<D_QK>(row, chunk + k * TPR), kg + o + k * TPR * 8, bytes);
+#pragma unroll
+      for (int k = 0; k < CHUNKS / TPR; ++k)
+        cp_async16(stage + K_ELEMS + swz<D_VO>(row, chunk + k * TPR), vg + o + k * TPR * 8, bytes);
     }
   }
 
   // The item's R packed query rows (token pr / group, head kvh * group + pr % group), zero-filled past nrows,
   // copied by threads [0, NT): chunk ch of row r goes to qs + place(r, ch) (the mainloop's smem layout).
   template <int R, int NT, typename Place>
-  __device__ __forceinline__ static void copy_q(const PrefillParams& p, const Item& it, T* qs, int kvh, Place place) {
-    const T* qg = static_cast<const T*>(p.q);
+  __device__ __forceinline__ static void copy_q(const PrefillParams& p, const Item& it, Q* qs, int kvh, Place place) {
+    const Q* qg = static_cast<const Q*>(p.q);
     const int group = p.group_size;
-    for (int i = threadIdx.x; i < R * CHUNKS; i += NT) {
-      const int r = i / CHUNKS, ch = i % CHUNKS;
+    for (int i = threadIdx.x; i < R * Q_CHUNKS; i += NT) {
+      const int r = i / Q_CHUNKS, ch = i % Q_CHUNKS;
       const bool ok = r < it.nrows;
       const int pr = it.row0 + (ok ? r : 0);
       const int tq = pr / group, h = pr - tq * group;
-      const T* src = qg + (long long)(it.qo_start + tq) * p.q_stride_n + (long long)(kvh * group + h) * p.q_stride_h + ch * 8;
+      const Q* src = qg + (long long)(it.qo_start + tq) * p.q_stride_n + (long long)(kvh * group + h) * p.q_stride_h + ch * 8;
       cp_async16(qs + place(r, ch), src, ok ? 16 : 0);
     }
   }
 
-  __device__ __forceinline__ static void load_q(const PrefillParams& p, const Item& it, T* qs, int kvh) {
-    copy_q<ROWS, THREADS>(p, it, qs, kvh, [](int r, int ch) { return swz<D>(r, ch); });
+  __device__ __forceinline__ static void load_q(const PrefillParams& p, const Item& it, Q* qs, int kvh) {
+    copy_q<ROWS, THREADS>(p, it, qs, kvh, [](int r, int ch) { return swz<D_QK>(r, ch); });
   }
 
   // Score of kv token j for a row of query token tok: log2 domain, soft cap, masks (-inf when masked). CM: the
@@ -264,7 +302,7 @@ struct PrefillKernel {
                                                  float (&l)[MT][2]) {
     constexpr int NB = STEP / 8;
     constexpr bool FOLD = KVATTN_PF_FOLD && !MASK && !V::kLogits && V::kSoftmax;
-    const T* vs = ks + KV_ELEMS;
+    const T* vs = ks + K_ELEMS;
     const int j8 = lane / 8;
 #pragma unroll
     for (int sub = 0; sub < NW / STEP; ++sub) {
@@ -277,7 +315,7 @@ struct PrefillKernel {
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[mt][nb][e] = 0.f;
 #pragma unroll KK_UNROLL
-      for (int kk = 0; kk < D / 16; ++kk) {
+      for (int kk = 0; kk < D_QK / 16; ++kk) {
         unsigned a[MT][4];
         if constexpr (QREGS) {
 #pragma unroll
@@ -285,12 +323,12 @@ struct PrefillKernel {
         } else {
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt)
-            ldmatrix_x4(a[mt], qs + swz<D>((warp_m * MT + mt) * 16 + (j8 % 2) * 8 + lane % 8, 2 * kk + j8 / 2));
+            ldmatrix_x4(a[mt], qs + swz<D_QK>((warp_m * MT + mt) * 16 + (j8 % 2) * 8 + lane % 8, 2 * kk + j8 / 2));
         }
 #pragma unroll
         for (int nb2 = 0; nb2 < NB / 2; ++nb2) {
           unsigned b[4];
-          ldmatrix_x4(b, ks + swz<D>(tw + nb2 * 16 + (j8 / 2) * 8 + lane % 8, 2 * kk + j8 % 2));
+          ldmatrix_x4(b, ks + swz<D_QK>(tw + nb2 * 16 + (j8 / 2) * 8 + lane % 8, 2 * kk + j8 % 2));
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
             Mma<T>::run(s[mt][2 * nb2], a[mt], b[0], b[1]);
@@ -335,9 +373,9 @@ struct PrefillKernel {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) a_from_c<T>(&s[mt][2 * kst][0], pa[mt]);
 #pragma unroll
-        for (int dp = 0; dp < D / 16; ++dp) {
+        for (int dp = 0; dp < D_VO / 16; ++dp) {
           unsigned b[4];
-          ldmatrix_x4_trans(b, vs + swz<D>(tw + kst * 16 + (j8 % 2) * 8 + lane % 8, 2 * dp + j8 / 2));
+          ldmatrix_x4_trans(b, vs + swz<D_VO>(tw + kst * 16 + (j8 % 2) * 8 + lane % 8, 2 * dp + j8 / 2));
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
             Mma<T>::run(o[mt][2 * dp], pa[mt], b[0], b[1]);
@@ -381,14 +419,14 @@ struct PrefillKernel {
           const int col = 2 * (lane % 4);
           if (it.partial < 0) {
             if constexpr (V::kOutput) inv *= V::output(p, head, lse);
-            T* dst = static_cast<T*>(p.o) + (long long)(it.qo_start + tq) * p.o_stride_n + (long long)head * p.o_stride_h + col;
+            O* dst = static_cast<O*>(p.o) + (long long)(it.qo_start + tq) * p.o_stride_n + (long long)head * p.o_stride_h + col;
 #pragma unroll
-            for (int dn = 0; dn < CHUNKS; ++dn)
-              *reinterpret_cast<unsigned*>(dst + dn * 8) = Mma<T>::pack(o[mt][dn][2 * r] * inv, o[mt][dn][2 * r + 1] * inv);
+            for (int dn = 0; dn < CHUNKS; ++dn)   // (to O, a 16-bit type: two columns per 32-bit store)
+              *reinterpret_cast<unsigned*>(dst + dn * 8) = Mma<O>::pack(o[mt][dn][2 * r] * inv, o[mt][dn][2 * r + 1] * inv);
             if (p.lse && lane % 4 == 0) p.lse[(long long)(it.qo_start + tq) * p.lse_stride_n + head] = lse;
           } else {
             const long long prow = it.partial + (long long)(tq - it.tok_lo) * it.pstride;
-            float* dst = p.tmp_o + (prow * p.num_qo_heads + head) * D + col;
+            float* dst = p.tmp_o + (prow * p.num_qo_heads + head) * D_VO + col;
 #pragma unroll
             for (int dn = 0; dn < CHUNKS; ++dn)
               *reinterpret_cast<float2*>(dst + dn * 8) = make_float2(o[mt][dn][2 * r] * inv, o[mt][dn][2 * r + 1] * inv);
@@ -425,11 +463,11 @@ struct PrefillKernel {
     T* qs = smem;
     T* kvs = smem + Q_ELEMS;
     long long* offs = reinterpret_cast<long long*>(reinterpret_cast<unsigned char*>(kvs) + KV_REGION);   // [2][TILE]
-    unsigned char* ring8 = reinterpret_cast<unsigned char*>(kvs + 2 * KV_ELEMS);   // fp8: the stages after the tile
+    unsigned char* ring8 = reinterpret_cast<unsigned char*>(kvs + STAGE_ELEMS);   // fp8: the stages after the tile
     // the ring slot of tile t, and the 16-bit K/V tile the mainloop reads at tile t
     auto issue = [&](int t, int slot) {
       if constexpr (kFp8) issue_kv8(p, ring8 + slot * FP8_STAGE, offs + (t & 1) * TILE, it.kb + t * TILE, it.ke, kvh);
-      else issue_kv(p, kvs + slot * 2 * KV_ELEMS, offs + (t & 1) * TILE, it.kb + t * TILE, it.ke, kvh);
+      else issue_kv(p, kvs + slot * STAGE_ELEMS, offs + (t & 1) * TILE, it.kb + t * TILE, it.ke, kvh);
     };
 
     load_q(p, it, qs, kvh);
@@ -466,7 +504,7 @@ struct PrefillKernel {
     unsigned qf[QF][4];
 #pragma unroll
     for (int kk = 0; kk < QF; ++kk) qf[kk][0] = qf[kk][1] = qf[kk][2] = qf[kk][3] = 0u;
-    const typename V::QKState qk_state = V::template qk_init<D>(p, qk_dims<D>(tid));   // (kQK) this thread's dims
+    const typename V::QKState qk_state = V::template qk_init<D_QK>(p, qk_dims<D_QK>(tid));   // (kQK) this thread's dims
     for (int ti = 0; ti < ntiles; ++ti) {
       cp_async_wait<STAGES - 2>();
       __syncthreads();
@@ -477,7 +515,7 @@ struct PrefillKernel {
       long long pf = 0;
       if (pf_on) pf = tok_offset(p, it.pages, min(it.kb + (nt + 1) * TILE + tid, it.ke - 1));
 
-      T* const tile = kFp8 ? kvs : kvs + (ti % STAGES) * 2 * KV_ELEMS;   // this tile's 16-bit K and V
+      T* const tile = kFp8 ? kvs : kvs + (ti % STAGES) * STAGE_ELEMS;   // this tile's 16-bit K and V
       if constexpr (kFp8) {
         expand_kv8(ring8 + (ti % STAGES) * FP8_STAGE, tile, kv_cache_scale(p.k_scale_ptr, p.k_scale, kvh),
                    kv_cache_scale(p.v_scale_ptr, p.v_scale, kvh));
@@ -485,18 +523,18 @@ struct PrefillKernel {
       }
       if constexpr (V::kQK) {   // rotate Q (with tile 0) and this tile's keys in place; every warp reads them
         if (ti == 0)
-          transform_rows<V, D>(p, qk_state, qs, 0, it.nrows, tid, THREADS, it.req, false,
+          transform_rows<V, D_QK>(p, qk_state, qs, 0, it.nrows, tid, THREADS, it.req, false,
                                [&](int r) { return it.delta + (it.row0 + r) / p.group_size; });
         const int t0 = it.kb + ti * TILE;
-        transform_rows<V, D>(p, qk_state, tile, 0, min(TILE, it.ke - t0), tid, THREADS,
+        transform_rows<V, D_QK>(p, qk_state, tile, 0, min(TILE, it.ke - t0), tid, THREADS,
                              it.req, true, [&](int r) { return t0 + r; });
         __syncthreads();
       }
       if constexpr (QREGS) {
         if (ti == 0) {   // Q arrived with tile 0: its A fragments stay in registers for the whole item
 #pragma unroll
-          for (int kk = 0; kk < D / 16; ++kk)
-            ldmatrix_x4(qf[kk], qs + swz<D>(warp_m * 16 + ((lane / 8) % 2) * 8 + lane % 8, 2 * kk + lane / 16));
+          for (int kk = 0; kk < D_QK / 16; ++kk)
+            ldmatrix_x4(qf[kk], qs + swz<D_QK>(warp_m * 16 + ((lane / 8) % 2) * 8 + lane % 8, 2 * kk + lane / 16));
         }
       }
       const T* ks = tile;
@@ -535,7 +573,7 @@ struct PrefillKernel {
     } else {
       // Merge the warps' states (each saw a quarter of every tile) through the K/V stages' shared memory.
       __syncthreads();
-      const WarpMerge<D, WARPS, V::kSoftmax> wm(kvs);
+      const WarpMerge<D_VO, WARPS, V::kSoftmax> wm(kvs);
       wm.stash(warp, lane, o[0], m[0], l[0]);
       __syncthreads();
       for (int i = tid; i < it.nrows * CHUNKS; i += THREADS) {
@@ -550,11 +588,11 @@ struct PrefillKernel {
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc[e] *= f;
           }
-          Vec8<T>::store(static_cast<T*>(p.o) + (long long)(it.qo_start + tq) * p.o_stride_n + (long long)head * p.o_stride_h + ch * 8, acc);
+          Vec8<O>::store(static_cast<O*>(p.o) + (long long)(it.qo_start + tq) * p.o_stride_n + (long long)head * p.o_stride_h + ch * 8, acc);
           if (p.lse && ch == 0) p.lse[(long long)(it.qo_start + tq) * p.lse_stride_n + head] = lse;
         } else {
           const long long prow = it.partial + (long long)(tq - it.tok_lo) * it.pstride;
-          Vec8<float>::store(p.tmp_o + (prow * p.num_qo_heads + head) * D + ch * 8, acc);
+          Vec8<float>::store(p.tmp_o + (prow * p.num_qo_heads + head) * D_VO + ch * 8, acc);
           if (ch == 0) p.tmp_lse[prow * p.num_qo_heads + head] = lse;
         }
       }
@@ -562,11 +600,11 @@ struct PrefillKernel {
   }
 };
 
-template <int D, int WARPS_M, int MT, class V, typename T, typename KV = T>
+template <class A, int WARPS_M, int MT, class V>
 __global__ void __launch_bounds__(128, 1) prefill_kernel(const __grid_constant__ PrefillParams p) {
   if ((int)blockIdx.x >= plan_header(p.plan).num_items) return;   // padded grid (graph mode) or fewer items than launched
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  PrefillKernel<D, WARPS_M, MT, V, T, KV>::run(p, blockIdx.x, reinterpret_cast<T*>(smem_raw));
+  PrefillKernel<A, WARPS_M, MT, V>::run(p, blockIdx.x, reinterpret_cast<typename A::Q*>(smem_raw));
 }
 
 }  // namespace kvattn

@@ -16,13 +16,13 @@
 //   - two consumer warpgroups (240 registers) own 64 query rows each (wgmma's M). They wait on `full`, fence
 //     the landed copies (generic proxy) against the tensor cores' reads (async proxy), run
 //     S = Q K^T (Q and K from shared memory, K-major), the online softmax, and O += P V (P from registers:
-//     the S accumulators rounded to T; V from shared memory, MN-major through the transpose bit), then release
+//     the S accumulators rounded to Q's type; V from shared memory, MN-major through the transpose bit), then release
 //     the stage on its `empty` mbarrier. S(i+1) is issued together with P(i) V(i), and the softmax of S(i+1)
 //     runs while P(i) V(i) is on the tensor cores. The two consumers are not tied to each other by CTA
 //     barriers; they take turns issuing their products (ping-pong on two named barriers), so one's softmax
 //     overlaps the other's matrix products.
 // An fp8 cache (KV = __nv_fp8_e4m3 / e5m2): the producers load its rows into registers, expand them (times
-// k_scale / v_scale, rounded once to T) into the same 16-bit tiles, and arrive on `full` once their stores are
+// k_scale / v_scale, rounded once to Q's type) into the same 16-bit tiles, and arrive on `full` once their stores are
 // made visible to the tensor cores; the consumers are unchanged.
 // Shared memory layout of every tile: 128-byte swizzle, i.e. per 64-column block of the head dim, 128-byte rows
 // whose 16-byte chunk c sits at chunk c ^ (row % 8).
@@ -53,9 +53,15 @@
 
 namespace kvattn {
 
-template <int D, class V, typename T, typename KV = T>
+// A: the element types and head dims (traits.cuh).
+template <class A, class V>
 struct PrefillSm90 {
-  static constexpr bool kFp8 = IsFp8<KV>::value;
+  using Q = typename A::Q;
+  using KV = typename A::KV;
+  using T = Q;   // the 16-bit tiles' and MMA operands' type (an fp8 cache is expanded to it)
+  static constexpr int D_QK = A::D_QK;
+  static constexpr int D_VO = A::D_VO;
+  static constexpr bool kFp8 = A::kFp8;
   // Full K/V tiles by TMA where run() bound tensor maps (kvattn/tma.py): 16-bit caches whose keys need no transform.
   static constexpr bool kTma = !kFp8 && !V::kQK && KVATTN_SM90_X == 0;
   // Persistent CTAs (see the top; kvattn.prefill.sm90_persistent decides: 16-bit caches, no fused RoPE, head_dim
@@ -63,8 +69,9 @@ struct PrefillSm90 {
   static constexpr bool kPersist = KVATTN_SM90_PERSIST;
   // The score scale folded into the exponent on unmasked tiles (KVATTN_SM90_FOLD): plain softmax variants up to
   // head_dim 128 (at 256 the fold's extra live value makes the sliding-window instance spill).
-  static constexpr bool kFold = KVATTN_SM90_FOLD && D <= 128 && !V::kLogits && !V::kPositional && V::kSoftmax;
-  using Base = PrefillKernel<D, 4, 2, V, T>;   // helpers only (items, masks, epilogue)
+  static constexpr bool kFold =
+      KVATTN_SM90_FOLD && D_QK <= 128 && D_VO <= 128 && !V::kLogits && !V::kPositional && V::kSoftmax;
+  using Base = PrefillKernel<A, 4, 2, V>;   // helpers only (items, masks, epilogue)
   using Item = typename Base::Item;
   static constexpr int THREADS = 384;                 // producer warpgroup + two consumer warpgroups
   static constexpr int PRODUCERS = 128;
@@ -81,30 +88,39 @@ struct PrefillSm90 {
 #ifdef KVATTN_SM90_N
   static constexpr int N = KVATTN_SM90_N;
 #else
-  static constexpr int N = D == 256 ? 80 : 128;
+  static constexpr int N = D_QK + D_VO > 256 ? 80 : 128;
 #endif
 #ifdef KVATTN_SM90_STAGES
   static constexpr int STAGES = KVATTN_SM90_STAGES;
 #else
-  static constexpr int STAGES = D == 256 ? 2 : 3;
+  static constexpr int STAGES = D_QK + D_VO > 256 ? 2 : 3;
 #endif
-  static constexpr int CHUNKS = D / 8;                // 16-byte chunks per row
-  static constexpr int Q_ELEMS = ROWS * D;
-  static constexpr int KV_ELEMS = N * D;              // one of K or V per stage
-  static constexpr int SMEM_BYTES = (Q_ELEMS + STAGES * 2 * KV_ELEMS) * (int)sizeof(T) + (2 * STAGES + 1) * 8;
-  static constexpr int RPI = 32 / CHUNKS;             // rows one warp-wide copy instruction covers
+  static constexpr int Q_CHUNKS = A::QK_CHUNKS;       // 16-byte chunks per Q / K row
+  static constexpr int CHUNKS = A::VO_CHUNKS;         // per V / O row
+  static constexpr int Q_ELEMS = ROWS * D_QK;
+  static constexpr int K_ELEMS = N * D_QK;            // K of a stage (V follows)
+  static constexpr int STAGE_ELEMS = K_ELEMS + N * D_VO;
+  static constexpr int SMEM_BYTES = (Q_ELEMS + STAGES * STAGE_ELEMS) * (int)sizeof(T) + (2 * STAGES + 1) * 8;
+  // LPR adjacent lanes copy one token's K and V rows (LPR divides both rows' 16-byte chunks and 32): lane l
+  // chunks l % LPR + k LPR (equal rows up to head dim 256: LPR = CHUNKS, one chunk of each row per lane).
+  static constexpr int LPR = gcd(gcd(Q_CHUNKS, CHUNKS), 32);
+  static constexpr int RPI = 32 / LPR;                // rows one warp-wide copy instruction covers
   static constexpr int RPW = N / 4;                   // rows of a tile each producer warp copies (one per lane)
   static constexpr int SN = N / 2;                    // S accumulators per thread
-  static constexpr int ON = D / 2;                    // O accumulators per thread
-  static_assert(D == 64 || D == 128 || D == 256, "the sm90 mainloop covers head_dim 64, 128 and 256");
-  static_assert(N % 16 == 0 && RPW <= 32 && RPW % RPI == 0 && RPW % (32 / (D / 16)) == 0, "KV tile shape");
+  static constexpr int ON = D_VO / 2;                 // O accumulators per thread
+  // fp8: lanes per row of the expansion (dividing both rows' 16-byte fp8 chunks), rows per warp-wide load
+  static constexpr int LPR8 = gcd(gcd(D_QK / 16, D_VO / 16), 32);
+  static constexpr int RPI8 = 32 / LPR8;
+  static_assert(D_VO == 64 || D_VO == 128 || D_VO == 256,
+                "P V is one wgmma of N = D_VO: wgmma.cuh has the instances of 64, 128 and 256");
+  static_assert(N % 16 == 0 && RPW <= 32 && RPW % RPI == 0 && RPW % RPI8 == 0, "KV tile shape");
 
-  // Element offset of 16-byte chunk c of row r in a [R][D] tile: 64-column blocks of R rows of 128 bytes.
+  // Element offset of 16-byte chunk c of row r in a [R][D] tile (any D): 64-column blocks of R rows of 128 bytes.
   template <int R> __device__ __forceinline__ static int sw(int r, int c) {
     return (c >> 3) * (R * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3);
   }
 
-  __device__ __forceinline__ static void load_q(const PrefillParams& p, const Item& it, T* qs, int kvh) {
+  __device__ __forceinline__ static void load_q(const PrefillParams& p, const Item& it, Q* qs, int kvh) {
     Base::template copy_q<ROWS, PRODUCERS>(p, it, qs, kvh, [](int r, int ch) { return sw<ROWS>(r, ch); });
   }
 
@@ -112,17 +128,21 @@ struct PrefillSm90 {
   // row RPW pw + lane (lanes < RPW). Rows past ke are zero-filled.
   __device__ __forceinline__ static void issue_kv(const PrefillParams& p, T* stage, long long off, int t0, int ke,
                                                   int kvh, int pw, int lane) {
-    const int chunk = lane % CHUNKS, sub = lane / CHUNKS;
-    const T* kg = static_cast<const T*>(p.k) + kvh * p.kv_stride_head + chunk * 8;
-    const T* vg = static_cast<const T*>(p.v) + kvh * p.kv_stride_head + chunk * 8;
+    const int chunk = lane % LPR, sub = lane / LPR;
+    const KV* kg = static_cast<const KV*>(p.k) + kvh * p.kv_stride_head + chunk * 8;
+    const KV* vg = static_cast<const KV*>(p.v) + kvh * p.kv_stride_head + chunk * 8;
 #pragma unroll 2
     for (int j = 0; j < RPW / RPI; ++j) {
       const int rr = j * RPI + sub;
       const long long o = __shfl_sync(0xffffffffu, off, rr);
       const int row = RPW * pw + rr;
       const int bytes = t0 + row < ke ? 16 : 0;
-      cp_async16(stage + sw<N>(row, chunk), kg + o, bytes);
-      cp_async16(stage + KV_ELEMS + sw<N>(row, chunk), vg + o, bytes);
+#pragma unroll
+      for (int k = 0; k < Q_CHUNKS / LPR; ++k)
+        cp_async16(stage + sw<N>(row, chunk + k * LPR), kg + o + k * LPR * 8, bytes);
+#pragma unroll
+      for (int k = 0; k < CHUNKS / LPR; ++k)
+        cp_async16(stage + K_ELEMS + sw<N>(row, chunk + k * LPR), vg + o + k * LPR * 8, bytes);
     }
   }
 
@@ -142,7 +162,7 @@ struct PrefillSm90 {
   // id: the box's page id (box_page).
   __device__ __forceinline__ static void issue_kv_tma(const PrefillParams& p, T* stage, int t0, int box, int id,
                                                       int kvh, unsigned long long* bar) {
-    if (box == 0) mbar_expect_tx(bar, 2 * KV_ELEMS * (int)sizeof(T));
+    if (box == 0) mbar_expect_tx(bar, STAGE_ELEMS * (int)sizeof(T));
     const int r0 = box * p.tma_rows;
     if (r0 >= N) return;
     int pg, in;
@@ -150,17 +170,27 @@ struct PrefillSm90 {
     // ragged: the "page" id is the request's first token, in one page of (many) slots
     const int slot = p.tma_mode == 1 ? id + in : in, page = p.tma_mode == 1 ? 0 : id;
     const int c1 = p.tma_hnd ? slot : kvh, c2 = p.tma_hnd ? kvh : slot;
+    if constexpr (D_QK == D_VO) {
 #pragma unroll
-    for (int cb = 0; cb < D / 64; ++cb) {
-      tma_load_4d(stage + cb * (N * 64) + r0 * 64, &p.tma_k, cb * 64, c1, c2, page, bar);
-      tma_load_4d(stage + KV_ELEMS + cb * (N * 64) + r0 * 64, &p.tma_v, cb * 64, c1, c2, page, bar);
+      for (int cb = 0; cb < D_QK / 64; ++cb) {
+        tma_load_4d(stage + cb * (N * 64) + r0 * 64, &p.tma_k, cb * 64, c1, c2, page, bar);
+        tma_load_4d(stage + K_ELEMS + cb * (N * 64) + r0 * 64, &p.tma_v, cb * 64, c1, c2, page, bar);
+      }
+    } else {
+#pragma unroll
+      for (int cb = 0; cb < D_QK / 64; ++cb)
+        tma_load_4d(stage + cb * (N * 64) + r0 * 64, &p.tma_k, cb * 64, c1, c2, page, bar);
+#pragma unroll
+      for (int cb = 0; cb < D_VO / 64; ++cb)
+        tma_load_4d(stage + K_ELEMS + cb * (N * 64) + r0 * 64, &p.tma_v, cb * 64, c1, c2, page, bar);
     }
   }
 
   // fp8: producer warp pw's RPW rows of K and V of the tile at t0, loaded, expanded and stored (zero past ke).
   __device__ __forceinline__ static void expand_kv8(const PrefillParams& p, T* stage, long long off, int t0, int ke,
                                                     int kvh, int pw, int lane) {
-    constexpr int C8 = D / 16, RPI8 = 32 / C8;   // 16-byte fp8 chunks per row, rows per warp-wide load
+    constexpr int C8 = LPR8;                      // lanes per row (each k: chunk + k C8 of K, of V)
+    constexpr int KN = D_QK / 16 / C8, VN = D_VO / 16 / C8;
     constexpr int ITER = RPW / RPI8;              // warp-wide loads per tile (of K and of V)
     constexpr int GROUP = ITER % 4 == 0 ? 4 : 2;  // rows per lane loaded before any is expanded (bytes in flight)
     static_assert(ITER % GROUP == 0, "fp8 rows per producer warp");
@@ -170,25 +200,35 @@ struct PrefillSm90 {
     const float ks = kv_cache_scale(p.k_scale_ptr, p.k_scale, kvh), vs = kv_cache_scale(p.v_scale_ptr, p.v_scale, kvh);
 #pragma unroll
     for (int j0 = 0; j0 < ITER; j0 += GROUP) {
-      uint4 kw[GROUP], vw[GROUP];
+      uint4 kw[GROUP][KN], vw[GROUP][VN];
 #pragma unroll
       for (int j = 0; j < GROUP; ++j) {
         const int rr = (j0 + j) * RPI8 + sub;
         const long long o = __shfl_sync(0xffffffffu, off, rr);
         const bool ok = t0 + RPW * pw + rr < ke;
-        kw[j] = ok ? __ldg(reinterpret_cast<const uint4*>(kg + o)) : make_uint4(0, 0, 0, 0);
-        vw[j] = ok ? __ldg(reinterpret_cast<const uint4*>(vg + o)) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int k = 0; k < KN; ++k)
+          kw[j][k] = ok ? __ldg(reinterpret_cast<const uint4*>(kg + o + k * C8 * 16)) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int k = 0; k < VN; ++k)
+          vw[j][k] = ok ? __ldg(reinterpret_cast<const uint4*>(vg + o + k * C8 * 16)) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int j = 0; j < GROUP; ++j) {
         const int row = RPW * pw + (j0 + j) * RPI8 + sub;
         uint4 lo, hi;
-        dequant16<KV, T>(kw[j], ks, lo, hi);
-        *reinterpret_cast<uint4*>(stage + sw<N>(row, 2 * chunk)) = lo;
-        *reinterpret_cast<uint4*>(stage + sw<N>(row, 2 * chunk + 1)) = hi;
-        dequant16<KV, T>(vw[j], vs, lo, hi);
-        *reinterpret_cast<uint4*>(stage + KV_ELEMS + sw<N>(row, 2 * chunk)) = lo;
-        *reinterpret_cast<uint4*>(stage + KV_ELEMS + sw<N>(row, 2 * chunk + 1)) = hi;
+#pragma unroll
+        for (int k = 0; k < KN; ++k) {
+          dequant16<KV, T>(kw[j][k], ks, lo, hi);
+          *reinterpret_cast<uint4*>(stage + sw<N>(row, 2 * (chunk + k * C8))) = lo;
+          *reinterpret_cast<uint4*>(stage + sw<N>(row, 2 * (chunk + k * C8) + 1)) = hi;
+        }
+#pragma unroll
+        for (int k = 0; k < VN; ++k) {
+          dequant16<KV, T>(vw[j][k], vs, lo, hi);
+          *reinterpret_cast<uint4*>(stage + K_ELEMS + sw<N>(row, 2 * (chunk + k * C8))) = lo;
+          *reinterpret_cast<uint4*>(stage + K_ELEMS + sw<N>(row, 2 * (chunk + k * C8) + 1)) = hi;
+        }
       }
     }
   }
@@ -196,7 +236,7 @@ struct PrefillSm90 {
   // S = Q K^T for this warpgroup's 64 rows (issued and committed, not waited for).
   __device__ __forceinline__ static void issue_qk(float (&s)[SN], unsigned q_addr, unsigned k_addr) {
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+    for (int kk = 0; kk < D_QK / 16; ++kk) {
       const unsigned koff = (kk & 3) * 32;   // k16 step inside a 128-byte row
       Wgmma<T, N>::ss(s, sw128_desc(q_addr + (kk >> 2) * (ROWS * 128) + koff, 0),
                       sw128_desc(k_addr + (kk >> 2) * (N * 128) + koff, 0), kk > 0);
@@ -207,7 +247,7 @@ struct PrefillSm90 {
   // O += P V over the tile's N tokens, 16 at a time (issued and committed).
   __device__ __forceinline__ static void issue_pv(float (&o)[ON], const unsigned (&pa)[N / 16][4], unsigned v_addr) {
 #pragma unroll
-    for (int ks = 0; ks < N / 16; ++ks) Wgmma<T, D>::rs(o, pa[ks], sw128_desc(v_addr + ks * 16 * 128, N * 128), 1);
+    for (int ks = 0; ks < N / 16; ++ks) Wgmma<T, D_VO>::rs(o, pa[ks], sw128_desc(v_addr + ks * 16 * 128, N * 128), 1);
     wgmma_commit();
   }
 
@@ -281,15 +321,15 @@ struct PrefillSm90 {
   // then announce it: every producer waits for its own copies, a named barrier makes all of them visible, each
   // thread rotates its 16 dims of the tile's rows, makes its writes visible to the tensor cores (async proxy)
   // and arrives on the stage's `full` barrier.
-  __device__ __forceinline__ static void transform_and_announce(const PrefillParams& p, const Item& it, T* qs,
+  __device__ __forceinline__ static void transform_and_announce(const PrefillParams& p, const Item& it, Q* qs,
                                                                 T* kvs, unsigned long long* full, int u, int g,
                                                                 const typename V::QKState& qk_state) {
     named_sync(3, PRODUCERS);
     const int t0 = it.kb + u * N;
     if (u == 0)
-      transform_rows_at<V, D>(p, qk_state, qs, [](int r, int c) { return sw<ROWS>(r, c); }, 0, it.nrows, threadIdx.x,
+      transform_rows_at<V, D_QK>(p, qk_state, qs, [](int r, int c) { return sw<ROWS>(r, c); }, 0, it.nrows, threadIdx.x,
                               PRODUCERS, it.req, false, [&](int r) { return it.delta + (it.row0 + r) / p.group_size; });
-    transform_rows_at<V, D>(p, qk_state, kvs + ((g + u) % STAGES) * 2 * KV_ELEMS, [](int r, int c) { return sw<N>(r, c); },
+    transform_rows_at<V, D_QK>(p, qk_state, kvs + ((g + u) % STAGES) * STAGE_ELEMS, [](int r, int c) { return sw<N>(r, c); },
                             0, min(N, it.ke - t0), threadIdx.x, PRODUCERS, it.req, true, [&](int r) { return t0 + r; });
     fence_proxy_async();
     mbar_arrive(&full[(g + u) % STAGES]);
@@ -299,12 +339,12 @@ struct PrefillSm90 {
   // its (g / STAGES)-th use), nq the earlier units that had tiles: the Q of such a unit waits until the consumers
   // released the previous one's (qfree: its last Q K^T has completed). Units without tiles touch neither (else
   // the consumers, who need no Q for them, could run two qfree phases ahead and the parity wait would hang).
-  __device__ static void produce(const PrefillParams& p, const Item& it, T* qs, T* kvs, unsigned long long* full,
+  __device__ static void produce(const PrefillParams& p, const Item& it, Q* qs, T* kvs, unsigned long long* full,
                                  unsigned long long* empty, unsigned long long* qfree, int kvh, int g, int nq) {
     const int lane = threadIdx.x % 32, pw = threadIdx.x / 32;
     const int ntiles = (it.ke - it.kb + N - 1) / N;
     if (ntiles == 0) return;
-    const typename V::QKState qk_state = V::template qk_init<D>(p, qk_dims<D>(threadIdx.x));
+    const typename V::QKState qk_state = V::template qk_init<D_QK>(p, qk_dims<D_QK>(threadIdx.x));
     if (nq > 0) mbar_wait(qfree, (nq - 1) & 1);
     load_q(p, it, qs, kvh);   // lands before tile 0 is announced (the arrival waits for every earlier copy)
     const int my_row = RPW * pw + min(lane, RPW - 1);   // the tile row whose offset this lane holds
@@ -320,7 +360,7 @@ struct PrefillSm90 {
         // one page lookup per lane of warp 0, in parallel
         const int t0 = it.kb + t * N;
         if (pw == 0)
-          issue_kv_tma(p, kvs + st * 2 * KV_ELEMS, t0, lane, KVATTN_SM90_PREFETCH ? box_id : box_page(p, it, t0, lane),
+          issue_kv_tma(p, kvs + st * STAGE_ELEMS, t0, lane, KVATTN_SM90_PREFETCH ? box_id : box_page(p, it, t0, lane),
                        kvh, &full[st]);
         cp_async_mbar_arrive(&full[st]);   // after this thread's earlier copies (the Q rows before tile 0)
         if (t + 1 < ntiles) {
@@ -336,12 +376,12 @@ struct PrefillSm90 {
         fence_proxy_async();
         mbar_arrive(&full[st]);
       } else if constexpr (kFp8) {
-        expand_kv8(p, kvs + st * 2 * KV_ELEMS, off, it.kb + t * N, it.ke, kvh, pw, lane);
+        expand_kv8(p, kvs + st * STAGE_ELEMS, off, it.kb + t * N, it.ke, kvh, pw, lane);
         if (t == 0) asm volatile("cp.async.wait_all;\n" ::: "memory");   // this thread's Q copies, before tile 0
         fence_proxy_async();   // the stores (generic proxy) before the tensor cores' reads (async proxy)
         mbar_arrive(&full[st]);
       } else {
-        issue_kv(p, kvs + st * 2 * KV_ELEMS, off, it.kb + t * N, it.ke, kvh, pw, lane);
+        issue_kv(p, kvs + st * STAGE_ELEMS, off, it.kb + t * N, it.ke, kvh, pw, lane);
         if constexpr (V::kQK) {   // announce the previous tile, transformed, while this one is in flight
           cp_async_commit();
           if (t > 0) {
@@ -367,7 +407,7 @@ struct PrefillSm90 {
 
   // One unit's tiles (ring positions g ...): every tile's stage is released on `empty` once this warp is done
   // with it, the Q tile on `qfree` after the unit's last Q K^T.
-  __device__ static void consume(const PrefillParams& p, const Item& it, const T* qs, const T* kvs,
+  __device__ static void consume(const PrefillParams& p, const Item& it, const Q* qs, const T* kvs,
                                  unsigned long long* full, unsigned long long* empty, unsigned long long* qfree,
                                  int kvh, int w, int g) {
     const int lane = threadIdx.x % 32, cw = threadIdx.x / 32 - 4, cwg = cw / 4;   // consumer warp / warpgroup
@@ -386,7 +426,7 @@ struct PrefillSm90 {
     if (ntiles > 0) {
       const unsigned q_addr = smem_addr(qs) + cwg * 64 * 128;
       const unsigned kv_addr = smem_addr(kvs);
-      constexpr unsigned STAGE_BYTES = 2 * KV_ELEMS * sizeof(T);
+      constexpr unsigned STAGE_BYTES = STAGE_ELEMS * sizeof(T);
       float s[SN];
       float sc[2];
       if (cwg == 1) their_turn(cwg);
@@ -410,7 +450,7 @@ struct PrefillSm90 {
         my_turn(cwg);
         wgmma_fence();
         issue_qk(s, q_addr, kv_addr + nxt_st * STAGE_BYTES);
-        issue_pv(acc, pa, kv_addr + cur_st * STAGE_BYTES + KV_ELEMS * sizeof(T));
+        issue_pv(acc, pa, kv_addr + cur_st * STAGE_BYTES + K_ELEMS * sizeof(T));
         their_turn(cwg);
         wgmma_wait<1>();
         fence_regs(s);
@@ -432,7 +472,7 @@ struct PrefillSm90 {
       my_turn(cwg);
       wgmma_fence();
       const int last_st = (g + ntiles - 1) % STAGES;
-      issue_pv(acc, pa, kv_addr + last_st * STAGE_BYTES + KV_ELEMS * sizeof(T));
+      issue_pv(acc, pa, kv_addr + last_st * STAGE_BYTES + K_ELEMS * sizeof(T));
       their_turn(cwg);
       if (cwg == 0) my_turn(cwg);   // consumer 1's last arrival
       wgmma_wait<0>();
@@ -447,10 +487,10 @@ struct PrefillSm90 {
     return round * (int)gridDim.x + (round & 1 ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x);
   }
 
-  __device__ static void run(const PrefillParams& p, T* smem) {
+  __device__ static void run(const PrefillParams& p, Q* smem) {
     T* qs = smem;
     T* kvs = smem + Q_ELEMS;
-    unsigned long long* full = reinterpret_cast<unsigned long long*>(kvs + STAGES * 2 * KV_ELEMS);   // [STAGES]
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(kvs + STAGES * STAGE_ELEMS);   // [STAGES]
     unsigned long long* empty = full + STAGES;                                                      // [STAGES]
     unsigned long long* qfree = empty + STAGES;                                                     // [1]
     if (threadIdx.x == 0) {
@@ -496,10 +536,10 @@ struct PrefillSm90 {
   }
 };
 
-template <int D, class V, typename T, typename KV = T>
+template <class A, class V>
 __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_constant__ PrefillParams p) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  PrefillSm90<D, V, T, KV>::run(p, reinterpret_cast<T*>(smem_raw));
+  PrefillSm90<A, V>::run(p, reinterpret_cast<typename A::Q*>(smem_raw));
 }
 
 }  // namespace kvattn

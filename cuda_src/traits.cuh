@@ -8,6 +8,8 @@
 
 namespace kvattn {
 
+constexpr int gcd(int a, int b) { return b ? gcd(b, a % b) : a; }
+
 template <typename A, typename B> struct IsSame { static constexpr bool value = false; };
 template <typename A> struct IsSame<A, A> { static constexpr bool value = true; };
 

@@ -37,7 +37,7 @@ from .compiler import Resources
 from .contract import HEADER_INT32, align4, page_size_shift, write_header
 from .decode import LOG2E, THREADS
 from .formats import PageTable, pack_mask
-from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
+from .kernels import KernelSpec, Launch, ParamBuffer, attn_types, get_kernel, register
 from .memory import asarray
 from .opcore import AttentionOp, PagedKV, RaggedKV, on_device
 from .stream import as_stream
@@ -91,16 +91,10 @@ SM90_PERSIST_DEFINE = ("KVATTN_SM90_PERSIST", 1)
 MASK_PAD = 32
 
 
-def _kv_arg(dtype: str, kv_dtype: str | None) -> str:
-    """The kernels' trailing KV type argument: the cache's type (only spelled out when it differs from q's, so
-    16-bit instances keep their names)."""
-    return f", {_dtypes.to_ctype(kv_dtype)}" if kv_dtype and _dtypes.dtype_name(kv_dtype) != dtype else ""
-
-
 def prefill_spec(head_dim: int, cta_rows: int, variant: Variant, dtype: str, kv_dtype: str | None = None) -> KernelSpec:
     """The mma.sync kernel (backend "sm80") of prefill.cuh."""
     wm, mt = CONFIGS[cta_rows]
-    args = f"{head_dim}, {wm}, {mt}, {variant.prefill_type()}, {_dtypes.to_ctype(dtype)}{_kv_arg(dtype, kv_dtype)}"
+    args = f"{attn_types(head_dim, dtype, kv_dtype)}, {wm}, {mt}, {variant.prefill_type()}"
     traits = f"kvattn::PrefillKernel<{args}>"
     return KernelSpec("prefill.cuh", f"kvattn::prefill_kernel<{args}>", defines=tuple(TUNING.get(cta_rows, ())),
                       prelude=variant.prelude(),
@@ -112,7 +106,7 @@ def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None 
               persistent: bool | None = None) -> KernelSpec:
     """The wgmma kernel (backend "sm90") of prefill_sm90.cuh: 128-row query tiles, head_dim 64, 128 or 256;
     persistent (None: sm90_persistent's choice) builds the persistent instance."""
-    args = f"{head_dim}, {variant.prefill_type()}, {_dtypes.to_ctype(dtype)}{_kv_arg(dtype, kv_dtype)}"
+    args = f"{attn_types(head_dim, dtype, kv_dtype)}, {variant.prefill_type()}"
     traits = f"kvattn::PrefillSm90<{args}>"
     if persistent is None:
         persistent = sm90_persistent(head_dim, variant, kv_dtype)
