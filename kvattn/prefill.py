@@ -91,60 +91,64 @@ SM90_PERSIST_DEFINE = ("KVATTN_SM90_PERSIST", 1)
 MASK_PAD = 32
 
 
-def prefill_spec(head_dim: int, cta_rows: int, variant: Variant, dtype: str, kv_dtype: str | None = None) -> KernelSpec:
-    """The mma.sync kernel (backend "sm80") of prefill.cuh."""
+def prefill_spec(head_dim: int, cta_rows: int, variant: Variant, dtype: str, kv_dtype: str | None = None,
+                 head_dim_vo: int | None = None) -> KernelSpec:
+    """The mma.sync kernel (backend "sm80") of prefill.cuh. head_dim_vo: V / O's head dim where it differs from
+    head_dim (Q / K's): compile tests only, no op runs it."""
     wm, mt = CONFIGS[cta_rows]
-    args = f"{attn_types(head_dim, dtype, kv_dtype)}, {wm}, {mt}, {variant.prefill_type()}"
+    args = f"{attn_types(head_dim, dtype, kv_dtype, head_dim_vo)}, {wm}, {mt}, {variant.prefill_type()}"
     traits = f"kvattn::PrefillKernel<{args}>"
     return KernelSpec("prefill.cuh", f"kvattn::prefill_kernel<{args}>", defines=tuple(TUNING.get(cta_rows, ())),
                       prelude=variant.prelude(),
-                      checks=((f"{traits}::SMEM_BYTES", smem_bytes(head_dim, cta_rows, kv_dtype)),
+                      checks=((f"{traits}::SMEM_BYTES", smem_bytes(head_dim, cta_rows, kv_dtype, head_dim_vo)),
                               (f"{traits}::THREADS", THREADS), (f"{traits}::ROWS", cta_rows)))
 
 
 def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None = None,
-              persistent: bool | None = None) -> KernelSpec:
+              persistent: bool | None = None, head_dim_vo: int | None = None) -> KernelSpec:
     """The wgmma kernel (backend "sm90") of prefill_sm90.cuh: 128-row query tiles, head_dim 64, 128 or 256;
-    persistent (None: sm90_persistent's choice) builds the persistent instance."""
-    args = f"{attn_types(head_dim, dtype, kv_dtype)}, {variant.prefill_type()}"
+    persistent (None: sm90_persistent's choice) builds the persistent instance. head_dim_vo: as prefill_spec's."""
+    args = f"{attn_types(head_dim, dtype, kv_dtype, head_dim_vo)}, {variant.prefill_type()}"
     traits = f"kvattn::PrefillSm90<{args}>"
     if persistent is None:
         persistent = sm90_persistent(head_dim, variant, kv_dtype)
     return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{args}>",
                       defines=SM90_TUNING + ((SM90_PERSIST_DEFINE,) if persistent else ()),
                       prelude=variant.prelude(),
-                      checks=((f"{traits}::SMEM_BYTES", sm90_smem_bytes(head_dim)),
+                      checks=((f"{traits}::SMEM_BYTES", sm90_smem_bytes(head_dim, head_dim_vo)),
                               (f"{traits}::THREADS", SM90_THREADS), (f"{traits}::ROWS", 128)))
 
 
-def stages(head_dim: int, cta_rows: int) -> int:
-    return 3 if CONFIGS[cta_rows][0] == 1 and head_dim <= 128 else 2
+def stages(head_dim: int, cta_rows: int, head_dim_vo: int | None = None) -> int:
+    return 3 if CONFIGS[cta_rows][0] == 1 and head_dim + (head_dim_vo or head_dim) <= 256 else 2
 
 
-def smem_bytes(head_dim: int, cta_rows: int, kv_dtype: str | None = None) -> int:
+def smem_bytes(head_dim: int, cta_rows: int, kv_dtype: str | None = None, head_dim_vo: int | None = None) -> int:
     """Dynamic shared memory of prefill_kernel (mirrors PrefillKernel::SMEM_BYTES, a static_assert checks it): Q,
-    the K/V stages (fp8: one 16-bit K/V tile and the fp8 stages), the offset slots."""
-    st = stages(head_dim, cta_rows)
+    the K/V stages (fp8: one 16-bit K/V tile and the fp8 stages), the offset slots. head_dim: Q / K's;
+    head_dim_vo: V / O's (None: head_dim)."""
+    st = stages(head_dim, cta_rows, head_dim_vo)
+    row = head_dim + (head_dim_vo or head_dim)   # a K row and a V row, in elements
     if kv_dtype is not None and _dtypes.is_fp8(kv_dtype):
-        kv = 2 * 64 * head_dim * 2 + st * 2 * 64 * head_dim
+        kv = 64 * row * 2 + st * 64 * row
     else:
-        kv = st * 2 * 64 * head_dim * 2
+        kv = st * 64 * row * 2
     return cta_rows * head_dim * 2 + kv + 2 * 64 * 8
 
 
-def sm90_tile(head_dim: int) -> tuple[int, int]:
+def sm90_tile(head_dim: int, head_dim_vo: int | None = None) -> tuple[int, int]:
     """(KV tokens per tile, ring stages) of prefill_sm90_kernel (mirrors PrefillSm90::N / STAGES, including the
     KVATTN_SM90_N / _STAGES overrides of SM90_TUNING)."""
     over = dict(SM90_TUNING)
-    return (over.get("KVATTN_SM90_N", 80 if head_dim == 256 else 128),
-            over.get("KVATTN_SM90_STAGES", 2 if head_dim == 256 else 3))
+    big = head_dim + (head_dim_vo or head_dim) > 256   # head_dim 256: 80-token tiles in 2 stages
+    return (over.get("KVATTN_SM90_N", 80 if big else 128), over.get("KVATTN_SM90_STAGES", 2 if big else 3))
 
 
-def sm90_smem_bytes(head_dim: int) -> int:
+def sm90_smem_bytes(head_dim: int, head_dim_vo: int | None = None) -> int:
     """Dynamic shared memory of prefill_sm90_kernel (mirrors PrefillSm90::SMEM_BYTES: Q, the ring of K and V
     tiles, a full and an empty mbarrier per stage, the Q tile's `qfree` mbarrier)."""
-    n, stages = sm90_tile(head_dim)
-    return (128 * head_dim + stages * 2 * n * head_dim) * 2 + (2 * stages + 1) * 8
+    n, stages = sm90_tile(head_dim, head_dim_vo)
+    return (128 * head_dim + stages * n * (head_dim + (head_dim_vo or head_dim))) * 2 + (2 * stages + 1) * 8
 
 
 #: Persistent sm90 CTAs (prefill_sm90.cuh: at most one CTA per SM, each walking its share of the (item, KV head)

@@ -40,9 +40,18 @@ def load_old(tree: str):
     return importlib.import_module("kvattn_ab_old")
 
 
+_TRAITS = re.compile(r"^(kvattn::\w+)<kvattn::AttnTypes<(\d+), (\d+), ([\w:]+), ([\w:]+), ([\w:]+)>, (.*)>$")
+
+
 def _key(kernel: str) -> str:
-    """A kernel name with its variant written as flags (`kvattn::Builtin<a, b, c>` -> `a, b, c`), so the instances
-    of trees that spell variants differently line up; decode's has no custom-mask flag)."""
+    """A kernel name in one spelling across trees, so that their instances line up: the types and head dims
+    (`kvattn::AttnTypes<D, D, T, KV, T>`, equal dims and q's output type) as the older trees' separate arguments
+    (`<D, ..., T, KV>`; prefill spelled KV only where it differed from T), the variant as flags
+    (`kvattn::Builtin<a, b, c>` -> `a, b, c`), decode's custom-mask flag (older trees spelled it) dropped."""
+    m = _TRAITS.match(kernel)
+    if m and m[2] == m[3] and m[4] == m[6]:
+        name, d, q, kv, rest = m[1], m[2], m[4], m[5], m[7]
+        kernel = f"{name}<{d}, {rest}, {q}" + (f", {kv}" if name.endswith("decode_kernel") or kv != q else "") + ">"
     k = re.sub(r"kvattn::Builtin<([^>]*)>", r"\1", kernel).replace("kvattn::", "")
     return re.sub(r"^(decode_kernel<\d+, \d+, \d+, \w+, \w+), false\b", r"\1", k)
 

@@ -124,7 +124,8 @@ def test_a_size_python_relies_on_is_checked_by_the_compiler():
     spec = decode.decode_spec(64, 1, Variant(), "bfloat16")
     assert [e.split("::")[-1] for e, _ in spec.checks] == ["SMEM_BYTES", "THREADS"]
     assert dict(prefill.sm90_spec(128, Variant(), "bfloat16").checks)[
-        "kvattn::PrefillSm90<128, kvattn::Builtin<false, false, false>, __nv_bfloat16>::SMEM_BYTES"] == \
+        "kvattn::PrefillSm90<kvattn::AttnTypes<128, 128, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16>, "
+        "kvattn::Builtin<false, false, false>>::SMEM_BYTES"] == \
         prefill.sm90_smem_bytes(128)
     (expr, value), threads = spec.checks
     bad = dataclasses.replace(spec, checks=((expr, value + 16), threads))

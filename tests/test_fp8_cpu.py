@@ -99,8 +99,8 @@ def test_fp8_prefill_instances_compile_without_spills(kv):
         assert "__nv_fp8" in spec.kernel
 
 
-def test_16bit_prefill_instances_keep_their_names():
-    """A 16-bit cache spells no KV type: its kernels (and their cache entries) are the ones before fp8."""
+def test_a_16bit_cache_given_or_not_is_one_prefill_instance():
+    """A 16-bit cache is q's type: the same kernel (and cache entry) whether kv_dtype is given or not."""
     from kvattn import prefill
     assert prefill.prefill_spec(128, 128, Variant(), "bfloat16", "bfloat16").kernel == \
         prefill.prefill_spec(128, 128, Variant(), "bfloat16").kernel

@@ -178,8 +178,9 @@ def test_sm90_smem_fits_and_mirrors_the_kernel():
     for d in SM90_HEAD_DIMS:
         assert sm90_smem_bytes(d) <= 227 * 1024
     src = ('#include "prefill_sm90.cuh"\n'
-           + "".join(f"static_assert(kvattn::PrefillSm90<{d}, kvattn::Builtin<false, false, false>, __nv_bfloat16>::SMEM_BYTES == "
-                     f"{sm90_smem_bytes(d)}, \"smem\");\n" for d in SM90_HEAD_DIMS))
+           + "".join(f"static_assert(kvattn::PrefillSm90<{kernels.attn_types(d, 'bfloat16')}, "
+                     f"kvattn::Builtin<false, false, false>>::SMEM_BYTES == {sm90_smem_bytes(d)}, \"smem\");\n"
+                     for d in SM90_HEAD_DIMS))
     compiler.compile_cubin(src, "sm90_asserts.cu", [], [], "sm_90a")
 
 
