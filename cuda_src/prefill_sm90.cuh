@@ -113,7 +113,8 @@ struct PrefillSm90 {
   static constexpr int RPI8 = 32 / LPR8;
   static_assert(D_VO == 64 || D_VO == 128 || D_VO == 256,
                 "P V is one wgmma of N = D_VO: wgmma.cuh has the instances of 64, 128 and 256");
-  static_assert(N % 16 == 0 && RPW <= 32 && RPW % RPI == 0 && RPW % RPI8 == 0, "KV tile shape");
+  static_assert(N % 16 == 0 && RPW <= 32 && RPW % RPI == 0, "KV tile shape");
+  static_assert(!kFp8 || RPW % RPI8 == 0, "fp8: a producer warp's rows are whole warp-wide loads of both K and V");
 
   // Element offset of 16-byte chunk c of row r in a [R][D] tile (any D): 64-column blocks of R rows of 128 bytes.
   template <int R> __device__ __forceinline__ static int sw(int r, int c) {
