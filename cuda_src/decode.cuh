@@ -103,8 +103,12 @@ struct DecodeKernel {
   static constexpr int TPR = gcd(gcd(K_CHUNKS, V_CHUNKS), THREADS);
   static constexpr int ROWS_PER_THREAD = TILE * TPR / THREADS;   // K (and V) rows each thread copies per tile
   static_assert(TILE % (THREADS / TPR) == 0, "whole copy passes per tile");
-  static_assert(kFp8 ? Merge::O_BYTES <= STAGE_BYTES : K_BYTES + V_BYTES <= STAGE_BYTES, "epilogue scratch fits a stage");
+  static_assert(kFp8 ? Merge::O_BYTES <= STAGE_BYTES : K_BYTES + V_BYTES <= STAGE_BYTES,
+                "epilogue scratch fits a stage");
   static_assert(!(kFp8 && V::kQK), "a query / key transform (RoPE) needs a 16-bit cache");
+  static_assert(!V::kQK || 32 % (D_QK / 8) == 0,
+                "a query / key transform's lanes (D_QK / 8 a key row, D_QK / 16 a 16-dim group) tile a warp: D_QK 64, "
+                "128 or 256");
 
   // Position in the tile stream: work item w (index into the plan), its token range, tile start t0.
   // Item w's query rows live in Q slot (w - w_first) % STAGES: the producer runs at most STAGES - 1 tiles

@@ -125,6 +125,8 @@ struct PrefillKernel {
                                         : STAGES * STAGE_ELEMS * (int)sizeof(T);
   static constexpr int SMEM_BYTES = Q_ELEMS * (int)sizeof(T) + KV_REGION + 2 * TILE * 8;
   static_assert(TILE % RSTEP == 0, "whole copy passes per tile");
+  static_assert(!V::kQK || THREADS % (D_QK / 16) == 0,
+                "a query / key transform's threads (D_QK / 16 a row) tile the CTA: D_QK 64, 128 or 256");
   static_assert(WARPS_N == 1 || MT == 1, "warps split the KV tile only with one m-tile per warp");
   static_assert(SUBN % 16 == 0, "softmax step is a multiple of the MMA k");
   static_assert(WARPS_N == 1 || WarpMerge<D_VO, WARPS>::BYTES <= KV_REGION, "warp-merge scratch fits the K/V stages");

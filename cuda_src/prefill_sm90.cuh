@@ -79,6 +79,8 @@ struct PrefillSm90 {
   static constexpr int PRODUCER_REGS = V::kQK || kFp8 ? 56 : kPersist ? 40 : 24;
   static constexpr int CONSUMER_REGS = V::kQK || kFp8 ? 224 : kPersist ? 232 : 240;
   static_assert(!(kFp8 && V::kQK), "fused RoPE needs a 16-bit cache");
+  static_assert(!V::kQK || PRODUCERS % (D_QK / 16) == 0,
+                "a query / key transform's threads (D_QK / 16 a row) tile the producers: D_QK 64, 128 or 256");
   // setmaxnreg.inc waits for registers the CTA's other warps released: the two must balance exactly.
   static_assert(PRODUCERS * (168 - PRODUCER_REGS) == 2 * 128 * (CONSUMER_REGS - 168), "register budget");
   static constexpr int ROWS = 128;                    // packed query rows per CTA

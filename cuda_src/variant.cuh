@@ -143,6 +143,7 @@ template <> __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(unsigned w)
 template <bool INTERLEAVE, int D, int N, typename T>
 __device__ __forceinline__ void rope_key_run(T* tile, int r0, int lane, const float* rd, int pos0, int req) {
   constexpr int LPR = D / 8;       // lanes per row
+  static_assert(32 % LPR == 0, "whole key rows per warp: D 64, 128 or 256");
   constexpr int RP = 32 / LPR;     // rows in flight per warp
   static_assert(N % RP == 0, "whole row sets");
   const int q = lane % LPR, rfirst = r0 + lane / LPR;
