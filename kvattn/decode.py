@@ -62,9 +62,10 @@ DETERMINISTIC_SPLIT_TOKENS = 2048
 #: (b1_L2048: 104 CTAs) one launch was 15% faster on a slow host (16.7 against 19.7 us) and 3% slower on a fast one.
 #: Merging after each CTA's stream instead (run 18d) was slower still on full grids (b64_L4096 -2.6%, b128_L1024
 #: -4%): every CTA's merges then land on the launch's tail.
+#: m_tiles: None (auto: auto_m_tiles) or the 16-row MMA tiles per CTA (1 or 2).
 #: merge_lanes: None (auto: kvattn.merge.lane_shift) or 1 (one lane per unit: the A/B); merge_programmatic: the
 #: merge kernel launched programmatically (it starts while decode ends; False: a plain launch, the A/B).
-DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=1,
+DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=None,
                       refill_first=False, fused_merge=None, wtok=None, merge_lanes=None, merge_programmatic=True)
 
 
@@ -89,6 +90,16 @@ def default_stages(head_dim: int, kv_dtype: str | None = None, wtok: int | None 
     if kv_dtype is not None and _dtypes.is_fp8(kv_dtype):
         return 2 if head_dim in (128, 256) else 3
     return 2 if head_dim * warp_tokens(head_dim, kv_dtype, wtok, head_dim_vo) == 128 * 16 else 3
+
+
+def auto_m_tiles(group: int, head_dim: int, kv_dtype: str | None, variant: Variant) -> int:
+    """16-row MMA tiles per CTA: 2 (one CTA takes 32 query heads of a KV head and reads each tile once, where two
+    z slices of 16 rows would each read it) for groups of 32+ at head dim 128 (64: not measured) with a 16-bit
+    cache and the plain / soft-cap / window kernels (the instances fill_cache builds; run 20d: GQA 32 2.36
+    against 2.17 TB/s, while GQA 16 was slower with 2: 3.27 against 3.86), else 1."""
+    plain = not (variant.is_user or variant.rope or variant.alibi or variant.sink or variant.custom_mask)
+    fp8 = kv_dtype is not None and _dtypes.is_fp8(kv_dtype)
+    return 2 if group >= 32 and head_dim == 128 and not fp8 and plain else 1
 
 
 def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: int | None = None,
@@ -197,7 +208,7 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         num_sms = self.num_sms
         group = num_qo_heads // num_kv_heads
         tn = self.tuning
-        mt = tn["m_tiles"]                  # 16-row MMA tiles per CTA; larger groups are sliced over CTAs
+        mt = tn["m_tiles"] or auto_m_tiles(group, head_dim, kv_dtype, variant)   # larger groups: sliced over CTAs
         zsplit = -(-group // (16 * mt))
         stages = tn["stages"] or default_stages(head_dim, kv_dtype, tn["wtok"])
         smem = smem_bytes(head_dim, mt, stages, kv_dtype, tn["wtok"])

@@ -125,3 +125,19 @@ def test_merge_lanes_spread_few_rows_with_many_states():
         assert units << shift <= max(LANE_THREAD_BUDGET, units)
         assert merge_grid(units, shift) * 256 >= units << shift
     assert lane_shift(128 * 32 * 16, None) == 1 and lane_shift(1024 * 64 * 32, None) == 0
+
+
+def test_auto_m_tiles_takes_two_tiles_only_for_large_groups_of_the_plain_kernels():
+    """auto m_tiles: 2 for GQA 32+ at head dim 128 with a 16-bit cache and the plain / soft-cap / window kernels
+    (measured faster there); 1 for smaller groups, other head dims, fp8 caches and hooked variants."""
+    from kvattn.decode import auto_m_tiles
+    from kvattn.variants import Variant
+    plain, rope = Variant(), Variant(rope=1)
+    assert auto_m_tiles(32, 128, "bfloat16", plain) == 2
+    assert auto_m_tiles(64, 128, None, Variant(True, True)) == 2
+    assert auto_m_tiles(16, 128, "bfloat16", plain) == 1
+    assert auto_m_tiles(32, 64, "bfloat16", plain) == 1
+    assert auto_m_tiles(32, 256, "bfloat16", plain) == 1
+    assert auto_m_tiles(32, 128, "float8_e4m3fn", plain) == 1
+    assert auto_m_tiles(32, 128, "bfloat16", rope) == 1
+    assert auto_m_tiles(32, 128, "bfloat16", Variant(sink=True)) == 1

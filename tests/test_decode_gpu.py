@@ -258,3 +258,21 @@ def test_merge_fused_only_where_the_grid_leaves_sms_idle():
     w = kvattn.BatchDecodeWithPagedKVCache(use_cuda_graph=True, max_batch_size=4, max_num_pages=pt.num_pages_used)
     w.plan(pt, 32, 8, 128)
     assert w.last_plan.merge is not None
+
+
+@requires_gpu
+def test_large_groups_take_two_mma_tiles_per_cta():
+    """GQA 32 at head dim 128 (auto m_tiles: 2, one CTA per KV head's 32 query heads) against the reference,
+    with a soft cap and a window too; GQA 16 keeps one tile (two z slices)."""
+    rng = np.random.default_rng(32)
+    for hq, hkv, kw, tiles in ((32, 1, {}, 2), (64, 2, dict(logits_soft_cap=30.0, window_left=700), 2),
+                               (64, 4, {}, 1)):
+        pt, q, k, v = make_case(rng, [3000, 17, 1200], 16, hq, hkv, 128, "bfloat16", "NHD")
+        w = kvattn.BatchDecodeWithPagedKVCache()
+        w.plan(pt, hq, hkv, 128, **kw)
+        assert f"decode_kernel<kvattn::AttnTypes<128, 128, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16>, {tiles}," \
+            in w.last_plan.launches[0].kernel.spec.kernel, w.last_plan.launches[0].kernel.spec.kernel
+        out = poisoned(q.shape, "bfloat16")
+        w.run(kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v), out=out)
+        ro = reference.batch_attention_paged(q, k, v, np.arange(4, dtype=np.int32), pt, **kw)
+        assert rel_l2(out.numpy(), ro) <= TOL["bfloat16"][0], (hq, hkv, kw)
