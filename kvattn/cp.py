@@ -8,6 +8,7 @@ request's first pages), so the shards of a request are contiguous runs of its to
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 
@@ -61,3 +62,88 @@ def shard_page_table(pt: PageTable, world_size: int) -> ShardPlan:
         pages.append(held)
         firsts.append(np.minimum(offsets[:, r] * pt.page_size, kv_lens))
     return ShardPlan(tuple(tables), tuple(pages), tuple(firsts))
+
+
+class ContextParallelDecode:
+    """Batch decode with the KV cache split across ranks by position: each rank attends every query to its shard
+    (kvattn.BatchDecodeWithPagedKVCache over its own pool, with LSE), the ranks' states are all-gathered over NCCL
+    and merged in rank order (kvattn.merge_states), so every rank returns the whole attention.
+
+    comm: an NCCL communicator of NVIDIA's nccl4py (``nccl.core.Communicator``), or any object with ``rank``,
+    ``nranks`` and ``allgather(sendbuf, recvbuf, stream=handle)`` on CUDA-array-interface buffers. decode_kwargs go
+    to the local decode wrapper (kv_layout, use_cuda_graph, ...).
+
+        cp = ContextParallelDecode(comm)
+        shards = cp.plan(page_table, 32, 8, 128)      # the full table; rank r keeps pages shards.pages[r]
+        o, lse = cp.run(q, k_shard, v_shard)          # q [batch, Hq, D] on every rank; the shard's caches
+
+    ``timings`` (a dict) receives the GPU time of the local attention and of the exchange + merge (us, CUDA
+    events on the stream) when given: the communication reported apart from compute.
+    """
+
+    def __init__(self, comm, **decode_kwargs):
+        from .decode import BatchDecodeWithPagedKVCache
+        self.comm = comm
+        self.rank, self.world = int(comm.rank), int(comm.nranks)
+        self.decode = BatchDecodeWithPagedKVCache(**decode_kwargs)
+        self.shards = None
+
+    def plan(self, page_table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: int, **plan_kwargs):
+        """Shard the full page table (shard_page_table) and plan this rank's decode over its shard. Returns the
+        ShardPlan (every rank computes the same one)."""
+        if not isinstance(page_table, PageTable):
+            raise TypeError(f"page_table: expected a kvattn.PageTable, got {type(page_table).__name__}")
+        self.shards = shard_page_table(page_table, self.world)
+        self.decode.plan(self.shards.tables[self.rank], num_qo_heads, num_kv_heads, head_dim, **plan_kwargs)
+        return self.shards
+
+    def run(self, q, k_cache, v_cache=None, *, stream=None, timings=None):
+        """q: [batch, Hq, D] (the same on every rank); k_cache / v_cache: this rank's pool, page j holding the full
+        table's page shards.pages[rank][j]. Returns (o [batch, Hq, D] in q's dtype, lse [batch, Hq] float32)."""
+        from .memory import DeviceArray, empty
+        from .merge import merge_states
+        from .stream import Event, as_stream
+        if self.shards is None:
+            raise RuntimeError("ContextParallelDecode.run: call plan() first")
+        s = as_stream(stream)
+        marks = [Event(), Event(), Event()] if timings is not None else None
+        if marks:
+            marks[0].record(s)
+        o, lse = self.decode.run(q, k_cache, v_cache, return_lse=True, stream=s)
+        if marks:
+            marks[1].record(s)
+        b, h, d = o.shape
+        w, it = self.world, o.itemsize
+        go, gl = empty((w, b, h, d), o.dtype_name), empty((w, b, h), "float32")
+        self.comm.allgather(o, go, stream=s.ptr)
+        self.comm.allgather(lse, gl, stream=s.ptr)
+        # [rank, batch, ...] gathered; merge_states reads [batch, rank, ...]: the same memory, strides swapped
+        ov = DeviceArray(go.ptr, (b, w, h, d), go.dtype, strides=(h * d * it, b * h * d * it, d * it, it), owner=go)
+        lv = DeviceArray(gl.ptr, (b, w, h), gl.dtype, strides=(h * 4, b * h * 4, 4), owner=gl)
+        out = merge_states(ov, lv, stream=s)
+        if marks:
+            marks[2].record(s)
+            marks[2].synchronize()
+            timings["attention_us"] = marks[0].elapsed_ms(marks[1]) * 1e3
+            timings["exchange_merge_us"] = marks[1].elapsed_ms(marks[2]) * 1e3
+        return out
+
+
+#: The environment scripts/launch_cp.py gives each rank's process.
+ENV_RANK, ENV_WORLD, ENV_UID = "KVATTN_CP_RANK", "KVATTN_CP_WORLD", "KVATTN_CP_UNIQUE_ID"
+
+
+def communicator_from_env():
+    """This process's NCCL communicator (nccl4py), from the rank, world size and unique id (hex) that
+    scripts/launch_cp.py puts in the environment; a world of one (a fresh unique id) when they are absent.
+    NVLink multicast stays off (NCCL_NVLS_ENABLE=0: the shared machines require it)."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    try:
+        import nccl.core as nccl
+    except ImportError as exc:
+        raise ImportError("context parallelism needs NVIDIA's nccl4py: pip install 'kvattn[multigpu]'") from exc
+    if ENV_UID not in os.environ:
+        return nccl.Communicator.init(1, 0, nccl.get_unique_id())
+    rank, world = int(os.environ[ENV_RANK]), int(os.environ[ENV_WORLD])
+    uid = nccl.UniqueId.from_bytes(bytes.fromhex(os.environ[ENV_UID]))
+    return nccl.Communicator.init(world, rank, uid)

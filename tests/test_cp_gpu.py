@@ -1,0 +1,70 @@
+"""Context parallelism on one GPU: the whole path (shard plan, local decode with LSE, the NCCL all-gather, the merge)
+with a world of one and a real nccl4py communicator, and the exchange logic with simulated ranks on one GPU (each
+rank's shard decoded in turn, the states stacked as the all-gather would), both against the float64 reference on
+the full table."""
+import numpy as np
+import pytest
+
+import kvattn
+from kvattn import _dtypes, reference
+from kvattn.cp import ContextParallelDecode
+from _gpu import assert_lse, rel_l2, requires_gpu
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+HQ, HKV, D, PAGE = 8, 2, 128, 16
+
+
+def _case(rng, lens):
+    pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), PAGE, rng=rng)
+    bf16 = _dtypes.to_numpy("bfloat16")
+    k = rng.standard_normal((pt.num_pages_used, PAGE, HKV, D)).astype(bf16)
+    v = rng.standard_normal((pt.num_pages_used, PAGE, HKV, D)).astype(bf16)
+    q = rng.standard_normal((len(lens), HQ, D)).astype(bf16)
+    ro, rl = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1, dtype=np.int32), pt, return_lse=True)
+    return pt, q, k, v, ro, rl
+
+
+def test_world_of_one_with_a_real_nccl_communicator():
+    nccl = pytest.importorskip("nccl.core", reason="nccl4py is not installed (pip install 'kvattn[multigpu]')")
+    from kvattn.cp import communicator_from_env
+    comm = communicator_from_env()
+    assert isinstance(comm, nccl.Communicator) and comm.nranks == 1
+    rng = np.random.default_rng(3)
+    pt, q, k, v, ro, rl = _case(rng, [3000, 17, 900])
+    cp = ContextParallelDecode(comm)
+    shards = cp.plan(pt, HQ, HKV, D)
+    kd = kvattn.from_numpy(k[shards.pages[0]])
+    vd = kvattn.from_numpy(v[shards.pages[0]])
+    timings = {}
+    o, lse = cp.run(kvattn.from_numpy(q), kd, vd, timings=timings)
+    got = o.numpy()
+    assert max(rel_l2(got[i], ro[i]) for i in range(3)) <= 1e-2
+    assert_lse(lse.numpy(), rl, 1e-2)
+    assert timings["attention_us"] > 0 and timings["exchange_merge_us"] > 0
+    comm.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_states_merged_in_rank_order_equal_the_whole_attention(world):
+    """Each simulated rank decodes its shard (its own pool, page ids of shards.pages[r]); the states stacked in
+    rank order and merged with kvattn.merge_states equal the attention over the whole table."""
+    rng = np.random.default_rng(world)
+    lens = [5000, 0, 33, 2048, 700]
+    pt, q, k, v, ro, rl = _case(rng, lens)
+    shards = kvattn.cp.shard_page_table(pt, world)
+    qd = kvattn.from_numpy(q)
+    os_, ls = [], []
+    for r in range(world):
+        w = kvattn.BatchDecodeWithPagedKVCache()
+        w.plan(shards.tables[r], HQ, HKV, D)
+        o, lse = w.run(qd, kvattn.from_numpy(k[shards.pages[r]]), kvattn.from_numpy(v[shards.pages[r]]),
+                       return_lse=True)
+        os_.append(o.numpy())
+        ls.append(lse.numpy())
+    o_all = np.stack(os_, 1)   # [batch, rank, Hq, D], what the all-gather gives after the stride swap
+    l_all = np.stack(ls, 1)
+    mo, ml = kvattn.merge_states(o_all, l_all)
+    got = mo.numpy()
+    for i, n in enumerate(lens):
+        assert (np.all(got[i] == 0) if n == 0 else rel_l2(got[i], ro[i]) <= 1e-2), f"request {i}"
+    assert_lse(ml.numpy(), rl, 1e-2)
