@@ -5,7 +5,36 @@
 #include "fp8.cuh"
 #include "variant.cuh"
 
+// KVATTN_APPEND_HINTS (the A/B of bench_append.py --hints; 0, the default, is plain loads and stores): 1 reads the
+// new rows without allocating in L1 and stores the cache rows as streaming (.cs: evict first), since each byte is
+// touched once; 2 the loads alone.
+#ifndef KVATTN_APPEND_HINTS
+#define KVATTN_APPEND_HINTS 0
+#endif
+
 namespace kvattn {
+
+// 16 bytes read once (the new rows): through the read-only path, or (hints) without an L1 line.
+__device__ __forceinline__ uint4 append_load16(const void* p) {
+#if KVATTN_APPEND_HINTS
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+#else
+  return __ldg(reinterpret_cast<const uint4*>(p));
+#endif
+}
+
+// 16 bytes of a cache row: a plain store, or (hints 1) a streaming one.
+__device__ __forceinline__ void append_store16(void* p, uint4 v) {
+#if KVATTN_APPEND_HINTS == 1
+  asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+#else
+  *reinterpret_cast<uint4*>(p) = v;
+#endif
+}
 
 // Mirrored by kvattn.page.APPEND_PARAMS (a test checks size and offsets). Strides in elements.
 struct AppendParams {
@@ -77,10 +106,10 @@ __global__ void __launch_bounds__(256) append_paged_kernel(const __grid_constant
   for (int i = 0; i < HPT; ++i) {
     const long long hs = (long long)(h0 + i) * p.new_stride_h;
     if (h0 + i < p.num_kv_heads) {
-      k_lo[i] = __ldg(reinterpret_cast<const uint4*>(kin + hs));
-      k_hi[i] = __ldg(reinterpret_cast<const uint4*>(kin + hs + D / 2));
-      v_lo[i] = __ldg(reinterpret_cast<const uint4*>(vin + hs));
-      v_hi[i] = __ldg(reinterpret_cast<const uint4*>(vin + hs + D / 2));
+      k_lo[i] = append_load16(kin + hs);
+      k_hi[i] = append_load16(kin + hs + D / 2);
+      v_lo[i] = append_load16(vin + hs);
+      v_hi[i] = append_load16(vin + hs + D / 2);
     }
   }
   float inv[8];
@@ -117,11 +146,11 @@ __global__ void __launch_bounds__(256) append_paged_kernel(const __grid_constant
         Vec8<T>::store(kout, a);
         Vec8<T>::store(kout + D / 2, c);
       } else {
-        *reinterpret_cast<uint4*>(kout) = k_lo[i];
-        *reinterpret_cast<uint4*>(kout + D / 2) = k_hi[i];
+        append_store16(kout, k_lo[i]);
+        append_store16(kout + D / 2, k_hi[i]);
       }
-      *reinterpret_cast<uint4*>(vout) = v_lo[i];
-      *reinterpret_cast<uint4*>(vout + D / 2) = v_hi[i];
+      append_store16(vout, v_lo[i]);
+      append_store16(vout + D / 2, v_hi[i]);
     }
   }
 }

@@ -42,6 +42,9 @@ APPEND_PARAMS = np.dtype([
 ], align=True)   # fields back to back (no padding): _launcher packs them all with one setter
 THREADS = 256
 HEADS_PER_THREAD = 4   # append_paged_kernel's HPT: the KV heads one thread moves (16 dims of each)
+#: page.cuh's KVATTN_APPEND_HINTS (cache hints of the new rows' loads and the cache's stores): 0, plain, unless an
+#: A/B (bench_append.py --hints) sets it.
+HINTS = 0
 I32 = np.dtype(np.int32)
 
 
@@ -50,7 +53,8 @@ def append_spec(dtype: str, head_dim: int, rope: int = 0, kv_dtype: str | None =
     fp8 cache: the kernel quantises)."""
     kv = f", {_dtypes.to_ctype(kv_dtype)}" if kv_dtype and kv_dtype != dtype else ""
     return KernelSpec("page.cuh", f"kvattn::append_paged_kernel<{_dtypes.to_ctype(dtype)}, {head_dim}, {rope}, "
-                                  f"{HEADS_PER_THREAD}{kv}>")
+                                  f"{HEADS_PER_THREAD}{kv}>",
+                      defines=(("KVATTN_APPEND_HINTS", HINTS),) if HINTS else ())
 
 
 register("page", [append_spec(t, 128) for t in ("bfloat16", "float16")] + [append_spec("bfloat16", 64),

@@ -88,6 +88,7 @@ def main():
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep", action="store_true", help="also time the large case at 1, 2, 4, 8 heads per thread")
+    ap.add_argument("--hints", action="store_true", help="also time both cases with page.cuh's cache hints 1 and 2")
     args = ap.parse_args()
     import torch
     rng = np.random.default_rng(0)
@@ -105,6 +106,16 @@ def main():
                 r = run_case(n, *CASES[n], rng, ceiling, torch, None, args.json)
                 rows.append(dict(r, case=f"{n} HPT={hpt}"))
         page.HEADS_PER_THREAD = default
+    if args.hints:   # in turns with the plain kernel (hints 0 last), the cache's bits checked as every case's
+        from kvattn import page
+        for hints in (1, 2, 0, 1, 2, 0):
+            page.HINTS = hints
+            page._launchers.clear()
+            for n in ("b256_append1_kv512", "b8_append4096_kv4096"):
+                r = run_case(n, *CASES[n], rng, ceiling, torch, None, args.json)
+                rows.append(dict(r, case=f"{n} hints={hints}"))
+        page.HINTS = 0
+        page._launchers.clear()
     print(f"\npaged KV append, bf16 Hkv8/D128 page 16; us; copy ceiling {ceiling:.2f} TB/s")
     table(rows, ["case", "nnz", "dev_us", "TBps", "frac", "torch_us", "host_path_us", "graph_us", "host_us", "fi_us",
                  "vs_fi", "ok"])

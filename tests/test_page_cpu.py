@@ -60,3 +60,16 @@ def test_append_params_pack_with_one_setter():
     p = kernels.ParamBuffer(APPEND_PARAMS)
     p.setter(*APPEND_PARAMS.names)(*range(1, 1 + len(APPEND_PARAMS.names)))
     assert [int(p[n]) for n in APPEND_PARAMS.names] == list(range(1, 1 + len(APPEND_PARAMS.names)))
+
+
+def test_append_cache_hint_instances_compile_without_spills(monkeypatch):
+    """bench_append.py --hints' instances (page.HINTS 1 / 2: no-L1 loads, streaming stores) build for sm_90a
+    with 0 spills, and the default (0) adds no define (the registered kernels' code)."""
+    from kvattn import page
+    assert page.append_spec("bfloat16", 128).defines == ()
+    for hints in (1, 2):
+        monkeypatch.setattr(page, "HINTS", hints)
+        spec = page.append_spec("bfloat16", 128)
+        assert spec.defines == (("KVATTN_APPEND_HINTS", hints),)
+        compiled, _ = spec.compile("sm_90a")
+        assert all(r.spills == 0 for r in compiled.resources.values())
