@@ -43,7 +43,8 @@ FP8 = ("float8_e4m3fn", "float8_e5m2")
 
 
 def is_fp8(dtype) -> bool:
-    return dtype_name(dtype) in FP8
+    """None (no cache dtype given: the queries' 16-bit type) is not."""
+    return dtype is not None and dtype_name(dtype) in FP8
 
 
 def to_numpy(dtype) -> np.dtype:

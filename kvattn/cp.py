@@ -92,8 +92,7 @@ class ContextParallelDecode:
         # reader (the merge), which a run on another stream waits for before overwriting them.
         self._gather = None
         self._gather_key = None
-        self._gather_read = None
-        self._gather_event = None
+        self._gather_read = None   # an Event, once a run has recorded it
 
     def plan(self, page_table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: int, **plan_kwargs):
         """Shard the full page table (shard_page_table) and plan this rank's decode over its shard. Returns the
@@ -123,8 +122,8 @@ class ContextParallelDecode:
         w, it = self.world, o.itemsize
         if self._gather_key != (b, h, d, o.dtype_name):
             self._gather = empty((w, b, h, d), o.dtype_name), empty((w, b, h), "float32")
-            self._gather_key, self._gather_read = (b, h, d, o.dtype_name), None
-        elif self._gather_read is not None:
+            self._gather_key = (b, h, d, o.dtype_name)
+        if self._gather_read is not None:
             s.wait(self._gather_read)   # (the previous run's merge, maybe on another stream, has read them)
         go, gl = self._gather
         self.comm.allgather(o, go, stream=s.ptr)
@@ -133,9 +132,7 @@ class ContextParallelDecode:
         ov = DeviceArray(go.ptr, (b, w, h, d), go.dtype, strides=(h * d * it, b * h * d * it, d * it, it), owner=go)
         lv = DeviceArray(gl.ptr, (b, w, h), gl.dtype, strides=(h * 4, b * h * 4, 4), owner=gl)
         out = merge_states(ov, lv, stream=s)
-        if self._gather_event is None:
-            self._gather_event = Event(disable_timing=True)
-        self._gather_read = s.record(self._gather_event)
+        self._gather_read = s.record(self._gather_read or Event(disable_timing=True))
         if marks:
             marks[2].record(s)
             marks[2].synchronize()

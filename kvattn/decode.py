@@ -76,7 +76,7 @@ def warp_tokens(head_dim: int, kv_dtype: str | None = None, forced: int | None =
     head_dim_vo: V's head dim where it differs from head_dim (Q / K's)."""
     if forced:
         return forced
-    elt = 1 if kv_dtype is not None and _dtypes.is_fp8(kv_dtype) else 2
+    elt = 1 if _dtypes.is_fp8(kv_dtype) else 2
     return 32 if 64 * (head_dim + (head_dim_vo or head_dim)) * elt <= 16384 else 16
 
 
@@ -87,7 +87,7 @@ def default_stages(head_dim: int, kv_dtype: str | None = None, wtok: int | None 
     per warp with 3 stages (3 CTAs per SM); 256 fits one CTA per SM either way, so 3 stages keep more bytes in
     flight. An fp8 cache's stages (128 tokens) have 16-bit's bytes: the same choice, but at 256 (64-token stages)
     2 stages fit 2 CTAs per SM (1.5x faster than 3)."""
-    if kv_dtype is not None and _dtypes.is_fp8(kv_dtype):
+    if _dtypes.is_fp8(kv_dtype):
         return 2 if head_dim in (128, 256) else 3
     return 2 if head_dim * warp_tokens(head_dim, kv_dtype, wtok, head_dim_vo) == 128 * 16 else 3
 
@@ -98,7 +98,7 @@ def auto_m_tiles(group: int, head_dim: int, kv_dtype: str | None, variant: Varia
     cache and the plain / soft-cap / window kernels (the instances fill_cache builds; run 20d: GQA 32 2.36
     against 2.17 TB/s, while GQA 16 was slower with 2: 3.27 against 3.86), else 1."""
     plain = not (variant.is_user or variant.rope or variant.alibi or variant.sink or variant.custom_mask)
-    fp8 = kv_dtype is not None and _dtypes.is_fp8(kv_dtype)
+    fp8 = _dtypes.is_fp8(kv_dtype)
     return 2 if group >= 32 and head_dim == 128 and not fp8 and plain else 1
 
 
@@ -124,7 +124,7 @@ def smem_bytes(head_dim: int, mt: int, stages: int | None = None, kv_dtype: str 
     """Dynamic shared memory of decode_kernel (mirrors DecodeKernel::SMEM_BYTES; a static_assert checks it).
     head_dim: Q / K's; head_dim_vo: V / O's (None: head_dim)."""
     dvo = head_dim_vo or head_dim
-    fp8 = kv_dtype is not None and _dtypes.is_fp8(kv_dtype)
+    fp8 = _dtypes.is_fp8(kv_dtype)
     tile = 4 * warp_tokens(head_dim, kv_dtype, wtok, head_dim_vo)   # tokens per stage
     stages = stages or default_stages(head_dim, kv_dtype, wtok, head_dim_vo)
     rows = 16 * mt

@@ -129,7 +129,7 @@ def smem_bytes(head_dim: int, cta_rows: int, kv_dtype: str | None = None, head_d
     head_dim_vo: V / O's (None: head_dim)."""
     st = stages(head_dim, cta_rows, head_dim_vo)
     row = head_dim + (head_dim_vo or head_dim)   # a K row and a V row, in elements
-    if kv_dtype is not None and _dtypes.is_fp8(kv_dtype):
+    if _dtypes.is_fp8(kv_dtype):
         kv = 64 * row * 2 + st * 64 * row
     else:
         kv = st * 64 * row * 2
@@ -160,8 +160,7 @@ SM90_PERSISTENT = True
 
 def sm90_persistent(head_dim: int, variant: Variant, kv_dtype: str | None = None) -> bool:
     """Whether the sm90 instance of this head dim, variant and cache type is the persistent one."""
-    return (SM90_PERSISTENT and head_dim <= 128 and not variant.rope
-            and not (kv_dtype is not None and _dtypes.is_fp8(kv_dtype)))
+    return SM90_PERSISTENT and head_dim <= 128 and not variant.rope and not _dtypes.is_fp8(kv_dtype)
 
 
 def launch_grid(cfg, items: int, num_kv_heads: int, num_sms: int) -> tuple[int, int, int]:

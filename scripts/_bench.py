@@ -38,6 +38,16 @@ def random_device(shape, dtype, rng):
     return a
 
 
+def request_kv(pt, k, v, i: int):
+    """Request i's keys and values [kv_len, Hkv, D] (float64 host copies) from NHD paged device caches k / v,
+    its pages copied back one by one: for a reference check of one request."""
+    pages = pt.pages(i)
+    n = int(pt.kv_lens[i])
+    kk = np.concatenate([k[int(p)].numpy() for p in pages])[:n]
+    vv = np.concatenate([v[int(p)].numpy() for p in pages])[:n]
+    return kk.astype(np.float64), vv.astype(np.float64)
+
+
 def torch_time_us(fn, warmup=5, reps=30):
     import torch
     for _ in range(warmup):

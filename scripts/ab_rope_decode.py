@@ -8,7 +8,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import kvattn, random_device, time_rounds  # noqa: E402
+from _bench import kvattn, random_device, request_kv, time_rounds  # noqa: E402
 from bench_variants import ROPE, expected  # noqa: E402
 
 CONFIGS = (("plain", {}, None), ("rope st2", dict(rope=ROPE), None), ("rope st3", dict(rope=ROPE), dict(stages=3)),
@@ -28,9 +28,7 @@ def main():
             ws[name] = kvattn.BatchDecodeWithPagedKVCache(tuning=tn)
             ws[name].plan(pt, 32, 8, 128, **kw)
         t = time_rounds({n: (lambda w=w: w.run(q, k, v, out=out)) for n, w in ws.items()})
-        pages = pt.pages(0)   # request 0 against the reference (its pages copied back once)
-        kk = np.concatenate([k[int(pg)].numpy() for pg in pages])[:lens[0]]
-        vv = np.concatenate([v[int(pg)].numpy() for pg in pages])[:lens[0]]
+        kk, vv = request_kv(pt, k, v, 0)   # request 0 against the reference
         ro = expected("rope", q[0:1].numpy(), kk, vv)
         errs = {}
         for n, w in ws.items():

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import kvattn, random_device, table  # noqa: E402
+from _bench import kvattn, random_device, request_kv, table  # noqa: E402
 from bench_decode import MAIN as CASES  # noqa: E402
 from kvattn import reference  # noqa: E402
 from kvattn.timing import time_us  # noqa: E402
@@ -45,10 +45,8 @@ def main():
         base, det = float(np.median(t[False])), float(np.median(t[True]))
         runs[True][1]()
         i = int(np.argmax(lens))
-        pages = pt.pages(i)
-        kk = np.concatenate([k[int(p)].numpy() for p in pages])[:lens[i]]
-        vv = np.concatenate([v[int(p)].numpy() for p in pages])[:lens[i]]
-        ro = reference.attention(q[i:i + 1].numpy().astype(np.float64), kk.astype(np.float64), vv.astype(np.float64))
+        kk, vv = request_kv(pt, k, v, i)
+        ro = reference.attention(q[i:i + 1].numpy().astype(np.float64), kk, vv)
         err = float(np.linalg.norm(out[i:i + 1].numpy() - ro) / np.linalg.norm(ro))
         rows.append(dict(case=name, default=f"{base:.1f} us", deterministic=f"{det:.1f} us",
                          **{"det/default": f"{det / base:.3f}"}, err=f"{err:.1e}"))

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import kvattn, random_device, table  # noqa: E402
+from _bench import kvattn, random_device, request_kv, table  # noqa: E402
 from kvattn import reference  # noqa: E402
 from kvattn.stream import Event  # noqa: E402
 from kvattn.timing import time_us  # noqa: E402
@@ -69,11 +69,8 @@ def main():
             row[f"{label} eager"] = f"{time_us(run, stream=s, reps=200):.1f}"
             row[f"{label} graph"] = f"{graph_us(run, s):.1f}"
             got = out.numpy(s)[-1:]
-            pages = pt.pages(len(lens) - 1)
-            kk = np.concatenate([k[int(p)].numpy() for p in pages])[:lens[-1]]
-            vv = np.concatenate([v[int(p)].numpy() for p in pages])[:lens[-1]]
-            ro = reference.attention(q[len(lens) - 1:].numpy().astype(np.float64), kk.astype(np.float64),
-                                     vv.astype(np.float64))
+            kk, vv = request_kv(pt, k, v, len(lens) - 1)
+            ro = reference.attention(q[len(lens) - 1:].numpy().astype(np.float64), kk, vv)
             row[f"{label} err"] = f"{np.linalg.norm(got - ro) / np.linalg.norm(ro):.0e}"
             if tn is None:
                 row["auto merge"] = "in launch" if w.last_plan.merge is None else "kernel"
