@@ -5,7 +5,8 @@ copies.
 A map views k (or v) as 4 dims, innermost first: (head_dim, head, token slot, page) for "NHD" and (head_dim,
 slot, head, page) for "HND" (strides grow outward), boxes of 64 x 1 x R x 1 (NHD) or 64 x R x 1 x 1 (HND),
 with the kernel's 128-byte swizzle. Ragged K / V is one page of total_kv slots (a box is the whole KV tile);
-a paged cache has page_size slots per page (a box is one page, or the tile inside a larger page). The kernel
+a paged cache has page_size slots per page (a box is one page, or the tile inside a larger page), and
+block-sparse K / V pages of C slots, one per column block (HND: the page stride is below the head stride). The kernel
 takes the boxes only for full tiles of an item that starts on a box boundary: a tile that ends past the item's
 KV (whose rows must read as zeros, whatever the cache holds there) keeps the zero-filling per-thread copies.
 run() encodes the maps for its k / v (cuTensorMapEncodeTiled; cached per pointer, shape and strides) and writes
@@ -25,16 +26,16 @@ _MAP_BYTES = 128    # sizeof(CUtensorMap)
 
 def tma_mode(kv, tile: int, contiguous: bool) -> tuple[int, int]:
     """(mode, box rows) for a plan's KV accessor and the kernel's KV tile; contiguous: a RaggedKV read as one
-    run of tokens per request (the ragged op; not block-sparse columns). MODE_OFF where whole boxes cannot cover
-    a tile: fp8 caches (their producers expand the bytes), block-sparse column blocks, page sizes that are not a
-    multiple of 8 (a box's rows must span whole 1024-byte swizzle atoms) or neither divide nor are divided by
-    the tile."""
+    run of tokens per request (the ragged op). Block-sparse columns (a RaggedKV of C-token pages) are paged.
+    MODE_OFF where whole boxes cannot cover a tile: fp8 caches (their producers expand the bytes), page (or
+    column block) sizes that are not a multiple of 8 (a box's rows must span whole 1024-byte swizzle atoms) or
+    neither divide nor are divided by the tile."""
     if kv.dtype.itemsize != 2:
         return MODE_OFF, 0
-    if isinstance(kv, RaggedKV):
-        return (MODE_RAGGED, tile) if contiguous and kv.tokens_per_page == 1 else (MODE_OFF, 0)
-    if isinstance(kv, PagedKV):
-        ps = kv.page_size
+    if isinstance(kv, RaggedKV) and kv.tokens_per_page == 1:
+        return (MODE_RAGGED, tile) if contiguous else (MODE_OFF, 0)
+    if isinstance(kv, (PagedKV, RaggedKV)):   # a page table, or block-sparse columns (pages of C tokens)
+        ps = kv.page_size if isinstance(kv, PagedKV) else kv.tokens_per_page
         if ps % 8 == 0 and ps <= 256 and (tile % ps == 0 or ps % tile == 0):
             return MODE_PAGED, min(ps, tile)
     return MODE_OFF, 0
@@ -48,10 +49,23 @@ def _slots(n: int, stride: int) -> int:
     return max(n, min(1 << 28, ((1 << 40) - 1) // stride))
 
 
+def _pages(n: int, stride: int) -> int:
+    """The page extent of a block-sparse map: as _slots (a later plan of a captured buffer may name blocks past
+    the captured view), below the 2^40-byte span and 2^32 entries."""
+    return max(n, min(1 << 24, ((1 << 40) - 1) // stride))
+
+
 def _dims(kv, a, rows: int):
     """(global dims, global byte strides of dims 1..3, box dims) of array a (a DeviceArray of the cache)."""
     d = kv.head_dim
     s = a.strides
+    if isinstance(kv, RaggedKV) and kv.tokens_per_page > 1:   # block-sparse: [n, H, D] / [H, n, D] as pages of C
+        c = kv.tokens_per_page
+        if kv.layout == "NHD":
+            h, pages = a.shape[1], _pages(a.shape[0] // c, s[0] * c)
+            return (d, h, c, pages), (s[1], s[0], s[0] * c), (64, 1, rows, 1)
+        h, pages = a.shape[0], _pages(a.shape[1] // c, s[1] * c)
+        return (d, c, h, pages), (s[1], s[0], s[1] * c), (64, rows, 1, 1)
     if isinstance(kv, RaggedKV):   # NHD [n, H, D] / HND [H, n, D]: one page of (many) slots
         if kv.layout == "NHD":
             h, ext = a.shape[1], _slots(a.shape[0], s[0])

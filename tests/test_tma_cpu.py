@@ -21,7 +21,11 @@ def paged(ps, layout="NHD", dtype=BF16):
     (RaggedKV("NHD", 1000, 2, 128, BF16), 128, True, (tma.MODE_RAGGED, 128)),
     (RaggedKV("HND", 1000, 2, 128, BF16), 64, True, (tma.MODE_RAGGED, 64)),
     (RaggedKV("NHD", 1000, 2, 128, BF16), 128, False, (tma.MODE_OFF, 0)),                    # block-sparse, C = 1
-    (RaggedKV("NHD", 1000, 2, 128, BF16, tokens_per_page=64), 128, True, (tma.MODE_OFF, 0)),  # block columns
+    (RaggedKV("NHD", 1000, 2, 128, BF16, tokens_per_page=64), 128, False, (tma.MODE_PAGED, 64)),  # block columns
+    (RaggedKV("HND", 1024, 2, 128, BF16, tokens_per_page=256), 128, False, (tma.MODE_PAGED, 128)),
+    (RaggedKV("NHD", 1000, 2, 128, BF16, tokens_per_page=16), 128, False, (tma.MODE_PAGED, 16)),
+    (RaggedKV("NHD", 1000, 2, 128, BF16, tokens_per_page=24), 128, False, (tma.MODE_OFF, 0)),   # 24 ∤ 128
+    (RaggedKV("NHD", 1000, 2, 128, BF16, tokens_per_page=4), 128, False, (tma.MODE_OFF, 0)),    # under 8 rows
     (RaggedKV("NHD", 1000, 2, 128, F8), 128, True, (tma.MODE_OFF, 0)),                       # fp8: producers expand
     (paged(16), 128, False, (tma.MODE_PAGED, 16)),
     (paged(8, "HND"), 64, False, (tma.MODE_PAGED, 8)),
@@ -63,6 +67,15 @@ def test_tensor_map_geometry_of_every_layout():
     # paged HND [P, H, ps, D]: dims (D, ps, H, P)
     assert tma._dims(paged(ps, "HND"), fake((p, h, ps, d)), ps) == (
         (d, ps, h, p), (d * 2, ps * d * 2, h * ps * d * 2), (64, ps, 1, 1))
+    # block-sparse NHD [n, H, D] as pages of C tokens: dims (D, H, C, pages), the page extent unbounded like the
+    # ragged slots (capped below 2^40 bytes)
+    c = 64
+    dims, strides, box = tma._dims(RaggedKV("NHD", 1024, h, d, BF16, tokens_per_page=c), fake((1024, h, d)), 64)
+    assert dims[:3] == (d, h, c) and dims[3] >= 1024 // c and strides == (d * 2, h * d * 2, c * h * d * 2)
+    assert box == (64, 1, 64, 1) and strides[2] * dims[3] < 1 << 40
+    # block-sparse HND [H, n, D]: dims (D, C, H, pages), the page stride C tokens of one head
+    dims, strides, box = tma._dims(RaggedKV("HND", 1024, h, d, BF16, tokens_per_page=c), fake((h, 1024, d)), 64)
+    assert dims[:3] == (d, c, h) and strides == (d * 2, 1024 * d * 2, c * d * 2) and box == (64, 64, 1, 1)
     # one [P, 2, ps, H, D] cache: k = cache[:, 0] keeps the page stride of both
     k = types.SimpleNamespace(shape=(p, ps, h, d), strides=(2 * ps * h * d * 2, h * d * 2, d * 2, 2), ptr=0)
     assert tma._dims(paged(ps), k, ps)[1] == (d * 2, h * d * 2, 2 * ps * h * d * 2)
