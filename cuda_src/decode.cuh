@@ -61,7 +61,19 @@ struct DecodeParams {
 };
 
 // A: the element types and head dims (traits.cuh).
-template <class A, int M_TILES, int STAGES_, class V>
+// This CTA's thread index and barrier in DecodeKernel (SUB: of its warpgroup; threads 128 w .. 128 w + 127 take
+// barrier 1 + w). Macros, not member functions: with SUB false the kernels compile to the machine code they had
+// before SUB existed (helper functions moved a few integer instructions).
+#define KV_TID (SUB ? threadIdx.x % THREADS : threadIdx.x)
+#define KV_SYNC()                                                        \
+  do {                                                                   \
+    if constexpr (SUB) named_sync(1 + (int)threadIdx.x / THREADS, THREADS); \
+    else __syncthreads();                                                \
+  } while (0)
+
+// SUB: the CTA is one warpgroup of a larger one (the mixed launch, mixed.cuh: three decode CTAs in one 384-thread
+// CTA, each its own shared memory and named barrier); false: a CTA of its own (the same machine code as before).
+template <class A, int M_TILES, int STAGES_, class V, bool SUB = false>
 struct DecodeKernel {
   using Q = typename A::Q;
   using KV = typename A::KV;
@@ -106,6 +118,7 @@ struct DecodeKernel {
   static_assert(kFp8 ? Merge::O_BYTES <= STAGE_BYTES : K_BYTES + V_BYTES <= STAGE_BYTES,
                 "epilogue scratch fits a stage");
   static_assert(!(kFp8 && V::kQK), "a query / key transform (RoPE) needs a 16-bit cache");
+  static_assert(!(SUB && kFp8), "a decode warpgroup of a mixed launch: 16-bit caches (q_rows_to_half takes the CTA)");
   static_assert(!V::kQK || 32 % (D_QK / 8) == 0,
                 "a query / key transform's lanes (D_QK / 8 a key row, D_QK / 16 a 16-dim group) tile a warp: D_QK 64, "
                 "128 or 256");
@@ -148,7 +161,7 @@ struct DecodeKernel {
     const int pbase = p.page_indptr[c.req];
 #pragma unroll
     for (int j = 0; j < ROWS_PER_THREAD; ++j) {
-      const int row = threadIdx.x / TPR + j * (THREADS / TPR);
+      const int row = KV_TID / TPR + j * (THREADS / TPR);
       const int tok = min(c.t0 + row, c.end - 1);
       int pg, in;
       if (p.page_shift >= 0) { pg = tok >> p.page_shift; in = tok & (p.page_size - 1); }
@@ -161,11 +174,11 @@ struct DecodeKernel {
     // stalls 2.4x; run 20c: +4.7%). Larger pages share a line over several tiles (and the hint cost them ~0.5%).
     constexpr int LINES = TILE / 32 + 1;   // a tile's ids span at most TILE + 1 ints
     const int nt = c.t0 + TILE;
-    if (p.page_size < 8 && threadIdx.x < LINES && nt < c.end) {
+    if (p.page_size < 8 && KV_TID < LINES && nt < c.end) {
       const int last = min(nt + TILE, c.end) - 1;
       const int a = p.page_shift >= 0 ? nt >> p.page_shift : nt / p.page_size;
       const int b = p.page_shift >= 0 ? last >> p.page_shift : last / p.page_size;
-      const int i = a + 32 * (int)threadIdx.x;
+      const int i = a + 32 * (int)KV_TID;
       if (i <= b) prefetch_l1(p.page_indices + pbase + i);
     }
   }
@@ -182,12 +195,12 @@ struct DecodeKernel {
   __device__ __forceinline__ void issue(const Cursor& c, const long long (&off)[ROWS_PER_THREAD],
                                         unsigned char* stage, Q* qs) const {
     constexpr int STEP = TPR * (16 / (int)sizeof(KV));   // elements between a thread's chunks of a row
-    const int chunk = threadIdx.x % TPR;
+    const int chunk = KV_TID % TPR;
     const KV* kb = static_cast<const KV*>(p.k) + h * p.kv_stride_head + chunk * (16 / (int)sizeof(KV));
     const KV* vb = static_cast<const KV*>(p.v) + h * p.kv_stride_head + chunk * (16 / (int)sizeof(KV));
 #pragma unroll
     for (int j = 0; j < ROWS_PER_THREAD; ++j) {
-      const int row = threadIdx.x / TPR + j * (THREADS / TPR);
+      const int row = KV_TID / TPR + j * (THREADS / TPR);
       const int bytes = c.t0 + row < c.end ? 16 : 0;
 #pragma unroll
       for (int k = 0; k < K_CHUNKS / TPR; ++k)
@@ -198,7 +211,7 @@ struct DecodeKernel {
     }
     if (c.t0 == c.begin) {  // first tile of an item: bring its query rows (zeros past the group)
       const Q* qb = static_cast<const Q*>(p.q) + c.req * p.q_stride_n + (long long)head0 * p.q_stride_h;
-      for (int i = threadIdx.x; i < ROWS * Q_CHUNKS; i += THREADS) {
+      for (int i = KV_TID; i < ROWS * Q_CHUNKS; i += THREADS) {
         const int r = i / Q_CHUNKS, ch = i % Q_CHUNKS;
         const bool ok = r < nrows;
         cp_async16(qs + swz<D_QK>(r, ch), ok ? qb + r * p.q_stride_h + ch * 8 : qb, ok ? 16 : 0);
@@ -219,7 +232,7 @@ struct DecodeKernel {
   }
 
   __device__ void run(int c_index, unsigned char* smem) const {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int lane = KV_TID % 32, warp = KV_TID / 32;
     const int* chunk_indptr = p.plan + p.off_chunk_indptr;
     Cursor prod{chunk_indptr[c_index], chunk_indptr[c_index], chunk_indptr[c_index + 1], 0, 0, 0, 0};
     if (p.counters && c_index == 0) write_empty_rows();
@@ -237,20 +250,20 @@ struct DecodeKernel {
     const float k_factor = kFp8 ? p.score_scale * kv_cache_scale(p.k_scale_ptr, p.k_scale, h) : 0.f;
     int kv_len = 0;
     // the query / key transform's per-thread constants (the same dims for Q, by all threads, and K, by lanes)
-    const typename V::QKState qk_state = V::template qk_init<D_QK>(p, qk_dims<D_QK>(threadIdx.x));
+    const typename V::QKState qk_state = V::template qk_init<D_QK>(p, qk_dims<D_QK>(KV_TID));
     for (int it = 0; cons.valid(); ++it) {
       unsigned char* stage = smem + (it % STAGES) * STAGE_BYTES;
 #if KVATTN_REFILL_FIRST
       // Refill the slot freed by the previous iteration BEFORE waiting for this tile: STAGES tiles are in
       // flight during the wait (two barriers per tile instead of one).
-      __syncthreads();
+      KV_SYNC();
       refill(prod, off, smem, it);
       cp_async_wait<STAGES - 1>();
-      __syncthreads();
+      KV_SYNC();
 #else
       // Wait for this tile, then refill the slot freed by the previous iteration (one barrier per tile).
       cp_async_wait<STAGES - 2>();
-      __syncthreads();
+      KV_SYNC();
       refill(prod, off, smem, it);
 #endif
 
@@ -261,13 +274,13 @@ struct DecodeKernel {
           kv_len = np == 0 ? 0 : (np - 1) * p.page_size + p.last_page_len[cons.req];
         }
         if constexpr (V::kQK) {   // the item's query rows (landed with its first tile), at the row's diagonal
-          transform_rows<V, D_QK>(p, qk_state, q_slot(cons, smem), 0, nrows, threadIdx.x, THREADS, cons.req, false,
+          transform_rows<V, D_QK>(p, qk_state, q_slot(cons, smem), 0, nrows, KV_TID, THREADS, cons.req, false,
                                [&](int) { return kv_len - 1; });
-          __syncthreads();
+          KV_SYNC();
         }
         if constexpr (kQToHalf) {
           q_rows_to_half<D_QK, ROWS, THREADS>(q_slot(cons, smem), row_scales(cons, smem));
-          __syncthreads();
+          KV_SYNC();
         }
         if constexpr (kFp8) {
 #pragma unroll
@@ -436,16 +449,16 @@ struct DecodeKernel {
     for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
       for (int ph = 0; ph < MERGE_PHASES; ++ph) {
-        __syncthreads();  // every warp is done with the stage's K/V (and the previous phase's scratch)
+        KV_SYNC();  // every warp is done with the stage's K/V (and the previous phase's scratch)
         if constexpr (kFp8) {
           if (ph == 0) wm.stash_ml(warp, lane, m[mt], l[mt]);
           wm.stash_even_odd(warp, lane, o[mt], ph * PCH);
         } else {
           wm.stash(warp, lane, o[mt], m[mt], l[mt]);
         }
-        __syncthreads();
+        KV_SYNC();
         const int rows = min(16, nrows - mt * 16);
-        for (int i = threadIdx.x; i < rows * PCH; i += THREADS) {
+        for (int i = KV_TID; i < rows * PCH; i += THREADS) {
           const int row = i / PCH, ch = ph * PCH + i % PCH;
           float acc[8];
           float lse = wm.merge(row, i % PCH, acc);
@@ -477,18 +490,23 @@ struct DecodeKernel {
   // free until the next iteration's barrier: static shared memory would cost a CTA per SM (3 CTAs fill the SM's
   // 228 KB exactly at head dim 128).
   __device__ void merge_if_last(const Cursor& c, int* first_n) const {
-    __syncthreads();
-    if (threadIdx.x == 0) {
+    KV_SYNC();
+    if (KV_TID == 0) {
       const int m = p.merge_of_req[c.req];
       const int* mi = p.plan + p.off_merge_indptr;
       const int first = mi[m], n = mi[m + 1] - first;
-      int* cnt = p.counters + ((long long)m * gridDim.y + h) * p.z_split + (blockIdx.x % p.z_split);
+      int* cnt;
+      if constexpr (SUB)   // the KV heads and this CTA's z slice from its parameters (its grid is not its own)
+        cnt = p.counters + ((long long)m * (p.num_qo_heads / p.group_size) + h) * p.z_split +
+              (head0 - h * p.group_size) / ROWS;
+      else
+        cnt = p.counters + ((long long)m * gridDim.y + h) * p.z_split + (blockIdx.x % p.z_split);
       const bool last = atomic_add_acq_rel_gpu(cnt, 1) == n - 1;
       if (last) atomicExch(cnt, 0);
       first_n[0] = first;
       first_n[1] = last ? n : 0;
     }
-    __syncthreads();
+    KV_SYNC();
     const int first = first_n[0], n = first_n[1];
     if (n == 0) return;   // (every thread has read first_n before the next item's epilogue barrier)
     // `split` adjacent lanes (a power of two, at most 8, so that at most two passes of the CTA's threads cover
@@ -500,7 +518,7 @@ struct DecodeKernel {
     while (split < 8 && units * split <= THREADS) split *= 2;
     const long long row = (long long)p.num_qo_heads * D_VO;
     for (int i0 = 0; i0 < units * split; i0 += THREADS) {   // (a uniform trip count: whole warps shuffle)
-      const int i = i0 + threadIdx.x, u = min(i / split, units - 1), part = i % split;
+      const int i = i0 + KV_TID, u = min(i / split, units - 1), part = i % split;
       const int head = head0 + u / CHUNKS, ch = u % CHUNKS;
       const int b = part * n / split, e = i < units * split ? (part + 1) * n / split : b;
       float acc[8];
@@ -528,7 +546,7 @@ struct DecodeKernel {
   __device__ void write_empty_rows() const {
     const int nm = plan_header(p.plan).num_merge;
     const int* mi = p.plan + p.off_merge_indptr;
-    for (int m = threadIdx.x; m < nm; m += THREADS) {
+    for (int m = KV_TID; m < nm; m += THREADS) {
       if (mi[m + 1] != mi[m]) continue;
       const int req = p.plan[p.off_merge_req + m];
       for (int i = 0; i < nrows * CHUNKS; ++i) {
@@ -538,6 +556,8 @@ struct DecodeKernel {
     }
   }
 };
+#undef KV_TID
+#undef KV_SYNC
 
 template <class A, int M_TILES, int STAGES, class V>
 __global__ void __launch_bounds__(128) decode_kernel(const __grid_constant__ DecodeParams p) {

@@ -485,12 +485,17 @@ struct PrefillSm90 {
     Base::store_rows(p, Base::load_item(p, static_cast<const volatile int*>(p.plan), w), kvh, cw, lane, o, m, l);
   }
 
-  // Unit f of the launch: plan item f / Hkv (items are sorted longest first), KV head f % Hkv.
-  __device__ __forceinline__ static int unit(int round) {
-    return round * (int)gridDim.x + (round & 1 ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x);
+  // Unit f of the launch: plan item f / Hkv (items are sorted longest first), KV head f % Hkv. The CTAs walking the
+  // units: the grid, or in a mixed launch (mixed.cuh) its first `ctas`.
+  template <bool MIXED>
+  __device__ __forceinline__ static int unit(int round, int ctas) {
+    const int nb = MIXED ? ctas : (int)gridDim.x;
+    return round * nb + (round & 1 ? nb - 1 - (int)blockIdx.x : (int)blockIdx.x);
   }
 
-  __device__ static void run(const PrefillParams& p, Q* smem) {
+  // MIXED: the first `ctas` CTAs of a mixed launch run the (persistent) prefill.
+  template <bool MIXED = false>
+  __device__ static void run(const PrefillParams& p, Q* smem, int ctas = 0) {
     T* qs = smem;
     T* kvs = smem + Q_ELEMS;
     unsigned long long* full = reinterpret_cast<unsigned long long*>(kvs + STAGES * STAGE_ELEMS);   // [STAGES]
@@ -521,7 +526,7 @@ struct PrefillSm90 {
     if (threadIdx.x < PRODUCERS) {
       regs_dec<PRODUCER_REGS>();
       int nq = 0;   // of them, units with tiles
-      for (int r = 0, f = unit(0); f < units; f = unit(++r)) {
+      for (int r = 0, f = unit<MIXED>(0, ctas); f < units; f = unit<MIXED>(++r, ctas)) {
         const Item it = Base::load_item(p, p.plan, f / hkv);
         produce(p, it, qs, kvs, full, empty, qfree, f % hkv, g, nq);
         const int ntiles = (it.ke - it.kb + N - 1) / N;
@@ -530,7 +535,7 @@ struct PrefillSm90 {
       }
     } else {
       regs_inc<CONSUMER_REGS>();
-      for (int r = 0, f = unit(0); f < units; f = unit(++r)) {
+      for (int r = 0, f = unit<MIXED>(0, ctas); f < units; f = unit<MIXED>(++r, ctas)) {
         const Item it = Base::load_item(p, p.plan, f / hkv);
         consume(p, it, qs, kvs, full, empty, qfree, f % hkv, f / hkv, g);
         g += (it.ke - it.kb + N - 1) / N;

@@ -11,6 +11,7 @@ from .prefill import BatchPrefillWithPagedKVCache, BatchPrefillWithRaggedKVCache
 from .cascade import MultiLevelCascadeAttentionWrapper
 from .page import append_paged_kv_cache, get_batch_indices_positions
 from .block_sparse import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper
+from .mixed import BatchMixedWithPagedKVCache
 from .variants import RoPE, Variant
 from . import device, graphs, reference, scheduler
 

@@ -131,6 +131,18 @@ class ParamBuffer:
         return set_fields
 
 
+class ParamPack:
+    """Several parameter structs as one kernel's consecutive arguments (the mixed launch: the prefill part's, the
+    decode part's and its own), each still written through its own ParamBuffer (so its op's run() binds it)."""
+
+    __slots__ = ("parts", "argv", "argv_addr")
+
+    def __init__(self, *parts: ParamBuffer):
+        self.parts = parts
+        self.argv = (ctypes.c_void_p * len(parts))(*[ctypes.addressof(p.raw) for p in parts])
+        self.argv_addr = ctypes.addressof(self.argv)
+
+
 _FORMATS = {"u8": "<Q", "i8": "<q", "i4": "<i", "u4": "<I", "f4": "<f", "f8": "<d"}
 
 

@@ -363,25 +363,40 @@ class AttentionOp:
         if lse is not None or return_lse:
             lse, lse_ret = output(lse, (rows, hq), F32, s, capturing, "lse", dev)
             check_array(lse, "lse", (rows, hq), F32, rows16=False)
+        self._bind(p, s, capturing, q, k, v, kv_strides, out, lse)
+        self._issue(p, s.handle, out, lse)
+        del keep
+        out.stream = s.ptr
+        if lse is not None:
+            lse.stream = s.ptr
+        return (out_ret, lse_ret) if return_lse else out_ret
+
+    @staticmethod
+    def _bind(p: AttentionPlan, s, capturing, q: DeviceArray, k: DeviceArray, v: DeviceArray, kv_strides,
+              out: DeviceArray, lse):
+        """Order run() after the plan's copy and write the checked arrays' pointers, strides and tensor maps into
+        the plan's parameters (nothing launched: the mixed op launches two plans' parameters as one kernel)."""
         if p.wait_copy and s.ptr != p.plan_stream and not capturing:
             s.wait(p.copy_done)   # run() on another stream than plan(): order it after the plan's copy
-        it = dtype.itemsize
+        it = p.dtype.itemsize
         qs, os_ = q.strides, out.strides
         lse_ptr, lse_row = (lse.ptr, lse.strides[0] // 4) if lse is not None else (0, 0)
         p.set_ptrs(q.ptr, k.ptr, v.ptr, out.ptr, lse_ptr)
         p.set_strides(qs[0] // it, qs[1] // it, os_[0] // it, os_[1] // it, lse_row, *kv_strides)
         if p.bind_tma is not None:
             p.bind_tma(k, v)
-        handle = s.handle
-        for launch in p.launches:
-            launch.launch(handle)
+
+    @staticmethod
+    def _issue(p: AttentionPlan, handle, out: DeviceArray, lse, attention: bool = True):
+        """Launch the bound plan on stream handle: its attention kernels (unless attention is False), then its
+        merge into out / lse."""
+        if attention:
+            for launch in p.launches:
+                launch.launch(handle)
         merge = p.merge
         if merge is not None:
-            p.merge_set_ptrs(out.ptr, lse_ptr)
-            p.merge_set_strides(os_[0] // it, os_[1] // it, lse_row, 1)
+            it = p.dtype.itemsize
+            os_ = out.strides
+            p.merge_set_ptrs(out.ptr, lse.ptr if lse is not None else 0)
+            p.merge_set_strides(os_[0] // it, os_[1] // it, lse.strides[0] // 4 if lse is not None else 0, 1)
             merge.launch(handle)
-        del keep
-        out.stream = s.ptr
-        if lse is not None:
-            lse.stream = s.ptr
-        return (out_ret, lse_ret) if return_lse else out_ret

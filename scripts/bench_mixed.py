@@ -1,12 +1,15 @@
 """A continuous-batching step on the GPU: 2 prefills of 4096 tokens + 126 single-token decodes, every request with
 4096 tokens of KV (causal), bf16 Hq32/Hkv8/D128, page 16, scattered pages. Measures (us, median of 30):
-- one_launch: kvattn's BatchPrefillWithPagedKVCache over the whole mixed batch (one plan, one prefill launch + its
-  merge; the query tile is the batch's, so the decodes ride in 128-row tiles);
+- mixed: kvattn's BatchMixedWithPagedKVCache (one plan, ONE launch: prefill CTAs on some SMs, decode CTAs on the
+  others; `--sweep` also times forced prefill SM counts);
+- one_prefill: kvattn's BatchPrefillWithPagedKVCache over the whole mixed batch (one prefill launch + its merge;
+  the decodes ride in 128-row tiles);
 - separate: kvattn prefill of the 2 prefills, then kvattn batch decode of the 126 decodes (two plans, back to back);
 - fi_separate: FlashInfer's paged prefill (fa2 and fa3) then its tensor-core decode, the same way.
-err: the worst relative L2 error of sampled rows (both prefills, 4 decodes) against the float64 reference.
+err: the worst relative L2 error of the mixed op's sampled rows (both prefills, 4 decodes) against the float64
+reference.
 
-    PYTHONPATH=. python scripts/bench_mixed.py [--no-peers] [--warm-peers]
+    PYTHONPATH=. python scripts/bench_mixed.py [--no-peers] [--warm-peers] [--sweep]
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--warm-peers", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time the mixed op at forced prefill SM counts")
     args = ap.parse_args()
     import torch
     from _prefill_ref import request_ref, sample_rows
@@ -61,9 +65,22 @@ def main():
     out = kvattn.empty(qa.shape, "bfloat16")
     one = kvattn.BatchPrefillWithPagedKVCache()
     one.plan(qo_indptr, pt, HQ, HKV, D, causal=True)
-    row = dict(case=f"{NP}x{L} prefill + {ND} decodes of {L}", one_launch=round(time_us(lambda: one.run(qa, ka, va, out=out)), 1),
+    row = dict(case=f"{NP}x{L} prefill + {ND} decodes of {L}",
+               one_prefill=round(time_us(lambda: one.run(qa, ka, va, out=out)), 1),
                tile=f"{one.last_plan.info['backend']}/{one.last_plan.info['cta_rows']}")
-    o = torch.from_dlpack(one.run(tq, tk, tv)).float().cpu().numpy()
+    mx = kvattn.BatchMixedWithPagedKVCache()
+    mx.plan(qo_indptr, pt, HQ, HKV, D, causal=True)
+    row["mixed"] = round(time_us(lambda: mx.run(qa, ka, va, out=out)), 1)
+    row["mixed_torch"] = round(time_us(lambda: mx.run(tq, tk, tv)), 1)   # torch tensors in, out=None
+    st = mx.last_plan
+    row["split"] = f"{st['prefill_sms']} SMs prefill / {st['decode_ctas']} decode CTAs, fused={st['fused']}"
+    sweep = {}
+    if args.sweep:
+        for sms in (48, 64, 72, 80, 88, 96, 104, 112):
+            mx.plan(qo_indptr, pt, HQ, HKV, D, causal=True, prefill_sms=sms)
+            sweep[sms] = round(time_us(lambda: mx.run(qa, ka, va, out=out)), 1)
+        mx.plan(qo_indptr, pt, HQ, HKV, D, causal=True)
+    o = torch.from_dlpack(mx.run(tq, tk, tv)).float().cpu().numpy()   # the checked output: the mixed op's
     p = kvattn.BatchPrefillWithPagedKVCache()
     p.plan(qo_indptr[:NP + 1], pre, HQ, HKV, D, causal=True)
     d = kvattn.BatchDecodeWithPagedKVCache()
@@ -77,7 +94,7 @@ def main():
     row["separate"] = round(time_us(separate), 1)
     row["prefill_only"] = round(time_us(lambda: p.run(qp, ka, va, out=op)), 1)
     row["decode_only"] = round(time_us(lambda: d.run(qd, ka, va, out=od)), 1)
-    row["one/separate"] = round(row["one_launch"] / row["separate"], 2)
+    row["mixed/separate"] = round(row["mixed"] / row["separate"], 3)
     # reference: sampled rows of both prefills and 4 decodes
     qh, kh, vh = tq.float().cpu().numpy(), tk.float().cpu().numpy(), tv.float().cpu().numpy()
     worst = 0.0
@@ -111,8 +128,10 @@ def main():
                 row[f"fi_{backend}+decode"] = f"error {exc.__class__.__name__}"
     torch.cuda.synchronize()
     print(row, flush=True)
-    table([row], ["case", "one_launch", "tile", "separate", "prefill_only", "decode_only", "one/separate",
-                  "fi_fa2+decode", "fi_fa3+decode", "err"])
+    table([row], ["case", "mixed", "mixed_torch", "split", "separate", "mixed/separate", "prefill_only",
+                  "decode_only", "one_prefill", "tile", "fi_fa2+decode", "fi_fa3+decode", "err"])
+    if sweep:
+        print("prefill SMs -> mixed us:", sweep, flush=True)
 
 
 if __name__ == "__main__":

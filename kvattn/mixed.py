@@ -1,0 +1,234 @@
+"""A continuous-batching step in one launch: prefills, chunked-prefill appends and single-token decodes together.
+
+    w = kvattn.BatchMixedWithPagedKVCache()
+    w.plan(qo_indptr, page_table, num_qo_heads=32, num_kv_heads=8, head_dim=128, causal=True)
+    o = w.run(q, k_cache, v_cache)       # q [qo_indptr[-1], Hq, D]; caches as BatchPrefillWithPagedKVCache
+
+The batch splits into a decode part, the single-token requests at its end (or, if longer, at its start: servers
+put their decodes together), and a prefill part, every other request (a single-token request elsewhere in the
+batch is a prefill of one row: correct, on the tensor cores). Each part is planned by its own op on its share of
+the SMs (a BatchPrefillWithPagedKVCache on the persistent wgmma kernel, a BatchDecodeWithPagedKVCache), and
+run() launches ONE kernel (cuda_src/mixed.cuh): its first CTAs walk the prefill units, the others each hold three
+decode CTAs, so the memory-bound decodes stream their KV while the prefill keeps the tensor cores busy. The SMs
+are split by the parts' estimated times (split_sms); the split-KV merges of either part follow the launch.
+
+Where the one launch does not apply (no sm_90 GPU or no persistent wgmma instance for the head dim / variant / cache
+type, an fp8 cache, one part empty, or a mixed instance that would spill), run() launches the two parts one after
+the other: the same plan and results. Causal masks are bottom-right aligned, as in the prefill op; a decode row
+sees its whole KV (window / soft cap apply to both parts). Graph mode is not built for this op yet.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _dtypes, _validate as _v
+from ._binding import begin, import_array, output
+from .decode import BatchDecodeWithPagedKVCache, decode_spec, default_stages, smem_bytes as decode_smem_bytes
+from .formats import PageTable
+from .kernels import KernelSpec, Launch, ParamBuffer, ParamPack, get_kernel, register
+from .opcore import F32, PagedKV, check_array, on_device
+from .prefill import SM90_PERSIST_DEFINE, SM90_THREADS, BatchPrefillWithPagedKVCache, sm90_smem_bytes, sm90_spec
+from .variants import Variant
+
+MIXED_PARAMS = np.dtype([("prefill_ctas", "i4"), ("decode_ctas", "i4"), ("decode_grid_x", "i4")])
+#: Shared memory one CTA may take on sm_90 (227 KB): the mixed kernel's CTA is the larger of the prefill CTA and
+#: SUBS decode CTAs.
+MAX_SMEM = 227 * 1024
+#: Decode CTAs (warpgroups) per mixed CTA at most: the decode kernel's own 3 per SM at head dim 128.
+MAX_SUBS = 3
+#: The split's rates per SM (H200, BENCHMARKS.md): the persistent wgmma prefill at ~600 TFLOP/s over 132 SMs, the
+#: decode at ~4.2 TB/s of KV over 132 SMs (3 CTAs each).
+PREFILL_FLOPS_PER_SM = 600e12 / 132
+DECODE_BYTES_PER_SM = 4.2e12 / 132
+
+
+def split_requests(qo_lens: np.ndarray) -> tuple[slice, slice]:
+    """(prefill requests, decode requests) as slices of the batch: the decodes are the longer of the trailing and
+    the leading run of single-token requests (one of the two slices may be empty)."""
+    b = qo_lens.size
+    ones = qo_lens == 1
+    tail = b - int(np.flatnonzero(~ones)[-1]) - 1 if (~ones).any() else b
+    head = int(np.argmin(ones)) if (~ones).any() else b
+    if tail >= head:
+        return slice(0, b - tail), slice(b - tail, b)
+    return slice(head, b), slice(0, head)
+
+
+def split_sms(prefill_flops: float, decode_bytes: float, num_sms: int) -> int:
+    """SMs for the prefill part (the rest stream the decodes): the split that would end both parts together at
+    the per-SM rates above, at least one SM each."""
+    tp, td = prefill_flops / PREFILL_FLOPS_PER_SM, decode_bytes / DECODE_BYTES_PER_SM
+    if tp + td <= 0:
+        return num_sms // 2
+    return int(min(max(round(num_sms * tp / (tp + td)), 1), num_sms - 1))
+
+
+def sub_table(pt: PageTable, req: slice) -> PageTable:
+    """The PageTable of requests req (a slice) of pt."""
+    a, b = int(pt.indptr[req.start]), int(pt.indptr[req.stop])
+    return PageTable(pt.indptr[req.start:req.stop + 1] - a, pt.indices[a:b], pt.last_page_len[req], pt.page_size)
+
+
+def _template_args(kernel: str) -> str:
+    """'A, B' of 'kvattn::name<A, B>'."""
+    return kernel[kernel.index("<") + 1:kernel.rindex(">")]
+
+
+def mixed_spec(pre: KernelSpec, dec: KernelSpec, subs: int) -> KernelSpec:
+    """The mixed kernel of a persistent wgmma prefill instance and a decode instance (their KernelSpecs; built-in
+    variants: a user variant's prelude is written for one kernel)."""
+    if pre.prelude[1] or dec.prelude[1]:
+        raise ValueError("mixed_spec: user variants are not built into the mixed kernel")
+    defines = tuple(dict.fromkeys(pre.defines + dec.defines))
+    return KernelSpec("mixed.cuh", f"kvattn::mixed_kernel<{_template_args(pre.kernel)}, "
+                                   f"{_template_args(dec.kernel)}, {subs}>",
+                      defines=defines, checks=pre.checks + dec.checks)
+
+
+def _default_spec(head_dim: int, dtype: str) -> KernelSpec:
+    d_smem = decode_smem_bytes(head_dim, 1, default_stages(head_dim))
+    return mixed_spec(sm90_spec(head_dim, Variant(), dtype, persistent=True),
+                      decode_spec(head_dim, 1, Variant(), dtype), min(MAX_SUBS, MAX_SMEM // d_smem))
+
+
+register("mixed", [_default_spec(128, "bfloat16")])
+
+
+class BatchMixedWithPagedKVCache:
+    """Prefill + decode requests of one batch in one launch (see the module docstring).
+
+    kv_layout: "NHD" or "HND" (as BatchPrefillWithPagedKVCache). num_sms: the SMs to split (None: the device's).
+    """
+
+    def __init__(self, kv_layout="NHD", workspace_bytes=None, num_sms=None, device=None):
+        self._pre = BatchPrefillWithPagedKVCache(kv_layout, workspace_bytes=workspace_bytes, device=device)
+        self._dec = BatchDecodeWithPagedKVCache(kv_layout, workspace_bytes=workspace_bytes, device=device)
+        self.kv_layout = self._pre.kv_layout
+        self._device_arg = self._pre._device_arg
+        self.device = None   # the parts' kvattn Device, from the first plan()
+        self._num_sms = num_sms
+        self._state = None
+
+    @property
+    def num_sms(self) -> int:
+        if self._num_sms is None:
+            self._num_sms = self._pre.num_sms
+        return self._num_sms
+
+    @property
+    def last_plan(self):
+        """A dict: prefill / decode (the parts' requests as slices), prefill_sms, decode_ctas, fused (one launch),
+        and the parts' own plans (prefill_plan / decode_plan)."""
+        return self._state
+
+    def plan(self, qo_indptr, page_table: PageTable, num_qo_heads, num_kv_heads, head_dim, *, causal=False,
+             sm_scale=None, window_left=-1, logits_soft_cap=0.0, q_dtype="bfloat16", kv_dtype=None,
+             prefill_sms=None, stream=None):
+        """Schedule the batch (host arrays are read now). qo_indptr: int [B + 1]; page_table: a kvattn.PageTable of B
+        requests; causal: bottom-right causal mask on the prefill part. prefill_sms: SMs for the prefill part
+        (None: split_sms' estimate; for tuning)."""
+        if not isinstance(page_table, PageTable):
+            raise TypeError(f"page_table: expected a kvattn.PageTable, got {type(page_table).__name__}")
+        qo_indptr = _v.as_indptr(qo_indptr, "qo_indptr", length=page_table.indptr.size)
+        qo = np.diff(qo_indptr).astype(np.int64)
+        kv = page_table.kv_lens.astype(np.int64)
+        pre, dec = split_requests(qo)
+        hq = _v.as_int(num_qo_heads, "num_qo_heads", min_value=1)
+        hkv = _v.as_int(num_kv_heads, "num_kv_heads", min_value=1)
+        d = _v.as_int(head_dim, "head_dim", min_value=1)
+        kv_dtype = q_dtype if kv_dtype is None else kv_dtype
+        itemsize = _dtypes.to_numpy(kv_dtype).itemsize
+        qp, kp = qo[pre], kv[pre]
+        pairs = (qp * kp - (qp * (qp - 1)) // 2 if causal else qp * kp).sum()
+        n = self.num_sms
+        if prefill_sms is None:
+            prefill_sms = split_sms(4.0 * pairs * hq * d, float(kv[dec].sum()) * hkv * d * 2 * itemsize, n)
+        prefill_sms = _v.as_int(prefill_sms, "prefill_sms", min_value=1)
+        if prefill_sms >= n:
+            raise ValueError(f"prefill_sms: expected 1..{n - 1} (the rest run the decodes), got {prefill_sms}")
+        args = dict(sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, q_dtype=q_dtype,
+                    kv_dtype=kv_dtype, stream=stream)
+        both = pre.stop > pre.start and dec.stop > dec.start
+        self._pre._num_sms = prefill_sms if both else n
+        self._dec._num_sms = n - prefill_sms if both else n
+        subs = min(MAX_SUBS, MAX_SMEM // decode_smem_bytes(d, 1, default_stages(d, kv_dtype), kv_dtype))
+        self._dec.tuning = {**self._dec.tuning, "ctas_per_sm": subs if both else None}
+        p_plan = d_plan = None
+        if pre.stop > pre.start:
+            a = int(qo_indptr[pre.start])
+            self._pre.plan(qo_indptr[pre.start:pre.stop + 1] - a, sub_table(page_table, pre), hq, hkv, d,
+                           causal=causal, **args)
+            p_plan = self._pre.last_plan
+        if dec.stop > dec.start:
+            self._dec.plan(sub_table(page_table, dec), hq, hkv, d, **args)
+            d_plan = self._dec.last_plan
+        mixed = self._mixed_launch(p_plan, d_plan, subs) if both else None
+        self.device = self._pre.device or self._dec.device
+        pages = int(page_table.indices.max(initial=-1)) + 1
+        self._state = dict(prefill=pre, decode=dec, rows=(slice(int(qo_indptr[pre.start]), int(qo_indptr[pre.stop])),
+                                                          slice(int(qo_indptr[dec.start]), int(qo_indptr[dec.stop]))),
+                           total_rows=int(qo_indptr[-1]), hq=hq, d=d, dtype=_dtypes.to_numpy(q_dtype),
+                           kv=PagedKV(self.kv_layout, page_table.page_size, hkv, d, _dtypes.to_numpy(kv_dtype), pages),
+                           prefill_plan=p_plan, decode_plan=d_plan, launch=mixed, fused=mixed is not None,
+                           prefill_sms=prefill_sms if both else None,
+                           decode_ctas=int(np.prod(d_plan.info["grid"])) if d_plan is not None else 0)
+        return self
+
+    def _mixed_launch(self, p_plan, d_plan, subs: int) -> Launch | None:
+        """The one launch of both parts' kernels, or None where it does not apply (see the module docstring)."""
+        if p_plan.kv.dtype.itemsize != 2 or p_plan.info["backend"] != "sm90" or len(p_plan.launches) != 1:
+            return None
+        pre_kernel, dec_kernel = p_plan.info["kernel"], d_plan.info["kernel"]
+        if (SM90_PERSIST_DEFINE not in pre_kernel.spec.defines or pre_kernel.spec.prelude[1]
+                or dec_kernel.spec.prelude[1]):
+            return None
+        d_smem = d_plan.info["smem"]
+        smem = max(sm90_smem_bytes(p_plan.head_dim), subs * d_smem)
+        if smem > MAX_SMEM:
+            return None
+        kernel = get_kernel(mixed_spec(pre_kernel.spec, dec_kernel.spec, subs))
+        if kernel.resources is not None and kernel.resources.spills:
+            return None
+        gx, gy, _ = d_plan.info["grid"]
+        prefill_ctas = p_plan.info["grid"][0]   # the persistent grid: min(units, its SMs)
+        mp = ParamBuffer(MIXED_PARAMS)
+        mp.set(prefill_ctas=prefill_ctas, decode_ctas=gx * gy, decode_grid_x=gx)
+        grid = prefill_ctas + -(-gx * gy // subs)
+        return Launch(kernel, grid, SM90_THREADS, smem,
+                      ParamPack(p_plan.info["params"], d_plan.info["params"], mp))
+
+    @on_device
+    def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None):
+        """q: [qo_indptr[-1], Hq, D]; caches [pages, page_size, Hkv, D] ("NHD") / [pages, Hkv, page_size, D] ("HND"),
+        or k_cache [pages, 2, ...] with v_cache None. Returns out [total_qo, Hq, D] (and lse [total_qo, Hq] float32,
+        natural log, with return_lse) as the prefill op; stream as there."""
+        st = self._state
+        if st is None:
+            raise RuntimeError("run() called before plan()")
+        s, capturing = begin(stream)
+        q = import_array(q, s, capturing)
+        k, v, kv_strides = st["kv"].bind(k_cache, v_cache, s, capturing)
+        rows, hq, d, dtype = st["total_rows"], st["hq"], st["d"], st["dtype"]
+        check_array(q, "q", (rows, hq, d), dtype)
+        dev = self.device.ordinal
+        out, out_ret = output(out, (rows, hq, d), dtype, s, capturing, "out", dev)
+        check_array(out, "out", (rows, hq, d), dtype)
+        lse_ret = lse
+        if lse is not None or return_lse:
+            lse, lse_ret = output(lse, (rows, hq), F32, s, capturing, "lse", dev)
+            check_array(lse, "lse", (rows, hq), F32, rows16=False)
+        parts = []
+        for op, plan, r in ((self._pre, st["prefill_plan"], st["rows"][0]), (self._dec, st["decode_plan"], st["rows"][1])):
+            if plan is not None:
+                o_r, l_r = out[r], (lse[r] if lse is not None else None)
+                op._bind(plan, s, capturing, q[r], k, v, kv_strides, o_r, l_r)
+                parts.append((op, plan, o_r, l_r))
+        handle = s.handle
+        if st["launch"] is not None:
+            st["launch"].launch(handle)
+        for op, plan, o_r, l_r in parts:
+            op._issue(plan, handle, o_r, l_r, attention=st["launch"] is None)
+        out.stream = s.ptr
+        if lse is not None:
+            lse.stream = s.ptr
+        return (out_ret, lse_ret) if return_lse else out_ret

@@ -1,0 +1,62 @@
+"""CPU tests of the mixed prefill + decode op: how a batch splits into its two parts, how the SMs split between
+them, the part page tables, the parameter struct against C, and the mixed kernel's compile (no spills)."""
+import numpy as np
+import pytest
+
+from kvattn import compiler, kernels, mixed
+from kvattn.formats import PageTable
+
+
+@pytest.mark.parametrize("qo, pre, dec", [
+    ([4096, 4096, 1, 1, 1], (0, 2), (2, 5)),   # decodes at the end
+    ([1, 1, 1, 300, 7], (3, 5), (0, 3)),       # at the start
+    ([1, 5, 1, 1], (0, 2), (2, 4)),            # both ends: the longer run (the end: 2 > 1)
+    ([1, 1, 5, 1], (2, 4), (0, 2)),            # the start's run is longer
+    ([1, 1, 1], (0, 0), (0, 3)),               # decodes only
+    ([5, 9], (0, 2), (2, 2)),                  # prefills only
+    ([1, 0, 1], (0, 2), (2, 3)),               # an empty request is a prefill of no rows
+])
+def test_split_requests(qo, pre, dec):
+    p, d = mixed.split_requests(np.array(qo))
+    assert (p.start, p.stop) == pre and (d.start, d.stop) == dec
+
+
+def test_split_sms_balances_the_parts_time():
+    n = 132
+    flops, nbytes = 275e9, 1.057e9   # 2 causal prefills of 4096 + 126 decodes of 4096 (bf16 Hq32/Hkv8/D128)
+    p = mixed.split_sms(flops, nbytes, n)
+    tp = flops / (mixed.PREFILL_FLOPS_PER_SM * p)
+    td = nbytes / (mixed.DECODE_BYTES_PER_SM * (n - p))
+    assert 1 <= p < n and abs(tp - td) / max(tp, td) < 0.05
+    assert mixed.split_sms(1e15, 1.0, n) == n - 1 and mixed.split_sms(1.0, 1e15, n) == 1
+    assert mixed.split_sms(0.0, 0.0, n) == n // 2
+
+
+def test_sub_table_keeps_each_requests_pages():
+    rng = np.random.default_rng(0)
+    pt = PageTable.from_kv_lens(np.array([40, 1, 17, 33]), 16, rng=rng)
+    sub = mixed.sub_table(pt, slice(1, 3))
+    assert sub.batch_size == 2 and np.array_equal(sub.kv_lens, pt.kv_lens[1:3])
+    for i in range(2):
+        assert np.array_equal(sub.pages(i), pt.pages(1 + i))
+
+
+def test_param_struct_size_matches_c_struct():
+    src = '#include "mixed.cuh"\n' + kernels.size_assert("kvattn::MixedParams", mixed.MIXED_PARAMS)
+    compiler.compile_cubin(src, "mixed_asserts.cu", [], [], "sm_90a")
+
+
+def test_mixed_kernel_compiles_without_spills():
+    spec = mixed._default_spec(128, "bfloat16")
+    compiled, _ = spec.compile("sm_90a")
+    (res,) = compiled.resources.values()
+    assert res.spills == 0 and res.registers <= 168, res
+
+
+def test_user_variants_are_refused_by_the_mixed_spec():
+    from _user_variants import HALF_LOGITS
+    from kvattn import decode, prefill
+    from kvattn.variants import Variant
+    pre = prefill.sm90_spec(128, HALF_LOGITS, "bfloat16", persistent=True)
+    with pytest.raises(ValueError, match="user variants"):
+        mixed.mixed_spec(pre, decode.decode_spec(128, 1, Variant(), "bfloat16"), 3)
