@@ -14,6 +14,8 @@ level only: a row sees every token of the coarser levels.
 One plan, one workspace, one host-to-device copy, one captured graph: plan() schedules every level with the
 prefill kernels (each level its own query tile, so a 512-row shared level takes the 128-row wgmma tile and a
 4-row suffix level the 16-row tile), packs every level's work list into one plan buffer and issues one copy.
+A last level of one query row per request (a decode step's suffix) runs on the decode kernel instead, where the
+decode schedule keeps every request whole: each request's state goes straight into its row's merge slot.
 Every query row owns `slots` consecutive float32 partial states, one per (level, KV chunk): each block of level l
 is cut into chunks[l] KV chunks (an empty chunk writes lse = -inf). run() launches one prefill kernel per level
 and one stacked merge that combines each row's slots, level 0 first (deterministic: fixed order, no atomics).
@@ -23,6 +25,7 @@ Workspace: max_total_qo (or the rows) * slots * Hq * D * 4 bytes of partial stat
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -30,7 +33,10 @@ import numpy as np
 from . import _dtypes, _validate as _v, scheduler, tma
 from ._attn_args import check_plan_args
 from ._binding import import_array
-from .contract import NUM_MERGE, page_size_shift
+from .compiler import Resources
+from .contract import NUM_MERGE, align4, page_size_shift
+from .decode import THREADS as DECODE_THREADS, auto_m_tiles, decode_params, decode_spec, default_stages
+from .decode import smem_bytes as decode_smem_bytes
 from .formats import CascadeLevels
 from .kernels import Launch, ParamBuffer, get_kernel
 from .merge import MERGE_PARAMS, merge_spec
@@ -38,6 +44,21 @@ from .opcore import AttentionOp, PagedKV, on_device
 from .prefill import (BACKENDS, DEFAULT_WORKSPACE, choose_cta_rows, launch_config, level_layout, level_params,
                       sm90_tile, sm90_usable, write_level, launch_grid)
 from .variants import Variant, plan_variant
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecodeLevel:
+    """A cascade level run by the decode kernel: its schedule (scheduler.plan_decode's layout, packed buffer, items
+    and their requests), kernel, grid, shared memory, z slices and m tiles."""
+    layout: object
+    buffer: np.ndarray
+    num_work: int
+    work_req: np.ndarray
+    kernel: object
+    grid: tuple
+    smem: int
+    z_split: int
+    m_tiles: int
 
 
 def as_levels(levels, page_tables) -> CascadeLevels:
@@ -133,6 +154,9 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
                   [scheduler.cascade_chunks(qo, kv, group, hkv, rows, causal=c, num_sms=self.num_sms,
                                             ctas_per_sm=cfg.ctas_per_sm)
                    for (qo, kv, c), rows, cfg in zip(shapes, tiles, cfgs)])
+        dec = self._decode_level(shapes[-1], len(lv), hq, hkv, d, q_dtype, kv_dtype, ps, variant)
+        if dec is not None:
+            chunks[-1] = 1   # one partial state per row: its request, whole
         self._bake(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=ps,
                    sm_scale=scale, causal=causal, logits_soft_cap=cap, cta_rows=tuple(tiles), chunks=tuple(chunks))
         slots = sum(chunks)
@@ -142,6 +166,16 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
         items, offs, bases, caps = [], [], [], []
         pos = 0
         for li, ((qo, kv, c), rows) in enumerate(zip(shapes, tiles)):
+            if dec is not None and li == len(lv) - 1:   # the decode kernel's plan, then the level's page table
+                b, nnz = qo.size, lv[li][1].indices.size
+                off = dict(plan=0, indptr=dec.layout.size, indices=dec.layout.size + align4(b + 1))
+                off["last"] = off["indices"] + align4(max(nnz, 1))
+                items.append(np.zeros((0, 8), np.int32))
+                offs.append(off)
+                bases.append(pos)
+                caps.append(0)
+                pos += off["last"] + align4(b)
+                continue
             it = scheduler.plan_cascade_level(qo, kv, group, rows, chunks[li], slots, int(slot0[li]), causal=c)
             if self.use_cuda_graph:
                 nb = self.max_batch_size
@@ -161,6 +195,18 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
         h = host.view(np.int32)
         for li, (qo_indptr, pt) in enumerate(lv):
             end = bases[li + 1] if li + 1 < len(lv) else total_i32
+            if dec is not None and li == len(lv) - 1:
+                o, b = offs[li], pt.batch_size
+                h[bases[li]:end] = 0
+                h[bases[li]:bases[li] + dec.layout.size] = dec.buffer
+                # every request writes its state into its row's slot of the stacked merge (row = request: one
+                # query row each), none to out
+                wp = bases[li] + dec.layout.work_partial
+                h[wp:wp + dec.num_work] = dec.work_req * slots + int(slot0[li])
+                h[bases[li] + o["indptr"]:bases[li] + o["indptr"] + b + 1] = pt.indptr
+                h[bases[li] + o["indices"]:bases[li] + o["indices"] + pt.indices.size] = pt.indices
+                h[bases[li] + o["last"]:bases[li] + o["last"] + b] = pt.last_page_len
+                continue
             write_level(h[bases[li]:end], offs[li], items[li], pt.batch_size, qo_indptr, pt.kv_lens, pt.indptr,
                         pt.indices, num_kv_heads=hkv, num_partial_rows=total_qo * slots)
         h[bases[0] + NUM_MERGE] = total_qo   # the stacked merge's row count (read by the graph-mode merge)
@@ -175,6 +221,15 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
         base = dev["plan"].ptr
         launches, params = [], []
         for li, cfg in enumerate(cfgs):
+            if dec is not None and li == len(cfgs) - 1:
+                at = base + 4 * bases[li]
+                o = offs[li]
+                p = decode_params(at, dec.layout, dev["tmp_o"].ptr, dev["tmp_lse"].ptr, at + 4 * o["indptr"],
+                                  at + 4 * o["indices"], at + 4 * o["last"], hq=hq, group=group, page_size=ps,
+                                  window_left=-1, z_split=dec.z_split, scale=scale, cap=cap, variant_ptr=0)
+                params.append(p)
+                launches.append(Launch(dec.kernel, dec.grid, DECODE_THREADS, dec.smem, p))
+                continue
             p = level_params(base + 4 * bases[li], offs[li], dev["tmp_o"].ptr, dev["tmp_lse"].ptr, 0, hq=hq,
                              group=group, page_size=ps, page_shift=page_size_shift(ps), causal=shapes[li][2],
                              window_left=-1, scale=scale, cap=cap, variant_ptr=0)
@@ -191,13 +246,42 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
                         256, 0, mp) if max_rows else None)
         pages = max((int(pt.indices.max(initial=-1)) + 1 for _, pt in lv), default=0)
         kv = PagedKV(self.kv_layout, ps, hkv, d, _dtypes.to_numpy(kv_dtype), pages)
-        maps = tma.attach(kv, [p for p, cfg in zip(params, cfgs) if cfg.backend == "sm90"], sm90_tile(d)[0])
+        maps = tma.attach(kv, [p for li, (p, cfg) in enumerate(zip(params, cfgs))
+                               if cfg.backend == "sm90" and not (dec is not None and li == len(cfgs) - 1)],
+                          sm90_tile(d)[0])
         return self._finish_plan(
             rows=total_qo, max_rows=max_rows, hq=hq, d=d, dtype=q_dtype, kv=kv, launch=launches, params=params,
             merge=merge, merge_params=mp, s=s, copy_done=copy_done, bind_tma=maps,
             levels=tuple(dict(cta_rows=rows, chunks=n, backend=cfg.backend, items=it.shape[0])
-                         for rows, n, cfg, it in zip(tiles, chunks, cfgs, items)),
+                         if not (dec is not None and li == len(tiles) - 1) else
+                         dict(cta_rows=16 * dec.m_tiles, chunks=1, backend="decode", items=dec.num_work)
+                         for li, (rows, n, cfg, it) in enumerate(zip(tiles, chunks, cfgs, items))),
             slots=slots, variant=variant, num_kv_heads=hkv)
+
+    def _decode_level(self, shape, num_levels, hq, hkv, d, q_dtype, kv_dtype, page_size, variant):
+        """The last level on the decode kernel (a _DecodeLevel), or None: where every group of it is one query row
+        with KV (a decode step's suffix level, below at least one shared level), outside graph mode, with
+        backend "auto", and where the decode
+        schedule keeps every request whole (one partial state per row; a split would need the merge's slots
+        per piece). Its CTAs stream the level's KV at the decode kernel's rate, where the 16-row prefill tile
+        did not (BENCHMARKS.md)."""
+        qo, kv, _ = shape
+        if (num_levels < 2 or self.use_cuda_graph or self.backend != "auto" or qo.size == 0 or (qo != 1).any()
+                or (kv < 1).any()):
+            return None
+        group = hq // hkv
+        mt = auto_m_tiles(group, d, kv_dtype, variant)
+        z_split = -(-group // (16 * mt))
+        stages = default_stages(d, kv_dtype)
+        smem = decode_smem_bytes(d, mt, stages, kv_dtype)
+        kernel = get_kernel(decode_spec(d, mt, variant, q_dtype, stages, kv_dtype=kv_dtype))
+        cps = (kernel.resources or Resources()).ctas_per_sm(DECODE_THREADS, smem, limit=3)
+        plan = scheduler.plan_decode(kv, page_size, hkv * z_split, hkv * z_split, d, num_sms=self.num_sms,
+                                     ctas_per_sm=cps)
+        if plan.num_partial_rows or plan.num_merge:
+            return None
+        return _DecodeLevel(plan.layout, plan.buffer, plan.num_work, plan.work_req.copy(), kernel,
+                            (plan.num_chunks * z_split, hkv, 1), smem, z_split, mt)
 
     @on_device
     def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None, k_scale=None,

@@ -140,6 +140,24 @@ register("decode", [decode_spec(d, 1, Variant(), t, kv_dtype=kv) for d in HEAD_D
          + [decode_spec(128, 1, Variant(soft_cap=True, window=True), "bfloat16")])
 
 
+def decode_params(plan: int, layout, tmp_o: int, tmp_lse: int, page_indptr: int, page_indices: int,
+                  last_page_len: int, *, hq, group, page_size, window_left, z_split, scale, cap, variant_ptr,
+                  counters=0, merge_of_req=0) -> ParamBuffer:
+    """The decode kernel's parameters for a plan buffer at device address `plan` (its scheduler layout `layout`)
+    and the page table at the given addresses (array pointers and strides are bound by run()). counters: the
+    fused merge's arrivals (0: the partial states go to a merge kernel, or are the caller's, as cascade's)."""
+    p = ParamBuffer(DECODE_PARAMS)
+    p.set(tmp_o=tmp_o, tmp_lse=tmp_lse, plan=plan, page_indptr=page_indptr, page_indices=page_indices,
+          last_page_len=last_page_len, off_chunk_indptr=layout.chunk_indptr, off_work_req=layout.work_req,
+          off_work_begin=layout.work_begin, off_work_end=layout.work_end, off_work_partial=layout.work_partial,
+          num_qo_heads=hq, group_size=group, page_size=page_size, page_shift=page_size_shift(page_size),
+          window_left=window_left, z_split=z_split,
+          score_scale=(scale / cap) if cap > 0 else scale * LOG2E, cap_log2=cap * LOG2E,
+          variant_data=variant_ptr, k_scale=1.0, v_scale=1.0, counters=counters, merge_of_req=merge_of_req,
+          off_merge_indptr=layout.merge_indptr, off_merge_req=layout.merge_req)
+    return p
+
+
 class BatchDecodeWithPagedKVCache(AttentionOp):
     """Decode (one query token per request) against a paged KV cache. See the module docstring.
 
@@ -277,18 +295,11 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         page_size = page_table.page_size
         scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
         variant_ptr = base + off_variant * 4 if vdata is not None else 0
-        p = ParamBuffer(DECODE_PARAMS)
-        p.set(tmp_o=dev["tmp_o"].ptr, tmp_lse=dev["tmp_lse"].ptr, plan=base,
-              page_indptr=base + off_indptr * 4, page_indices=base + off_indices * 4, last_page_len=base + off_last * 4,
-              off_chunk_indptr=L.chunk_indptr, off_work_req=L.work_req, off_work_begin=L.work_begin,
-              off_work_end=L.work_end, off_work_partial=L.work_partial,
-              num_qo_heads=num_qo_heads, group_size=group, page_size=page_size,
-              page_shift=page_size_shift(page_size),
-              window_left=window_left, z_split=zsplit,
-              score_scale=(scale / logits_soft_cap) if logits_soft_cap > 0 else scale * LOG2E,
-              cap_log2=logits_soft_cap * LOG2E, variant_data=variant_ptr, k_scale=1.0, v_scale=1.0,
-              counters=base + off_counters * 4 if fused else 0, merge_of_req=base + off_merge_of * 4,
-              off_merge_indptr=L.merge_indptr, off_merge_req=L.merge_req)
+        p = decode_params(base, L, dev["tmp_o"].ptr, dev["tmp_lse"].ptr, base + off_indptr * 4,
+                          base + off_indices * 4, base + off_last * 4, hq=num_qo_heads, group=group,
+                          page_size=page_size, window_left=window_left, z_split=zsplit, scale=scale,
+                          cap=logits_soft_cap, variant_ptr=variant_ptr,
+                          counters=base + off_counters * 4 if fused else 0, merge_of_req=base + off_merge_of * 4)
         merge_rows = 0 if fused else L.max_merge if self.use_cuda_graph else plan.num_merge
         merge, mp = self._merge_launch(merge_rows, dev["tmp_o"], dev["tmp_lse"], base, L.merge_indptr, L.merge_req,
                                        num_qo_heads, head_dim, plan.num_merge, q_dtype, variant, variant_ptr,

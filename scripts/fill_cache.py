@@ -48,6 +48,11 @@ def specs():
     for d in (64, 128):
         out += [pf.prefill_spec(d, rows, Variant(alibi=True), "bfloat16") for rows in pf.CONFIGS]
         out.append(pf.sm90_spec(d, Variant(alibi=True), "bfloat16"))
+    from kvattn import mixed   # the mixed op's one-launch kernels (tests: plain, window, soft cap; both dtypes)
+    for t in ("bfloat16", "float16"):
+        for v in (Variant(), Variant(True, False), Variant(False, True)):
+            out.append(mixed.mixed_spec(pf.sm90_spec(128, v, t, persistent=True), decode.decode_spec(128, 1, v, t),
+                                        mixed.MAX_SUBS))
     from kvattn.merge import merge_spec
     sinks = (Variant(sink=True), Variant(alibi=True, sink=True))   # attention sinks (tests, bench_variants)
     for v in sinks:
