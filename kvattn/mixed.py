@@ -36,10 +36,11 @@ MIXED_PARAMS = np.dtype([("prefill_ctas", "i4"), ("decode_ctas", "i4"), ("decode
 MAX_SMEM = 227 * 1024
 #: Decode CTAs (warpgroups) per mixed CTA at most: the decode kernel's own 3 per SM at head dim 128.
 MAX_SUBS = 3
-#: The split's rates per SM (H200, BENCHMARKS.md): the persistent wgmma prefill at ~600 TFLOP/s over 132 SMs, the
-#: decode at ~4.2 TB/s of KV over 132 SMs (3 CTAs each).
-PREFILL_FLOPS_PER_SM = 600e12 / 132
-DECODE_BYTES_PER_SM = 4.2e12 / 132
+#: The split's rates per SM, measured in the mixed kernel on the H200 (run 22a, BENCHMARKS.md: 2 causal prefills of
+#: 4096 + 126 decodes of 4096): the prefill part ~3.5 TFLOP/s per SM (causal FLOPs), a decode SM ~38 GB/s of KV
+#: (three 2-stage decode warpgroups; the whole GPU's decode is HBM-bound at ~33 GB/s per SM).
+PREFILL_FLOPS_PER_SM = 3.5e12
+DECODE_BYTES_PER_SM = 38e9
 
 
 def split_requests(qo_lens: np.ndarray) -> tuple[slice, slice]:
@@ -100,7 +101,16 @@ class BatchMixedWithPagedKVCache:
     kv_layout: "NHD" or "HND" (as BatchPrefillWithPagedKVCache). num_sms: the SMs to split (None: the device's).
     """
 
-    def __init__(self, kv_layout="NHD", workspace_bytes=None, num_sms=None, device=None):
+    #: decode_stages: the decode part's cp.async ring (None: the decode op's default); decode_ctas_per_sm: its CTAs
+    #: (warpgroups) per mixed CTA (None: as many as fit, at most MAX_SUBS). More stages, fewer warpgroups: more
+    #: bytes in flight per decode SM (scripts/bench_mixed.py --sweep).
+    DEFAULT_TUNING = dict(decode_stages=None, decode_ctas_per_sm=None)
+
+    def __init__(self, kv_layout="NHD", workspace_bytes=None, num_sms=None, device=None, tuning=None):
+        unknown = set(tuning or {}) - set(self.DEFAULT_TUNING)
+        if unknown:
+            raise ValueError(f"tuning: unknown keys {sorted(unknown)}; known: {sorted(self.DEFAULT_TUNING)}")
+        self.tuning = {**self.DEFAULT_TUNING, **(tuning or {})}
         self._pre = BatchPrefillWithPagedKVCache(kv_layout, workspace_bytes=workspace_bytes, device=device)
         self._dec = BatchDecodeWithPagedKVCache(kv_layout, workspace_bytes=workspace_bytes, device=device)
         self.kv_layout = self._pre.kv_layout
@@ -151,8 +161,11 @@ class BatchMixedWithPagedKVCache:
         both = pre.stop > pre.start and dec.stop > dec.start
         self._pre._num_sms = prefill_sms if both else n
         self._dec._num_sms = n - prefill_sms if both else n
-        subs = min(MAX_SUBS, MAX_SMEM // decode_smem_bytes(d, 1, default_stages(d, kv_dtype), kv_dtype))
-        self._dec.tuning = {**self._dec.tuning, "ctas_per_sm": subs if both else None}
+        stages = self.tuning["decode_stages"] or default_stages(d, kv_dtype)
+        subs = self.tuning["decode_ctas_per_sm"] or min(MAX_SUBS,
+                                                        MAX_SMEM // decode_smem_bytes(d, 1, stages, kv_dtype))
+        self._dec.tuning = {**self._dec.tuning, "ctas_per_sm": subs if both else None,
+                            "stages": stages if both else None}
         p_plan = d_plan = None
         if pre.stop > pre.start:
             a = int(qo_indptr[pre.start])

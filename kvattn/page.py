@@ -42,9 +42,10 @@ APPEND_PARAMS = np.dtype([
 ], align=True)   # fields back to back (no padding): _launcher packs them all with one setter
 THREADS = 256
 HEADS_PER_THREAD = 4   # append_paged_kernel's HPT: the KV heads one thread moves (16 dims of each)
-#: page.cuh's KVATTN_APPEND_HINTS (cache hints of the new rows' loads and the cache's stores): 0, plain, unless an
-#: A/B (bench_append.py --hints) sets it.
-HINTS = 0
+#: page.cuh's KVATTN_APPEND_HINTS (cache hints of the new rows' loads and the cache's stores): 1, no-L1 loads and
+#: streaming stores (H200, run 22a, bench_append.py --hints in alternating rounds: 8 x 4096 tokens 74.2 us, 0.852 of
+#: copy, against 74.7-74.8 us, 0.846, plain; the same bits); 0 plain and 2 loads only are the A/B's other sides.
+HINTS = 1
 I32 = np.dtype(np.int32)
 
 

@@ -108,13 +108,14 @@ def main():
         page.HEADS_PER_THREAD = default
     if args.hints:   # in turns with the plain kernel (hints 0 last), the cache's bits checked as every case's
         from kvattn import page
+        default_hints = page.HINTS
         for hints in (1, 2, 0, 1, 2, 0):
             page.HINTS = hints
             page._launchers.clear()
             for n in ("b256_append1_kv512", "b8_append4096_kv4096"):
                 r = run_case(n, *CASES[n], rng, ceiling, torch, None, args.json)
                 rows.append(dict(r, case=f"{n} hints={hints}"))
-        page.HINTS = 0
+        page.HINTS = default_hints
         page._launchers.clear()
     print(f"\npaged KV append, bf16 Hkv8/D128 page 16; us; copy ceiling {ceiling:.2f} TB/s")
     table(rows, ["case", "nnz", "dev_us", "TBps", "frac", "torch_us", "host_path_us", "graph_us", "host_us", "fi_us",

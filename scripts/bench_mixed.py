@@ -74,12 +74,15 @@ def main():
     row["mixed_torch"] = round(time_us(lambda: mx.run(tq, tk, tv)), 1)   # torch tensors in, out=None
     st = mx.last_plan
     row["split"] = f"{st['prefill_sms']} SMs prefill / {st['decode_ctas']} decode CTAs, fused={st['fused']}"
-    sweep = {}
-    if args.sweep:
-        for sms in (48, 64, 72, 80, 88, 96, 104, 112):
-            mx.plan(qo_indptr, pt, HQ, HKV, D, causal=True, prefill_sms=sms)
-            sweep[sms] = round(time_us(lambda: mx.run(qa, ka, va, out=out)), 1)
-        mx.plan(qo_indptr, pt, HQ, HKV, D, causal=True)
+    sweep = []
+    if args.sweep:   # decode (stages, warpgroups per CTA) x prefill SMs
+        for stages, subs in ((2, 3), (3, 2), (4, 1)):
+            mxs = kvattn.BatchMixedWithPagedKVCache(tuning=dict(decode_stages=stages, decode_ctas_per_sm=subs))
+            r = dict(decode=f"{stages} stages x {subs}")
+            for sms in (64, 72, 76, 80, 84, 88, 92, 96, 104):
+                mxs.plan(qo_indptr, pt, HQ, HKV, D, causal=True, prefill_sms=sms)
+                r[str(sms)] = round(time_us(lambda: mxs.run(qa, ka, va, out=out)), 1) if mxs.last_plan["fused"] else "-"
+            sweep.append(r)
     o = torch.from_dlpack(mx.run(tq, tk, tv)).float().cpu().numpy()   # the checked output: the mixed op's
     p = kvattn.BatchPrefillWithPagedKVCache()
     p.plan(qo_indptr[:NP + 1], pre, HQ, HKV, D, causal=True)
@@ -131,7 +134,8 @@ def main():
     table([row], ["case", "mixed", "mixed_torch", "split", "separate", "mixed/separate", "prefill_only",
                   "decode_only", "one_prefill", "tile", "fi_fa2+decode", "fi_fa3+decode", "err"])
     if sweep:
-        print("prefill SMs -> mixed us:", sweep, flush=True)
+        print("\nmixed us by the prefill part's SMs (columns) and the decode part's configuration (rows):")
+        table(sweep, list(sweep[0]))
 
 
 if __name__ == "__main__":

@@ -53,6 +53,9 @@ def specs():
         for v in (Variant(), Variant(True, False), Variant(False, True)):
             out.append(mixed.mixed_spec(pf.sm90_spec(128, v, t, persistent=True), decode.decode_spec(128, 1, v, t),
                                         mixed.MAX_SUBS))
+    for stages, subs in ((3, 2), (4, 1)):   # bench_mixed.py --sweep
+        out.append(mixed.mixed_spec(pf.sm90_spec(128, Variant(), "bfloat16", persistent=True),
+                                    decode.decode_spec(128, 1, Variant(), "bfloat16", stages), subs))
     from kvattn.merge import merge_spec
     sinks = (Variant(sink=True), Variant(alibi=True, sink=True))   # attention sinks (tests, bench_variants)
     for v in sinks:

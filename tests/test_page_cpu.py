@@ -63,9 +63,11 @@ def test_append_params_pack_with_one_setter():
 
 
 def test_append_cache_hint_instances_compile_without_spills(monkeypatch):
-    """bench_append.py --hints' instances (page.HINTS 1 / 2: no-L1 loads, streaming stores) build for sm_90a
-    with 0 spills, and the default (0) adds no define (the registered kernels' code)."""
+    """bench_append.py --hints' instances (page.HINTS 1, the default: no-L1 loads, streaming stores; 2: loads only;
+    0: plain, no define) build for sm_90a with 0 spills."""
     from kvattn import page
+    assert page.HINTS == 1 and page.append_spec("bfloat16", 128).defines == (("KVATTN_APPEND_HINTS", 1),)
+    monkeypatch.setattr(page, "HINTS", 0)
     assert page.append_spec("bfloat16", 128).defines == ()
     for hints in (1, 2):
         monkeypatch.setattr(page, "HINTS", hints)
