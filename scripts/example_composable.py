@@ -1,5 +1,5 @@
-"""The README's shared-prefix, block-sparse and append examples with PyTorch tensors and CuPy arrays on their
-default streams (no kvattn arrays, out=None), each checked against the float64 reference.
+"""The README's shared-prefix, block-sparse, mixed-batch and append examples with PyTorch tensors and CuPy arrays on
+their default streams (no kvattn arrays, out=None), each checked against the float64 reference.
 
     PYTHONPATH=. python scripts/example_composable.py
 """
@@ -50,6 +50,23 @@ def block_sparse(cp):
     return rel(cp.asnumpy(o), ref)
 
 
+def mixed_batch(cp):
+    """A continuous-batching step: 2 prefills (one a chunked-prefill append) and 40 decodes, one launch."""
+    rng = np.random.default_rng(2)
+    qo = [300, 64] + [1] * 40
+    pt = kvattn.PageTable.from_kv_lens([300, 500] + rng.integers(1, 2000, 40).tolist(), page_size=16, rng=3)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    k_cache = cp.random.standard_normal((pt.indices.size + 4, 16, 8, 128), dtype=cp.float32).astype(cp.float16)
+    v_cache = cp.random.standard_normal(k_cache.shape, dtype=cp.float32).astype(cp.float16)
+    q = cp.random.standard_normal((int(qo_indptr[-1]), 32, 128), dtype=cp.float32).astype(cp.float16)
+    w = kvattn.BatchMixedWithPagedKVCache()
+    w.plan(qo_indptr, pt, 32, 8, 128, causal=True, q_dtype="float16")
+    o = cp.asarray(w.run(q, k_cache, v_cache))                    # CuPy array on CuPy's stream
+    ref = reference.batch_attention_paged(cp.asnumpy(q), cp.asnumpy(k_cache), cp.asnumpy(v_cache), qo_indptr, pt,
+                                          causal=True)
+    return rel(cp.asnumpy(o), ref), w.last_plan["fused"]
+
+
 def append(torch):
     pt = kvattn.PageTable.from_kv_lens([40, 7, 300], page_size=16, num_pages=40, rng=1)
     append_indptr = np.array([0, 3, 4, 20], np.int32)             # 3, 1 and 16 new tokens (included in pt)
@@ -70,8 +87,10 @@ def append(torch):
 def main():
     import cupy as cp
     import torch
+    mixed_err, fused = mixed_batch(cp)
     rows = [("cascade, torch tensors", shared_prefix(torch), 1e-2),
             ("block-sparse, CuPy arrays (float16)", block_sparse(cp), 2e-3),
+            (f"mixed batch, CuPy arrays (float16, one launch: {fused})", mixed_err, 2e-3),
             ("append (device indices), torch tensors", append(torch), 0.0)]
     ok = True
     for name, err, tol in rows:
