@@ -38,27 +38,43 @@ from .contract import NUM_MERGE, align4, page_size_shift
 from .decode import THREADS as DECODE_THREADS, auto_m_tiles, decode_params, decode_spec, default_stages
 from .decode import smem_bytes as decode_smem_bytes
 from .formats import CascadeLevels
-from .kernels import Launch, ParamBuffer, get_kernel
+from .kernels import NEG_INF_BITS, Launch, Memset32, ParamBuffer, ParamPack, get_kernel
 from .merge import MERGE_PARAMS, merge_spec
+from .mixed import MAX_SMEM, MAX_SUBS, MIXED_PARAMS, mixed_spec, split_sms
 from .opcore import AttentionOp, PagedKV, on_device
-from .prefill import (BACKENDS, DEFAULT_WORKSPACE, choose_cta_rows, launch_config, level_layout, level_params,
-                      sm90_tile, sm90_usable, write_level, launch_grid)
+from .prefill import (BACKENDS, DEFAULT_WORKSPACE, SM90_THREADS, choose_cta_rows, launch_config, level_layout,
+                      level_params, sm90_tile, sm90_usable, write_level, launch_grid)
 from .variants import Variant, plan_variant
 
 
 @dataclasses.dataclass(frozen=True)
 class _DecodeLevel:
-    """A cascade level run by the decode kernel: its schedule (scheduler.plan_decode's layout, packed buffer, items
-    and their requests), kernel, grid, shared memory, z slices and m tiles."""
+    """A cascade level run by the decode kernel: its schedule (scheduler.plan_decode's layout, packed buffer, items,
+    their requests and pieces), kernel, grid, shared memory, z slices and m tiles."""
     layout: object
     buffer: np.ndarray
     num_work: int
     work_req: np.ndarray
+    work_piece: np.ndarray   # each item's piece of its request (its merge slot within the level)
+    pieces: int              # the level's merge slots: the most pieces of a request
+    partial_fill: bool       # some request has fewer pieces: its other slots are set empty before the launch
     kernel: object
     grid: tuple
     smem: int
     z_split: int
     m_tiles: int
+
+
+def request_pieces(work_req: np.ndarray, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """(int32 [W]: each item's piece index within its request, in work order; int64 [batch]: pieces per request)
+    of a decode schedule's items (work_req int [W])."""
+    req = np.asarray(work_req, np.int64)
+    counts = np.bincount(req, minlength=batch)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    order = np.argsort(req, kind="stable")
+    piece = np.empty(req.size, np.int64)
+    piece[order] = np.arange(req.size) - first[req[order]]
+    return piece.astype(np.int32), counts
 
 
 def as_levels(levels, page_tables) -> CascadeLevels:
@@ -150,13 +166,20 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
             cfg = launch_config(self.backend, d, rows, variant, q_dtype, kv_dtype)
             get_kernel(cfg.spec)._allow_smem(cfg.smem)   # now, not during a graph capture
             cfgs.append(cfg)
+        # a decode step's suffix level on the decode kernel, and where it applies, in one launch with level 0
+        dk = self._decode_kernel(shapes[-1], len(lv), hq, hkv, d, q_dtype, kv_dtype, variant)
+        mix = self._mixed_split(shapes, cfgs, dk, hq, hkv, d, kv_dtype) if dk is not None else None
+        sms = [self.num_sms] * len(lv)   # the SMs each level is scheduled on
+        if mix is not None:
+            sms[0], sms[-1] = mix[1], self.num_sms - mix[1]
         chunks = (list(baked["chunks"]) if baked is not None else
-                  [scheduler.cascade_chunks(qo, kv, group, hkv, rows, causal=c, num_sms=self.num_sms,
+                  [scheduler.cascade_chunks(qo, kv, group, hkv, rows, causal=c, num_sms=n,
                                             ctas_per_sm=cfg.ctas_per_sm)
-                   for (qo, kv, c), rows, cfg in zip(shapes, tiles, cfgs)])
-        dec = self._decode_level(shapes[-1], len(lv), hq, hkv, d, q_dtype, kv_dtype, ps, variant)
-        if dec is not None:
-            chunks[-1] = 1   # one partial state per row: its request, whole
+                   for (qo, kv, c), rows, cfg, n in zip(shapes, tiles, cfgs, sms)])
+        dec = None
+        if dk is not None:
+            dec = self._decode_level(dk, shapes[-1][1], hkv, d, ps, sms[-1], MAX_SUBS if mix else None)
+            chunks[-1] = dec.pieces   # its requests' partial states: one slot per piece
         self._bake(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=ps,
                    sm_scale=scale, causal=causal, logits_soft_cap=cap, cta_rows=tuple(tiles), chunks=tuple(chunks))
         slots = sum(chunks)
@@ -202,7 +225,7 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
                 # every request writes its state into its row's slot of the stacked merge (row = request: one
                 # query row each), none to out
                 wp = bases[li] + dec.layout.work_partial
-                h[wp:wp + dec.num_work] = dec.work_req * slots + int(slot0[li])
+                h[wp:wp + dec.num_work] = dec.work_req * slots + int(slot0[li]) + dec.work_piece
                 h[bases[li] + o["indptr"]:bases[li] + o["indptr"] + b + 1] = pt.indptr
                 h[bases[li] + o["indices"]:bases[li] + o["indices"] + pt.indices.size] = pt.indices
                 h[bases[li] + o["last"]:bases[li] + o["last"] + b] = pt.last_page_len
@@ -228,15 +251,27 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
                                   at + 4 * o["indices"], at + 4 * o["last"], hq=hq, group=group, page_size=ps,
                                   window_left=-1, z_split=dec.z_split, scale=scale, cap=cap, variant_ptr=0)
                 params.append(p)
-                launches.append(Launch(dec.kernel, dec.grid, DECODE_THREADS, dec.smem, p))
+                if dec.partial_fill:   # requests of fewer pieces than the level's slots: those slots are empty
+                    launches.insert(0, Memset32(dev["tmp_lse"].ptr + 4 * hq * int(slot0[li]), 4 * hq * slots,
+                                                NEG_INF_BITS, hq * dec.pieces, total_qo))
+                if mix is None:
+                    launches.append(Launch(dec.kernel, dec.grid, DECODE_THREADS, dec.smem, p))
                 continue
             p = level_params(base + 4 * bases[li], offs[li], dev["tmp_o"].ptr, dev["tmp_lse"].ptr, 0, hq=hq,
                              group=group, page_size=ps, page_shift=page_size_shift(ps), causal=shapes[li][2],
                              window_left=-1, scale=scale, cap=cap, variant_ptr=0)
             params.append(p)
-            launches.append(Launch(get_kernel(cfg.spec), launch_grid(cfg, caps[li], hkv, self.num_sms),
+            launches.append(Launch(get_kernel(cfg.spec), launch_grid(cfg, caps[li], hkv, sms[li]),
                                    cfg.threads, cfg.smem, p)
-                            if caps[li] else None)
+                            if caps[li] and not (mix is not None and li == 0) else None)
+        if mix is not None:   # level 0's CTAs, then the decode level's warpgroups, in one grid
+            mkernel, _ = mix
+            gx, gy, _ = dec.grid
+            pre_ctas = launch_grid(cfgs[0], caps[0], hkv, sms[0])[0] if caps[0] else 0
+            mp = ParamBuffer(MIXED_PARAMS)
+            mp.set(prefill_ctas=pre_ctas, decode_ctas=gx * gy, decode_grid_x=gx)
+            launches.append(Launch(mkernel, pre_ctas + -(-gx * gy // MAX_SUBS), SM90_THREADS,
+                                   max(cfgs[0].smem, MAX_SUBS * dec.smem), ParamPack(params[0], params[-1], mp)))
         mp = ParamBuffer(MERGE_PARAMS)
         mp.set(o_in=dev["tmp_o"].ptr, lse_in=dev["tmp_lse"].ptr, indptr=0, out_rows=0,
                num_rows_dev=base + NUM_MERGE * 4 if self.use_cuda_graph else 0,
@@ -254,34 +289,58 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
             merge=merge, merge_params=mp, s=s, copy_done=copy_done, bind_tma=maps,
             levels=tuple(dict(cta_rows=rows, chunks=n, backend=cfg.backend, items=it.shape[0])
                          if not (dec is not None and li == len(tiles) - 1) else
-                         dict(cta_rows=16 * dec.m_tiles, chunks=1, backend="decode", items=dec.num_work)
+                         dict(cta_rows=16 * dec.m_tiles, chunks=dec.pieces, backend="decode", items=dec.num_work,
+                              mixed_with_level_0=mix is not None, sms=sms[-1])
                          for li, (rows, n, cfg, it) in enumerate(zip(tiles, chunks, cfgs, items))),
             slots=slots, variant=variant, num_kv_heads=hkv)
 
-    def _decode_level(self, shape, num_levels, hq, hkv, d, q_dtype, kv_dtype, page_size, variant):
-        """The last level on the decode kernel (a _DecodeLevel), or None: where every group of it is one query row
-        with KV (a decode step's suffix level, below at least one shared level), outside graph mode, with
-        backend "auto", and where the decode
-        schedule keeps every request whole (one partial state per row; a split would need the merge's slots
-        per piece). Its CTAs stream the level's KV at the decode kernel's rate, where the 16-row prefill tile
-        did not (BENCHMARKS.md)."""
+    def _decode_kernel(self, shape, num_levels, hq, hkv, d, q_dtype, kv_dtype, variant):
+        """(decode kernel, m tiles, z slices, stages, shared memory) for the last level, or None where it stays on
+        the prefill kernels: unless every group of it is one query row with KV (a decode step's suffix level,
+        below at least one shared level), outside graph mode, with backend "auto". Its CTAs stream the level's
+        KV at the decode kernel's rate, where the 16-row prefill tile did not (BENCHMARKS.md)."""
         qo, kv, _ = shape
         if (num_levels < 2 or self.use_cuda_graph or self.backend != "auto" or qo.size == 0 or (qo != 1).any()
                 or (kv < 1).any()):
             return None
         group = hq // hkv
         mt = auto_m_tiles(group, d, kv_dtype, variant)
-        z_split = -(-group // (16 * mt))
         stages = default_stages(d, kv_dtype)
-        smem = decode_smem_bytes(d, mt, stages, kv_dtype)
         kernel = get_kernel(decode_spec(d, mt, variant, q_dtype, stages, kv_dtype=kv_dtype))
-        cps = (kernel.resources or Resources()).ctas_per_sm(DECODE_THREADS, smem, limit=3)
-        plan = scheduler.plan_decode(kv, page_size, hkv * z_split, hkv * z_split, d, num_sms=self.num_sms,
-                                     ctas_per_sm=cps)
-        if plan.num_partial_rows or plan.num_merge:
+        return kernel, mt, -(-group // (16 * mt)), stages, decode_smem_bytes(d, mt, stages, kv_dtype)
+
+    def _mixed_split(self, shapes, cfgs, dk, hq, hkv, d, kv_dtype):
+        """(mixed kernel, SMs for level 0) where level 0 (the persistent wgmma kernel) and the decode level run
+        in one launch (cuda_src/mixed.cuh: level 0's CTAs on some SMs, three decode warpgroups per CTA on the
+        others; the split from the levels' estimated times, kvattn.mixed.split_sms), or None: 16-bit caches,
+        two levels or more, decode warpgroups that fit one CTA's shared memory, a kernel without spills."""
+        cfg0 = cfgs[0]
+        kernel, mt, _, _, smem = dk
+        if (cfg0.backend != "sm90" or not cfg0.persistent or _dtypes.to_numpy(kv_dtype).itemsize != 2
+                or max(cfg0.smem, MAX_SUBS * smem) > MAX_SMEM):
             return None
-        return _DecodeLevel(plan.layout, plan.buffer, plan.num_work, plan.work_req.copy(), kernel,
-                            (plan.num_chunks * z_split, hkv, 1), smem, z_split, mt)
+        mk = get_kernel(mixed_spec(cfg0.spec, kernel.spec, MAX_SUBS))
+        if mk.resources is not None and mk.resources.spills:
+            return None
+        qo0, kv0, _ = shapes[0]
+        flops = 4.0 * float((qo0 * kv0).sum()) * hq * d
+        nbytes = float(shapes[-1][1].sum()) * hkv * d * 2 * 2
+        mk._allow_smem(max(cfg0.smem, MAX_SUBS * smem))   # now, not during a graph capture
+        return mk, split_sms(flops, nbytes, self.num_sms)
+
+    def _decode_level(self, dk, kv, hkv, d, page_size, num_sms, ctas_per_sm):
+        """The decode level's schedule (a _DecodeLevel) on num_sms SMs: one wave of balanced chunks (a request may
+        be cut into pieces, each writing its own merge slot of the row; the level's slot count is the most
+        pieces of a request)."""
+        kernel, mt, z_split, _, smem = dk
+        cps = ctas_per_sm or (kernel.resources or Resources()).ctas_per_sm(DECODE_THREADS, smem, limit=3)
+        plan = scheduler.plan_decode(kv, page_size, hkv * z_split, hkv * z_split, d, num_sms=num_sms,
+                                     ctas_per_sm=cps, allow_no_split=False)
+        piece, counts = request_pieces(plan.work_req, kv.size)
+        most = int(counts.max(initial=1))
+        return _DecodeLevel(plan.layout, plan.buffer, plan.num_work, plan.work_req.copy(), piece, most,
+                            bool((counts < most).any()), kernel, (plan.num_chunks * z_split, hkv, 1), smem, z_split,
+                            mt)
 
     @on_device
     def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None, k_scale=None,

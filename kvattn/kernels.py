@@ -143,6 +143,24 @@ class ParamPack:
         self.argv_addr = ctypes.addressof(self.argv)
 
 
+NEG_INF_BITS = 0xFF800000   # float32 -inf: an empty state's lse
+
+
+class Memset32:
+    """A plan step beside its Launches: `height` rows of `width` 32-bit values set to `value`, rows `pitch` bytes
+    apart, from device address dst (cuMemsetD2D32Async; capturable). launch(stream handle) issues it."""
+
+    __slots__ = ("dst", "pitch", "value", "width", "height")
+
+    def __init__(self, dst: int, pitch: int, value: int, width: int, height: int):
+        self.dst, self.pitch, self.value, self.width, self.height = dst, pitch, value, width, height
+
+    def launch(self, stream_handle):
+        if self.width and self.height:
+            _driver.call("cuMemsetD2D32Async", self.dst, self.pitch, self.value, self.width, self.height,
+                         stream_handle)
+
+
 _FORMATS = {"u8": "<Q", "i8": "<q", "i4": "<i", "u4": "<I", "f4": "<f", "f8": "<d"}
 
 

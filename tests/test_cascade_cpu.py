@@ -215,3 +215,16 @@ def test_cascade_plan_buffer_holds_every_level(monkeypatch):
     mp = info["merge_params"]
     assert int(mp["n"]) == slots and int(mp["num_rows"]) == 9 and int(mp["s_row"]) == slots * 8 * 64
     assert h[(int(attention[0][1]["plan"]) - base) // 4 + contract.NUM_MERGE] == 9
+
+
+def test_request_pieces_number_each_requests_items_in_order():
+    from kvattn.cascade import request_pieces
+    piece, counts = request_pieces(np.array([0, 0, 1, 3, 3, 3, 1]), 5)
+    assert piece.tolist() == [0, 1, 0, 0, 1, 2, 1] and counts.tolist() == [2, 2, 0, 3, 0]
+    # a split decode schedule: every (request, piece) once, pieces below the request's count
+    from kvattn import scheduler
+    kv = np.array([700, 3, 4000, 256, 1])
+    plan = scheduler.plan_decode(kv, 16, 8, 8, 128, num_sms=20, ctas_per_sm=3, allow_no_split=False)
+    piece, counts = request_pieces(plan.work_req, kv.size)
+    pairs = set(zip(plan.work_req.tolist(), piece.tolist()))
+    assert len(pairs) == plan.num_work and all(p < counts[r] for r, p in pairs) and counts.max() > 1

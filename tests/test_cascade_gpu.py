@@ -127,14 +127,18 @@ def test_shared_prefix_decode(kv_dtype, backend):
     (1, 8, 64, 0.0, "HND", 400, None), (4, 1, 128, 30.0, "NHD", 128, None), (2, 32, 128, 0.0, "NHD", 200, None),
     (8, 4, 128, 0.0, "NHD", 64, "float8_e4m3fn")])
 def test_decode_suffix_level(hkv, group, d, cap, layout, b, kv_dtype):
-    """The decode kernel as the last level across head dims, groups (32: two m tiles), soft cap and layouts; 3
-    levels with a middle level of empty and full groups. The batches fill the GPU with whole requests of similar
-    suffixes (the decode level's condition: its schedule splits no request)."""
+    """The decode kernel as the last level across head dims, groups (32: two m tiles), soft cap, layouts and fp8;
+    3 levels with a middle level of empty and full groups, suffixes of 1..2999 tokens (requests cut into pieces,
+    some with fewer than the level's slots). At head dim 128 with a 16-bit cache and one m tile on an sm_90 GPU,
+    level 0 and the decode level run in one launch."""
     rng = np.random.default_rng(11)
     mid = [b // 4, 0, b // 2, b - b // 4 - b // 2]
-    lv = _levels(rng, [1] * b, [[b], mid, [1] * b], [[1500], [300, 0, 17, 900], rng.integers(200, 211, b)], 16)
+    lv = _levels(rng, [1] * b, [[b], mid, [1] * b], [[1500], [300, 0, 17, 900], rng.integers(1, 3000, b)], 16)
     w = run_case(rng, lv, hkv=hkv, group=group, d=d, cap=cap, layout=layout, kv_dtype=kv_dtype)
-    assert w.last_plan.info["levels"][-1]["backend"] == "decode", w.last_plan.info["levels"]
+    last = w.last_plan.info["levels"][-1]
+    assert last["backend"] == "decode", w.last_plan.info["levels"]
+    if kvattn._driver.arch() == "sm_90a" and d == 128 and kv_dtype is None and group < 32:
+        assert last["mixed_with_level_0"], w.last_plan.info["levels"]
 
 
 def test_cascade_graph_replay_after_replan():
