@@ -40,7 +40,11 @@ from .decode import smem_bytes as decode_smem_bytes
 from .formats import CascadeLevels
 from .kernels import NEG_INF_BITS, Launch, Memset32, ParamBuffer, ParamPack, get_kernel
 from .merge import MERGE_PARAMS, merge_spec
-from .mixed import MAX_SMEM, MAX_SUBS, MIXED_PARAMS, mixed_spec, split_sms
+from .mixed import (DECODE_BYTES_PER_SM, MAX_SMEM, MAX_SUBS, MIXED_PARAMS, PREFILL_FLOPS_PER_SM, mixed_spec,
+                    split_sms)
+
+#: The decode level's rate on the whole GPU (run 22b: 134 MB of 256-token suffixes in ~45 us; longer chunks more).
+DECODE_HBM_BYTES = 3.4e12
 from .opcore import AttentionOp, PagedKV, on_device
 from .prefill import (BACKENDS, DEFAULT_WORKSPACE, SM90_THREADS, choose_cta_rows, launch_config, level_layout,
                       level_params, sm90_tile, sm90_usable, write_level, launch_grid)
@@ -63,6 +67,34 @@ class _DecodeLevel:
     smem: int
     z_split: int
     m_tiles: int
+
+
+def mixed_choice(qo0, kv0, dec_kv, hq: int, hkv: int, d: int, num_sms: int, ctas_per_sm: int = 1) -> int | None:
+    """The SMs for level 0 (groups' query rows qo0, KV kv0: int [G0]) in one launch with a decode level of KV
+    lengths dec_kv (int [G]), or None where two launches one after the other are predicted faster: level 0 takes
+    whole rounds of its equal units (the persistent CTAs walk them: 128 units on 112 SMs take two rounds, run
+    22c), the decode SMs stream DECODE_BYTES_PER_SM each (kvattn.mixed's rates, run 22a)."""
+    qo0, kv0, dec_kv = (np.asarray(a, np.int64) for a in (qo0, kv0, dec_kv))
+    flops = 4.0 * float((qo0 * kv0).sum()) * hq * d
+    nbytes = float(dec_kv.sum()) * hkv * d * 2 * 2
+    n, group, rows = num_sms, hq // hkv, 128
+    blocks = int((-(-(qo0[kv0 > 0] * group) // rows)).sum())
+    if not blocks or n < 2:
+        return None
+
+    def level0_us(sms):
+        units = blocks * hkv * scheduler.cascade_chunks(qo0, kv0, group, hkv, rows, num_sms=sms,
+                                                        ctas_per_sm=ctas_per_sm)
+        return -(-units // sms) * flops / units / PREFILL_FLOPS_PER_SM * 1e6
+
+    def decode_us(sms):
+        return nbytes / min(sms * DECODE_BYTES_PER_SM, DECODE_HBM_BYTES) * 1e6
+    p_est = split_sms(flops, nbytes, n)
+    best = min(range(max(1, p_est - 16), min(n - 1, p_est + 16) + 1, 2),
+               key=lambda p: max(level0_us(p), decode_us(n - p)))
+    if max(level0_us(best), decode_us(n - best)) > 0.97 * (level0_us(n) + decode_us(n)):
+        return None
+    return best
 
 
 def request_pieces(work_req: np.ndarray, batch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -312,21 +344,21 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
     def _mixed_split(self, shapes, cfgs, dk, hq, hkv, d, kv_dtype):
         """(mixed kernel, SMs for level 0) where level 0 (the persistent wgmma kernel) and the decode level run
         in one launch (cuda_src/mixed.cuh: level 0's CTAs on some SMs, three decode warpgroups per CTA on the
-        others; the split from the levels' estimated times, kvattn.mixed.split_sms), or None: 16-bit caches,
-        two levels or more, decode warpgroups that fit one CTA's shared memory, a kernel without spills."""
+        others; the split: mixed_choice), or None: 16-bit caches, decode warpgroups that fit one CTA's shared
+        memory, a kernel without spills, and a predicted gain over two launches (mixed_choice)."""
         cfg0 = cfgs[0]
         kernel, mt, _, _, smem = dk
         if (cfg0.backend != "sm90" or not cfg0.persistent or _dtypes.to_numpy(kv_dtype).itemsize != 2
                 or max(cfg0.smem, MAX_SUBS * smem) > MAX_SMEM):
             return None
+        best = mixed_choice(shapes[0][0], shapes[0][1], shapes[-1][1], hq, hkv, d, self.num_sms, cfg0.ctas_per_sm)
+        if best is None:
+            return None
         mk = get_kernel(mixed_spec(cfg0.spec, kernel.spec, MAX_SUBS))
         if mk.resources is not None and mk.resources.spills:
             return None
-        qo0, kv0, _ = shapes[0]
-        flops = 4.0 * float((qo0 * kv0).sum()) * hq * d
-        nbytes = float(shapes[-1][1].sum()) * hkv * d * 2 * 2
         mk._allow_smem(max(cfg0.smem, MAX_SUBS * smem))   # now, not during a graph capture
-        return mk, split_sms(flops, nbytes, self.num_sms)
+        return mk, best
 
     def _decode_level(self, dk, kv, hkv, d, page_size, num_sms, ctas_per_sm):
         """The decode level's schedule (a _DecodeLevel) on num_sms SMs: one wave of balanced chunks (a request may

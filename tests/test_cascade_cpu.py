@@ -228,3 +228,14 @@ def test_request_pieces_number_each_requests_items_in_order():
     piece, counts = request_pieces(plan.work_req, kv.size)
     pairs = set(zip(plan.work_req.tolist(), piece.tolist()))
     assert len(pairs) == plan.num_work and all(p < counts[r] for r, p in pairs) and counts.max() > 1
+
+
+def test_mixed_choice_weighs_level_0s_unit_rounds():
+    from kvattn.cascade import mixed_choice
+    # 128 requests on a 32768-token prefix: level 0 is 128 equal units, which a split of the SMs would walk in two
+    # rounds: two launches (run 22c: 263.9 us in one launch against 185.4 in two)
+    assert mixed_choice([128], [32768], [256] * 128, 32, 8, 128, 132) is None
+    # 32 requests on 8192 (run 22c: one launch 41.6 us against 48.2): one launch, most SMs on level 0
+    p = mixed_choice([32], [8192], [256] * 32, 32, 8, 128, 132)
+    assert p is not None and 66 <= p < 132
+    assert mixed_choice([0], [0], [10], 32, 8, 128, 132) is None

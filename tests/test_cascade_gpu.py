@@ -130,7 +130,7 @@ def test_decode_suffix_level(hkv, group, d, cap, layout, b, kv_dtype):
     """The decode kernel as the last level across head dims, groups (32: two m tiles), soft cap, layouts and fp8;
     3 levels with a middle level of empty and full groups, suffixes of 1..2999 tokens (requests cut into pieces,
     some with fewer than the level's slots). At head dim 128 with a 16-bit cache and one m tile on an sm_90 GPU,
-    level 0 and the decode level run in one launch."""
+    level 0 and the decode level run in one launch where mixed_choice predicts a gain."""
     rng = np.random.default_rng(11)
     mid = [b // 4, 0, b // 2, b - b // 4 - b // 2]
     lv = _levels(rng, [1] * b, [[b], mid, [1] * b], [[1500], [300, 0, 17, 900], rng.integers(1, 3000, b)], 16)
@@ -138,7 +138,10 @@ def test_decode_suffix_level(hkv, group, d, cap, layout, b, kv_dtype):
     last = w.last_plan.info["levels"][-1]
     assert last["backend"] == "decode", w.last_plan.info["levels"]
     if kvattn._driver.arch() == "sm_90a" and d == 128 and kv_dtype is None and group < 32:
-        assert last["mixed_with_level_0"], w.last_plan.info["levels"]
+        from kvattn.cascade import mixed_choice
+        (qo0, pt0), (_, ptl) = lv[0], lv[-1]
+        predicted = mixed_choice(np.diff(qo0), pt0.kv_lens, ptl.kv_lens, hkv * group, hkv, d, w.num_sms)
+        assert last["mixed_with_level_0"] == (predicted is not None), (predicted, w.last_plan.info["levels"])
 
 
 def test_cascade_graph_replay_after_replan():
