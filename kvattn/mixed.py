@@ -22,11 +22,11 @@ from __future__ import annotations
 import numpy as np
 
 from . import _dtypes, _validate as _v
-from ._binding import begin, import_array, output
+from ._binding import begin, import_array
 from .decode import BatchDecodeWithPagedKVCache, decode_spec, default_stages, smem_bytes as decode_smem_bytes
 from .formats import PageTable
 from .kernels import KernelSpec, Launch, ParamBuffer, ParamPack, get_kernel, register
-from .opcore import F32, PagedKV, check_array, on_device
+from .opcore import PagedKV, checked_outputs, on_device
 from .prefill import SM90_PERSIST_DEFINE, SM90_THREADS, BatchPrefillWithPagedKVCache, sm90_smem_bytes, sm90_spec
 from .variants import Variant
 
@@ -221,15 +221,8 @@ class BatchMixedWithPagedKVCache:
         s, capturing = begin(stream)
         q = import_array(q, s, capturing)
         k, v, kv_strides = st["kv"].bind(k_cache, v_cache, s, capturing)
-        rows, hq, d, dtype = st["total_rows"], st["hq"], st["d"], st["dtype"]
-        check_array(q, "q", (rows, hq, d), dtype)
-        dev = self.device.ordinal
-        out, out_ret = output(out, (rows, hq, d), dtype, s, capturing, "out", dev)
-        check_array(out, "out", (rows, hq, d), dtype)
-        lse_ret = lse
-        if lse is not None or return_lse:
-            lse, lse_ret = output(lse, (rows, hq), F32, s, capturing, "lse", dev)
-            check_array(lse, "lse", (rows, hq), F32, rows16=False)
+        out, out_ret, lse, lse_ret = checked_outputs(q, (st["total_rows"], st["hq"], st["d"]), st["dtype"], out, lse,
+                                                     return_lse, s, capturing, self.device.ordinal)
         parts = []
         for op, plan, r in ((self._pre, st["prefill_plan"], st["rows"][0]), (self._dec, st["decode_plan"], st["rows"][1])):
             if plan is not None:

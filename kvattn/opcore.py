@@ -220,6 +220,19 @@ def on_device(method):
     return wrapper
 
 
+def checked_outputs(q: DeviceArray, shape: tuple, dtype, out, lse, return_lse: bool, s, capturing: bool, dev: int):
+    """run()'s arrays: q checked against shape [rows, Hq, D] and dtype; (out, what run() returns for it, lse or
+    None, its return): the caller's arrays checked, or new pool arrays on stream s (lse only if given or asked)."""
+    check_array(q, "q", shape, dtype)
+    out, out_ret = output(out, shape, dtype, s, capturing, "out", dev)
+    check_array(out, "out", shape, dtype)
+    lse_ret = lse
+    if lse is not None or return_lse:
+        lse, lse_ret = output(lse, shape[:2], F32, s, capturing, "lse", dev)
+        check_array(lse, "lse", shape[:2], F32, rows16=False)
+    return out, out_ret, lse, lse_ret
+
+
 class AttentionOp:
     """Base of the attention wrappers. Subclasses implement plan() (ending in `_finish_plan`) and run() (ending in
     `_execute`)."""
@@ -354,15 +367,8 @@ class AttentionOp:
         rows = p.rows
         if q.shape[0] != rows and q.shape[0] == p.max_rows:
             rows = p.max_rows   # graph mode: the arrays keep their maximum rows; rows past the batch are not touched
-        hq, d, dtype = p.num_qo_heads, p.head_dim, p.dtype
-        check_array(q, "q", (rows, hq, d), dtype)
-        dev = self.device.ordinal
-        out, out_ret = output(out, (rows, hq, d), dtype, s, capturing, "out", dev)
-        check_array(out, "out", (rows, hq, d), dtype)
-        lse_ret = lse
-        if lse is not None or return_lse:
-            lse, lse_ret = output(lse, (rows, hq), F32, s, capturing, "lse", dev)
-            check_array(lse, "lse", (rows, hq), F32, rows16=False)
+        out, out_ret, lse, lse_ret = checked_outputs(q, (rows, p.num_qo_heads, p.head_dim), p.dtype, out, lse,
+                                                     return_lse, s, capturing, self.device.ordinal)
         self._bind(p, s, capturing, q, k, v, kv_strides, out, lse)
         self._issue(p, s.handle, out, lse)
         del keep
