@@ -14,8 +14,10 @@ level only: a row sees every token of the coarser levels.
 One plan, one workspace, one host-to-device copy, one captured graph: plan() schedules every level with the
 prefill kernels (each level its own query tile, so a 512-row shared level takes the 128-row wgmma tile and a
 4-row suffix level the 16-row tile), packs every level's work list into one plan buffer and issues one copy.
-A last level of one query row per request (a decode step's suffix) runs on the decode kernel instead, where the
-decode schedule keeps every request whole: each request's state goes straight into its row's merge slot.
+A last level of one query row per request (a decode step's suffix) runs on the decode kernel instead (one wave
+of balanced chunks; each piece of a request writes its own merge slot of the row, and the slots a request with
+fewer pieces leaves are set empty by a memset step), and where mixed_choice predicts a gain, in one launch with
+level 0 (cuda_src/mixed.cuh, as kvattn.mixed: level 0's persistent CTAs on some SMs, decode warpgroups on the rest).
 Every query row owns `slots` consecutive float32 partial states, one per (level, KV chunk): each block of level l
 is cut into chunks[l] KV chunks (an empty chunk writes lse = -inf). run() launches one prefill kernel per level
 and one stacked merge that combines each row's slots, level 0 first (deterministic: fixed order, no atomics).
