@@ -60,3 +60,18 @@ def test_user_variants_are_refused_by_the_mixed_spec():
     pre = prefill.sm90_spec(128, HALF_LOGITS, "bfloat16", persistent=True)
     with pytest.raises(ValueError, match="user variants"):
         mixed.mixed_spec(pre, decode.decode_spec(128, 1, Variant(), "bfloat16"), 3)
+
+
+def test_plan_argument_errors_name_the_argument():
+    w = mixed.BatchMixedWithPagedKVCache(num_sms=132)
+    pt = PageTable.from_kv_lens(np.array([40, 7]), 16, rng=np.random.default_rng(0))
+    with pytest.raises(TypeError, match="page_table"):
+        w.plan([0, 4, 5], "not a table", 8, 2, 128)
+    with pytest.raises(ValueError, match="qo_indptr"):
+        w.plan([0, 4], pt, 8, 2, 128)
+    with pytest.raises(ValueError, match="prefill_sms"):
+        w.plan([0, 4, 5], pt, 8, 2, 128, prefill_sms=132)
+    with pytest.raises(ValueError, match="tuning"):
+        mixed.BatchMixedWithPagedKVCache(tuning=dict(stages=3))
+    with pytest.raises(RuntimeError, match="before plan"):
+        w.run(None, None, None)
