@@ -140,6 +140,7 @@ class BatchMixedWithPagedKVCache:
         if not isinstance(page_table, PageTable):
             raise TypeError(f"page_table: expected a kvattn.PageTable, got {type(page_table).__name__}")
         qo_indptr = _v.as_indptr(qo_indptr, "qo_indptr", length=page_table.indptr.size)
+        self._state = None   # (a plan that fails part-way leaves no plan: the parts' buffers may be rewritten)
         qo = np.diff(qo_indptr).astype(np.int64)
         kv = page_table.kv_lens.astype(np.int64)
         pre, dec = split_requests(qo)
