@@ -1,6 +1,6 @@
 """A/B experiments on the sm90 prefill kernel, each in one process (bf16 unless named, Hq32/Hkv8, ragged):
 
-    PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch]   # GPU
+    PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--xunit]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -14,7 +14,10 @@
   --split shapes and paged page-16 b8_S2048, with the error.
 --prefetch: TMA tiles with each box's page id loaded a tile ahead (KVATTN_SM90_PREFETCH=1, the default) against
   looked up at each tile (0), paged page 16 and ragged, with the error.
---split, --fold, --persist and --prefetch time their options in 3 rounds of alternating order (the GPU's clock
+--xunit: the persistent consumers' units as one stream (KVATTN_SM90_XUNIT=1: a unit's last P V issued with the next
+  unit's first Q K^T, its epilogue under that product) against the default (0), the --split shapes and paged page-16
+  b8_S2048, with the error against the float64 reference (bench_prefill.py's sampled rows).
+--split, --fold, --persist, --prefetch and --xunit time their options in 3 rounds of alternating order (the GPU's clock
   drifts under load: BENCHMARKS.md, run 15d); --tanh and --d256 are single passes.
 """
 import argparse
@@ -55,6 +58,8 @@ def compile_all():
     prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
     prefill.SM90_PERSISTENT = True
     prefill.SM90_TUNING = (("KVATTN_SM90_PREFETCH", 0),)
+    prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
+    prefill.SM90_TUNING = (("KVATTN_SM90_XUNIT", 1),)
     prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
     prefill.SM90_TUNING = ()
 
@@ -144,6 +149,13 @@ def run_prefetch(bp, rng):
                 case(bp, rng, name, b, s, True, paged=name.startswith("paged")))
 
 
+def run_xunit(bp, rng):
+    for name, b, s, causal in SPLIT_CASES + [("paged causal b8_S2048", 8, 2048, True)]:
+        compare("xunit", name, flops_of(bp, b, s, causal),
+                [("unit by unit", tuning(())), ("one stream", tuning((("KVATTN_SM90_XUNIT", 1),)))],
+                case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
+
+
 def run_d256(bp, rng):
     for n, st in D256_TILES:
         prefill.SM90_TUNING = tile_defines(n, st)
@@ -155,7 +167,7 @@ def run_d256(bp, rng):
 
 
 EXPERIMENTS = {"split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold, "persist": run_persist,
-               "prefetch": run_prefetch}
+               "prefetch": run_prefetch, "xunit": run_xunit}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
