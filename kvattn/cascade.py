@@ -48,8 +48,9 @@ from .mixed import (DECODE_BYTES_PER_SM, MAX_SMEM, MAX_SUBS, MIXED_PARAMS, PREFI
 #: The decode level's rate on the whole GPU (run 22b: 134 MB of 256-token suffixes in ~45 us; longer chunks more).
 DECODE_HBM_BYTES = 3.4e12
 from .opcore import AttentionOp, PagedKV, on_device
-from .prefill import (BACKENDS, DEFAULT_WORKSPACE, SM90_THREADS, choose_cta_rows, launch_config, level_layout,
-                      level_params, sm90_tile, sm90_usable, write_level, launch_grid)
+from .prefill import (BACKENDS, DEFAULT_WORKSPACE, DETERMINISTIC_SPLIT_CHUNKS, DETERMINISTIC_SPLIT_TOKENS, SM90_THREADS,
+                      choose_cta_rows, launch_config, level_layout, level_params, sm90_tile, sm90_usable, write_level,
+                      launch_grid)
 from .variants import Variant, plan_variant
 
 
@@ -133,14 +134,24 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
     num_levels: the levels every plan() gives. kv_layout: "NHD" or "HND" (as BatchPrefillWithPagedKVCache).
     use_cuda_graph: fix the buffers and grids from max_batch_size (groups of any level), max_total_qo (query
     rows) and max_num_pages (pages of any level). backend: "auto", "sm80" or "sm90" (as the prefill wrappers).
+    deterministic: batch-invariant results (a row's output and LSE bits do not depend on the other groups of the
+    batch, the batch size or the SM count): every level on the prefill kernels with a fixed query tile (128 rows;
+    64 at head_dim 256 off the wgmma kernel), each block cut by its own length as deterministic prefill cuts it,
+    a fixed DETERMINISTIC_SPLIT_CHUNKS merge slots per level (a row's states sit at the same slots in every batch,
+    so the stacked merge's rounds are the same), the merge in its fixed order; not with use_cuda_graph yet.
     """
 
     DEFAULT_WORKSPACE = DEFAULT_WORKSPACE
 
     def __init__(self, num_levels, kv_layout="NHD", use_cuda_graph=False, max_batch_size=None, max_total_qo=None,
-                 max_num_pages=None, workspace_bytes=None, num_sms=None, backend="auto", device=None):
+                 max_num_pages=None, workspace_bytes=None, num_sms=None, backend="auto", device=None,
+                 deterministic=False):
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        if deterministic and use_cuda_graph:
+            raise ValueError("deterministic: not built with use_cuda_graph for cascade yet (its chunk counts would "
+                             "have to be bounded by max_num_pages); use deterministic=True without graph mode")
+        self.deterministic = bool(deterministic)
         self.num_levels = _v.as_int(num_levels, "num_levels", min_value=1)
         super().__init__(kv_layout, use_cuda_graph,
                          dict(max_batch_size=max_batch_size, max_total_qo=max_total_qo, max_num_pages=max_num_pages),
@@ -192,24 +203,33 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
         # every level's query tile and kernel, then its chunk count (graph mode: those the first plan() baked)
         baked = self._baked if self.use_cuda_graph else None
         wide = d == 256 and baked is None and sm90_usable(self.backend, d, variant, q_dtype, kv_dtype)
-        tiles = (list(baked["cta_rows"]) if baked is not None else
-                 [choose_cta_rows(qo.sum() * group / max(int(np.count_nonzero(qo)), 1), d, wide)
-                  for qo, _, _ in shapes])
+        det = dict(split_tokens=DETERMINISTIC_SPLIT_TOKENS, max_split_chunks=DETERMINISTIC_SPLIT_CHUNKS) \
+            if self.deterministic else {}
+        if self.deterministic:   # a query tile that does not depend on the batch
+            tiles = [128 if d != 256 or wide else 64] * len(shapes)
+        else:
+            tiles = (list(baked["cta_rows"]) if baked is not None else
+                     [choose_cta_rows(qo.sum() * group / max(int(np.count_nonzero(qo)), 1), d, wide)
+                      for qo, _, _ in shapes])
         cfgs = []
         for rows in tiles:
             cfg = launch_config(self.backend, d, rows, variant, q_dtype, kv_dtype)
             get_kernel(cfg.spec)._allow_smem(cfg.smem)   # now, not during a graph capture
             cfgs.append(cfg)
         # a decode step's suffix level on the decode kernel, and where it applies, in one launch with level 0
-        dk = self._decode_kernel(shapes[-1], len(lv), hq, hkv, d, q_dtype, kv_dtype, variant)
+        dk = (None if self.deterministic else   # (the decode kernel's bits differ from the prefill kernel's)
+              self._decode_kernel(shapes[-1], len(lv), hq, hkv, d, q_dtype, kv_dtype, variant))
         mix = self._mixed_split(shapes, cfgs, dk, hq, hkv, d, kv_dtype) if dk is not None else None
         sms = [self.num_sms] * len(lv)   # the SMs each level is scheduled on
         if mix is not None:
             sms[0], sms[-1] = mix[1], self.num_sms - mix[1]
-        chunks = (list(baked["chunks"]) if baked is not None else
-                  [scheduler.cascade_chunks(qo, kv, group, hkv, rows, causal=c, num_sms=n,
-                                            ctas_per_sm=cfg.ctas_per_sm)
-                   for (qo, kv, c), rows, cfg, n in zip(shapes, tiles, cfgs, sms)])
+        if self.deterministic:   # every row's states at the same slots whatever the batch (the merge's rounds)
+            chunks = [DETERMINISTIC_SPLIT_CHUNKS] * len(shapes)
+        else:
+            chunks = (list(baked["chunks"]) if baked is not None else
+                      [scheduler.cascade_chunks(qo, kv, group, hkv, rows, causal=c, num_sms=n,
+                                                ctas_per_sm=cfg.ctas_per_sm)
+                       for (qo, kv, c), rows, cfg, n in zip(shapes, tiles, cfgs, sms)])
         dec = None
         if dk is not None:
             dec = self._decode_level(dk, shapes[-1][1], hkv, d, ps, sms[-1], MAX_SUBS if mix else None)
@@ -233,7 +253,8 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
                 caps.append(0)
                 pos += off["last"] + align4(b)
                 continue
-            it = scheduler.plan_cascade_level(qo, kv, group, rows, chunks[li], slots, int(slot0[li]), causal=c)
+            it = scheduler.plan_cascade_level(qo, kv, group, rows, chunks[li], slots, int(slot0[li]), causal=c,
+                                              **det)
             if self.use_cuda_graph:
                 nb = self.max_batch_size
                 cap_w = scheduler.prefill_bounds(nb, self.max_total_qo, group, hkv, rows,

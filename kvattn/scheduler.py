@@ -742,6 +742,18 @@ def _prefill_blocks(qo, kv, group, rows, causal, window_left):
     return tpb, hs, nz, breq, t0, t1, lo, hi
 
 
+def _cut(ln, split: int, cap=None):
+    """(chunk size, chunk count) int64 [NB] of KV ranges of ln tokens cut at about `split` tokens: near-equal
+    64-aligned chunks, at most cap of them (None: no cap); one chunk of the whole range where it fits. A function
+    of each range alone."""
+    n = np.maximum(1, -(-ln // split))
+    if cap is not None:
+        n = np.minimum(n, cap)
+    csize = np.maximum(_ceil64(-(-ln // n)), 64)
+    nchunk = np.maximum(1, -(-ln // csize))
+    return np.where(nchunk > 1, csize, np.maximum(ln, 1)), nchunk
+
+
 def _prefill_items(breq, t0, ntok, lo, hi, csize, nchunk, nz, hs, group, pbase, pstride, chunked):
     """The work items (int32 [W, 8], longest KV range first, stable) of blocks cut into nchunk[b] chunks of
     csize[b] tokens from lo[b] (clipped to hi[b]; a chunk past hi is empty), nz head slices each. Chunk k of a
@@ -817,12 +829,8 @@ def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal
                 L = 64 * lo_k
             else:
                 L = L0
-            n = np.maximum(1, -(-ln // L))
-            if split_tokens is not None and max_split_chunks is not None:
-                n = np.minimum(n, _as_int("max_split_chunks", max_split_chunks, 1))
-            csize = np.maximum(_ceil64(-(-ln // n)), 64)
-            nchunk = np.maximum(1, -(-ln // csize))
-            csize = np.where(nchunk > 1, csize, np.maximum(ln, 1))
+            csize, nchunk = _cut(ln, L, _as_int("max_split_chunks", max_split_chunks, 1)
+                                 if split_tokens is not None and max_split_chunks is not None else None)
     split_blk = nchunk > 1
     ntok = t1 - t0
     pcount = np.where(split_blk, ntok * nchunk, 0)
@@ -860,12 +868,15 @@ def cascade_chunks(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, caus
     return int(max(1, min(want, -(-int((hi - lo).max()) // PREFILL_MIN_CHUNK))))
 
 
-def plan_cascade_level(qo_lens, kv_lens, group_size, cta_rows, chunks, slots, slot0, *, causal=False):
+def plan_cascade_level(qo_lens, kv_lens, group_size, cta_rows, chunks, slots, slot0, *, causal=False,
+                       split_tokens=None, max_split_chunks=None):
     """The work items (int32 [W, 8]) of one cascade level (see the section doc): every block's KV range is cut
     into ``chunks`` near-equal 64-aligned chunks (trailing ones may be empty), and chunk k of the block holding
     query token t (global index) writes the float32 partial row ``t * slots + slot0 + k``: every query token
     owns ``slots`` consecutive partial rows, one per (level, chunk), that one stacked merge combines; an empty
-    chunk writes lse -inf there. qo_lens, kv_lens: int [G] (the level's groups)."""
+    chunk writes lse -inf there. qo_lens, kv_lens: int [G] (the level's groups). ``split_tokens`` (with
+    ``max_split_chunks``): each block cut by its own length as plan_prefill's batch-invariant schedule cuts it,
+    the rest of its ``chunks`` empty."""
     group = _as_int("group_size", group_size, 1)
     rows = _as_int("cta_rows", cta_rows, 16)
     n = _as_int("chunks", chunks, 1)
@@ -882,7 +893,12 @@ def plan_cascade_level(qo_lens, kv_lens, group_size, cta_rows, chunks, slots, sl
         raise ValueError(f"causal: requires kv_len >= qo_len, request {i} has qo_len {int(qo[i])} > kv_len {int(kv[i])}")
     tpb, hs, nz, breq, t0, t1, lo, hi = _prefill_blocks(qo, kv, group, rows, causal, -1)
     NB = breq.size
-    csize = np.maximum(_ceil64(-(-(hi - lo) // n)), 64) if n > 1 else np.maximum(hi - lo, 1)
+    if split_tokens is not None:
+        csize, nb = _cut(hi - lo, _as_int("split_tokens", split_tokens, 64), max_split_chunks)
+        if NB and int(nb.max()) > n:
+            raise ValueError(f"chunks: {n} is fewer than a block's {int(nb.max())} chunks of split_tokens")
+    else:
+        csize = np.maximum(_ceil64(-(-(hi - lo) // n)), 64) if n > 1 else np.maximum(hi - lo, 1)
     qo_start = np.cumsum(qo) - qo
     every = np.ones(NB, bool)
     return _prefill_items(breq, t0, t1 - t0, lo, hi, csize, np.full(NB, n, np.int64), nz, hs, group,

@@ -239,3 +239,30 @@ def test_mixed_choice_weighs_level_0s_unit_rounds():
     p = mixed_choice([32], [8192], [256] * 32, 32, 8, 128, 132)
     assert p is not None and 66 <= p < 132
     assert mixed_choice([0], [0], [10], 32, 8, 128, 132) is None
+
+
+def test_deterministic_level_cuts_each_block_by_its_own_length():
+    """plan_cascade_level with split_tokens: a group's items (KV ranges, slots of its rows) are the same alone and
+    among companions; the blocks past their own chunks get empty chunks (they write lse -inf)."""
+    def items_of(qo, kv, g):
+        qo, kv = np.array(qo), np.array(kv)
+        chunks = 4
+        it = scheduler.plan_cascade_level(qo, kv, 4, 128, chunks, 8, 2, split_tokens=4096, max_split_chunks=4)
+        mine = it[it[:, 0] == g]
+        start = int(np.cumsum(qo)[g] - qo[g])
+        rel = mine.copy()
+        rel[:, 0] = 0
+        rel[:, 5] -= start * 8   # partial row = token * slots + slot0 + k: relative to the group's first token
+        return sorted(map(tuple, rel.tolist()))
+    alone = items_of([3], [9000], 0)
+    assert len(alone) == 4 and sum(1 for r in alone if r[4] > r[3]) == 3   # 9000 tokens: 3 real chunks, 1 empty
+    assert items_of([7, 3, 40], [100, 9000, 20000], 1) == alone
+    with pytest.raises(ValueError, match="chunks"):
+        scheduler.plan_cascade_level(np.array([3]), np.array([9000]), 4, 128, 2, 8, 0, split_tokens=4096)
+
+
+def test_deterministic_cascade_refuses_graph_mode():
+    with pytest.raises(ValueError, match="deterministic"):
+        kvattn.MultiLevelCascadeAttentionWrapper(2, deterministic=True, use_cuda_graph=True, max_batch_size=4,
+                                                 max_total_qo=8, max_num_pages=16)
+    assert kvattn.MultiLevelCascadeAttentionWrapper(2, deterministic=True).deterministic
