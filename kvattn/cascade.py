@@ -40,18 +40,17 @@ from .contract import NUM_MERGE, align4, page_size_shift
 from .decode import THREADS as DECODE_THREADS, auto_m_tiles, decode_params, decode_spec, default_stages
 from .decode import smem_bytes as decode_smem_bytes
 from .formats import CascadeLevels
-from .kernels import NEG_INF_BITS, Launch, Memset32, ParamBuffer, ParamPack, get_kernel
+from .kernels import NEG_INF_BITS, Launch, Memset32, ParamBuffer, get_kernel
 from .merge import MERGE_PARAMS, merge_spec
-from .mixed import (DECODE_BYTES_PER_SM, MAX_SMEM, MAX_SUBS, MIXED_PARAMS, PREFILL_FLOPS_PER_SM, mixed_spec,
-                    split_sms)
-
-#: The decode level's rate on the whole GPU (run 22b: 134 MB of 256-token suffixes in ~45 us; longer chunks more).
-DECODE_HBM_BYTES = 3.4e12
+from .mixed import DECODE_BYTES_PER_SM, MAX_SUBS, PREFILL_FLOPS_PER_SM, mixed_kernel, mixed_launch, split_sms
 from .opcore import AttentionOp, PagedKV, on_device
-from .prefill import (BACKENDS, DEFAULT_WORKSPACE, DETERMINISTIC_SPLIT_CHUNKS, DETERMINISTIC_SPLIT_TOKENS, SM90_THREADS,
+from .prefill import (BACKENDS, DEFAULT_WORKSPACE, DETERMINISTIC_SPLIT_CHUNKS, DETERMINISTIC_SPLIT_TOKENS,
                       choose_cta_rows, launch_config, level_layout, level_params, sm90_tile, sm90_usable, write_level,
                       launch_grid)
 from .variants import Variant, plan_variant
+
+#: The decode level's rate on the whole GPU (run 22b: 134 MB of 256-token suffixes in ~45 us; longer chunks more).
+DECODE_HBM_BYTES = 3.4e12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +59,6 @@ class _DecodeLevel:
     their requests and pieces), kernel, grid, shared memory, z slices and m tiles."""
     layout: object
     buffer: np.ndarray
-    num_work: int
     work_req: np.ndarray
     work_piece: np.ndarray   # each item's piece of its request (its merge slot within the level)
     pieces: int              # the level's merge slots: the most pieces of a request
@@ -280,7 +278,7 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
                 # every request writes its state into its row's slot of the stacked merge (row = request: one
                 # query row each), none to out
                 wp = bases[li] + dec.layout.work_partial
-                h[wp:wp + dec.num_work] = dec.work_req * slots + int(slot0[li]) + dec.work_piece
+                h[wp:wp + dec.work_req.size] = dec.work_req * slots + int(slot0[li]) + dec.work_piece
                 h[bases[li] + o["indptr"]:bases[li] + o["indptr"] + b + 1] = pt.indptr
                 h[bases[li] + o["indices"]:bases[li] + o["indices"] + pt.indices.size] = pt.indices
                 h[bases[li] + o["last"]:bases[li] + o["last"] + b] = pt.last_page_len
@@ -320,13 +318,9 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
                                    cfg.threads, cfg.smem, p)
                             if caps[li] and not (mix is not None and li == 0) else None)
         if mix is not None:   # level 0's CTAs, then the decode level's warpgroups, in one grid
-            mkernel, _ = mix
-            gx, gy, _ = dec.grid
             pre_ctas = launch_grid(cfgs[0], caps[0], hkv, sms[0])[0] if caps[0] else 0
-            mp = ParamBuffer(MIXED_PARAMS)
-            mp.set(prefill_ctas=pre_ctas, decode_ctas=gx * gy, decode_grid_x=gx)
-            launches.append(Launch(mkernel, pre_ctas + -(-gx * gy // MAX_SUBS), SM90_THREADS,
-                                   max(cfgs[0].smem, MAX_SUBS * dec.smem), ParamPack(params[0], params[-1], mp)))
+            launches.append(mixed_launch(mix[0], params[0], pre_ctas, cfgs[0].smem, params[-1], dec.grid, dec.smem,
+                                         MAX_SUBS))
         mp = ParamBuffer(MERGE_PARAMS)
         mp.set(o_in=dev["tmp_o"].ptr, lse_in=dev["tmp_lse"].ptr, indptr=0, out_rows=0,
                num_rows_dev=base + NUM_MERGE * 4 if self.use_cuda_graph else 0,
@@ -344,13 +338,13 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
             merge=merge, merge_params=mp, s=s, copy_done=copy_done, bind_tma=maps,
             levels=tuple(dict(cta_rows=rows, chunks=n, backend=cfg.backend, items=it.shape[0])
                          if not (dec is not None and li == len(tiles) - 1) else
-                         dict(cta_rows=16 * dec.m_tiles, chunks=dec.pieces, backend="decode", items=dec.num_work,
+                         dict(cta_rows=16 * dec.m_tiles, chunks=dec.pieces, backend="decode", items=dec.work_req.size,
                               mixed_with_level_0=mix is not None, sms=sms[-1])
                          for li, (rows, n, cfg, it) in enumerate(zip(tiles, chunks, cfgs, items))),
             slots=slots, variant=variant, num_kv_heads=hkv)
 
     def _decode_kernel(self, shape, num_levels, hq, hkv, d, q_dtype, kv_dtype, variant):
-        """(decode kernel, m tiles, z slices, stages, shared memory) for the last level, or None where it stays on
+        """(decode kernel, m tiles, z slices, shared memory) for the last level, or None where it stays on
         the prefill kernels: unless every group of it is one query row with KV (a decode step's suffix level,
         below at least one shared level), outside graph mode, with backend "auto". Its CTAs stream the level's
         KV at the decode kernel's rate, where the 16-row prefill tile did not (BENCHMARKS.md)."""
@@ -362,7 +356,7 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
         mt = auto_m_tiles(group, d, kv_dtype, variant)
         stages = default_stages(d, kv_dtype)
         kernel = get_kernel(decode_spec(d, mt, variant, q_dtype, stages, kv_dtype=kv_dtype))
-        return kernel, mt, -(-group // (16 * mt)), stages, decode_smem_bytes(d, mt, stages, kv_dtype)
+        return kernel, mt, -(-group // (16 * mt)), decode_smem_bytes(d, mt, stages, kv_dtype)
 
     def _mixed_split(self, shapes, cfgs, dk, hq, hkv, d, kv_dtype):
         """(mixed kernel, SMs for level 0) where level 0 (the persistent wgmma kernel) and the decode level run
@@ -370,30 +364,24 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
         others; the split: mixed_choice), or None: 16-bit caches, decode warpgroups that fit one CTA's shared
         memory, a kernel without spills, and a predicted gain over two launches (mixed_choice)."""
         cfg0 = cfgs[0]
-        kernel, mt, _, _, smem = dk
-        if (cfg0.backend != "sm90" or not cfg0.persistent or _dtypes.to_numpy(kv_dtype).itemsize != 2
-                or max(cfg0.smem, MAX_SUBS * smem) > MAX_SMEM):
+        kernel, _, _, smem = dk
+        if cfg0.backend != "sm90" or not cfg0.persistent or _dtypes.to_numpy(kv_dtype).itemsize != 2:
             return None
         best = mixed_choice(shapes[0][0], shapes[0][1], shapes[-1][1], hq, hkv, d, self.num_sms, cfg0.ctas_per_sm)
-        if best is None:
-            return None
-        mk = get_kernel(mixed_spec(cfg0.spec, kernel.spec, MAX_SUBS))
-        if mk.resources is not None and mk.resources.spills:
-            return None
-        mk._allow_smem(max(cfg0.smem, MAX_SUBS * smem))   # now, not during a graph capture
-        return mk, best
+        mk = mixed_kernel(cfg0.spec, kernel.spec, cfg0.smem, smem, MAX_SUBS) if best is not None else None
+        return (mk, best) if mk is not None else None
 
     def _decode_level(self, dk, kv, hkv, d, page_size, num_sms, ctas_per_sm):
         """The decode level's schedule (a _DecodeLevel) on num_sms SMs: one wave of balanced chunks (a request may
         be cut into pieces, each writing its own merge slot of the row; the level's slot count is the most
         pieces of a request)."""
-        kernel, mt, z_split, _, smem = dk
+        kernel, mt, z_split, smem = dk
         cps = ctas_per_sm or (kernel.resources or Resources()).ctas_per_sm(DECODE_THREADS, smem, limit=3)
         plan = scheduler.plan_decode(kv, page_size, hkv * z_split, hkv * z_split, d, num_sms=num_sms,
                                      ctas_per_sm=cps, allow_no_split=False)
         piece, counts = request_pieces(plan.work_req, kv.size)
         most = int(counts.max(initial=1))
-        return _DecodeLevel(plan.layout, plan.buffer, plan.num_work, plan.work_req.copy(), piece, most,
+        return _DecodeLevel(plan.layout, plan.buffer, plan.work_req.copy(), piece, most,
                             bool((counts < most).any()), kernel, (plan.num_chunks * z_split, hkv, 1), smem, z_split,
                             mt)
 

@@ -27,7 +27,7 @@ from .decode import BatchDecodeWithPagedKVCache, decode_spec, default_stages, sm
 from .formats import PageTable
 from .kernels import KernelSpec, Launch, ParamBuffer, ParamPack, get_kernel, register
 from .opcore import PagedKV, checked_outputs, on_device
-from .prefill import SM90_PERSIST_DEFINE, SM90_THREADS, BatchPrefillWithPagedKVCache, sm90_smem_bytes, sm90_spec
+from .prefill import SM90_PERSIST_DEFINE, SM90_THREADS, BatchPrefillWithPagedKVCache, sm90_spec
 from .variants import Variant
 
 MIXED_PARAMS = np.dtype([("prefill_ctas", "i4"), ("decode_ctas", "i4"), ("decode_grid_x", "i4")])
@@ -84,6 +84,28 @@ def mixed_spec(pre: KernelSpec, dec: KernelSpec, subs: int) -> KernelSpec:
     return KernelSpec("mixed.cuh", f"kvattn::mixed_kernel<{_template_args(pre.kernel)}, "
                                    f"{_template_args(dec.kernel)}, {subs}>",
                       defines=defines, checks=pre.checks + dec.checks)
+
+
+def mixed_kernel(pre: KernelSpec, dec: KernelSpec, pre_smem: int, dec_smem: int, subs: int):
+    """The loaded mixed kernel of these two instances (dynamic shared memory pre_smem / dec_smem each), or None
+    where it does not apply: a user variant, subs decode CTAs beside the prefill CTA's shared memory past
+    MAX_SMEM, or spills."""
+    if pre.prelude[1] or dec.prelude[1] or max(pre_smem, subs * dec_smem) > MAX_SMEM:
+        return None
+    kernel = get_kernel(mixed_spec(pre, dec, subs))
+    if kernel.resources is not None and kernel.resources.spills:
+        return None
+    return kernel
+
+
+def mixed_launch(kernel, pre_params: ParamBuffer, pre_ctas: int, pre_smem: int, dec_params: ParamBuffer,
+                 dec_grid: tuple, dec_smem: int, subs: int) -> Launch:
+    """The one launch: pre_ctas prefill CTAs, then the decode grid dec_grid (x, y, 1) in CTAs of subs warpgroups."""
+    gx, gy, _ = dec_grid
+    mp = ParamBuffer(MIXED_PARAMS)
+    mp.set(prefill_ctas=pre_ctas, decode_ctas=gx * gy, decode_grid_x=gx)
+    return Launch(kernel, pre_ctas + -(-gx * gy // subs), SM90_THREADS, max(pre_smem, subs * dec_smem),
+                  ParamPack(pre_params, dec_params, mp))
 
 
 def _default_spec(head_dim: int, dtype: str) -> KernelSpec:
@@ -192,24 +214,15 @@ class BatchMixedWithPagedKVCache:
         """The one launch of both parts' kernels, or None where it does not apply (see the module docstring)."""
         if p_plan.kv.dtype.itemsize != 2 or p_plan.info["backend"] != "sm90" or len(p_plan.launches) != 1:
             return None
-        pre_kernel, dec_kernel = p_plan.info["kernel"], d_plan.info["kernel"]
-        if (SM90_PERSIST_DEFINE not in pre_kernel.spec.defines or pre_kernel.spec.prelude[1]
-                or dec_kernel.spec.prelude[1]):
+        pre, dec = p_plan.info, d_plan.info
+        if SM90_PERSIST_DEFINE not in pre["kernel"].spec.defines:
             return None
-        d_smem = d_plan.info["smem"]
-        smem = max(sm90_smem_bytes(p_plan.head_dim), subs * d_smem)
-        if smem > MAX_SMEM:
+        kernel = mixed_kernel(pre["kernel"].spec, dec["kernel"].spec, pre["smem"], dec["smem"], subs)
+        if kernel is None:
             return None
-        kernel = get_kernel(mixed_spec(pre_kernel.spec, dec_kernel.spec, subs))
-        if kernel.resources is not None and kernel.resources.spills:
-            return None
-        gx, gy, _ = d_plan.info["grid"]
-        prefill_ctas = p_plan.info["grid"][0]   # the persistent grid: min(units, its SMs)
-        mp = ParamBuffer(MIXED_PARAMS)
-        mp.set(prefill_ctas=prefill_ctas, decode_ctas=gx * gy, decode_grid_x=gx)
-        grid = prefill_ctas + -(-gx * gy // subs)
-        return Launch(kernel, grid, SM90_THREADS, smem,
-                      ParamPack(p_plan.info["params"], d_plan.info["params"], mp))
+        # the persistent grid: min(units, its SMs)
+        return mixed_launch(kernel, pre["params"], pre["grid"][0], pre["smem"], dec["params"], dec["grid"],
+                            dec["smem"], subs)
 
     @on_device
     def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None):

@@ -96,27 +96,22 @@ def main():
     print(f"copy ceiling {ceiling:.3f} TB/s; GPU {kvattn._driver.device_name()}")
     _, fi = (None, None) if args.no_peers else try_flashinfer()
     rows = [run_case(n, kv, new, rng, ceiling, torch, fi, args.json) for n, (kv, new) in CASES.items()]
-    if args.sweep:
+    def sweep(knob, values, tag):
+        """Both cases under each value of page.<knob> in turn (the launchers rebuilt), then the default again."""
         from kvattn import page
-        default = page.HEADS_PER_THREAD
-        for hpt in (1, 2, 8, 4):
-            page.HEADS_PER_THREAD = hpt
+        default = getattr(page, knob)
+        for x in values:
+            setattr(page, knob, x)
             page._launchers.clear()
             for n in ("b256_append1_kv512", "b8_append4096_kv4096"):
                 r = run_case(n, *CASES[n], rng, ceiling, torch, None, args.json)
-                rows.append(dict(r, case=f"{n} HPT={hpt}"))
-        page.HEADS_PER_THREAD = default
-    if args.hints:   # in turns with the plain kernel (hints 0 last), the cache's bits checked as every case's
-        from kvattn import page
-        default_hints = page.HINTS
-        for hints in (1, 2, 0, 1, 2, 0):
-            page.HINTS = hints
-            page._launchers.clear()
-            for n in ("b256_append1_kv512", "b8_append4096_kv4096"):
-                r = run_case(n, *CASES[n], rng, ceiling, torch, None, args.json)
-                rows.append(dict(r, case=f"{n} hints={hints}"))
-        page.HINTS = default_hints
+                rows.append(dict(r, case=f"{n} {tag}={x}"))
+        setattr(page, knob, default)
         page._launchers.clear()
+    if args.sweep:
+        sweep("HEADS_PER_THREAD", (1, 2, 8, 4), "HPT")
+    if args.hints:   # in turns with the plain kernel (hints 0 last), the cache's bits checked as every case's
+        sweep("HINTS", (1, 2, 0, 1, 2, 0), "hints")
     print(f"\npaged KV append, bf16 Hkv8/D128 page 16; us; copy ceiling {ceiling:.2f} TB/s")
     table(rows, ["case", "nnz", "dev_us", "TBps", "frac", "torch_us", "host_path_us", "graph_us", "host_us", "fi_us",
                  "vs_fi", "ok"])
