@@ -163,8 +163,10 @@ def extra(peers=None):
               f"{st['smem'] / 1024:7.1f} {occ:6d} {err:9.2e}")
     if peers:
         print("\npeers in this process (TFLOP/s)")
-        for (name, impl), tf in sorted(peer_rates(EXTRA_PEERS, peers).items()):
-            print(f"{name:12s} {impl:20s} {tf:8.2f}")
+        rates = peer_rates(EXTRA_PEERS, peers)
+        for (name, impl), tf in sorted(rates.items()):
+            ref = rates.get((name, "kvattn"))
+            print(f"{name:12s} {impl:20s} {tf:8.2f}" + (f"   kvattn / this: {ref / tf:.2f}" if ref else ""))
 
 
 def sweep():
@@ -181,17 +183,19 @@ def sweep():
 
 
 def peer_rates(shapes, fi_backends):
-    """TFLOP/s of FlashInfer (ragged prefill, each of fi_backends) and PyTorch SDPA (flash, cuDNN) on the shapes
-    ((name, b, s) causal at head_dim 128, or (name, b, s, head_dim, causal)), and FlashInfer's paged speculative
-    verify in TB/s (default shapes only), in this process. Each peer is optional: a missing package or an error
-    prints a line instead of a figure."""
+    """TFLOP/s of kvattn, FlashInfer (ragged prefill, each of fi_backends) and PyTorch SDPA (flash, cuDNN) on the
+    shapes ((name, b, s) causal at head_dim 128, or (name, b, s, head_dim, causal)), all on the same torch tensors
+    and timed in turns (scripts/_bench.time_rounds: 3 rounds of alternating order, so the GPU's clock drift under
+    load hits them alike; kvattn on the torch tensors as kvattn arrays, out given), and FlashInfer's paged
+    speculative verify in TB/s (default shapes only), in this process. Each peer is optional: a missing package or
+    an error prints a line instead of a figure."""
     out = {}
     try:
         import torch
     except ImportError:
         print("# peers not measured: torch is not importable")
         return out
-    from _bench import torch_time_us  # noqa: E402 (scripts/_bench.py)
+    from _bench import time_rounds, torch_time_us  # noqa: E402 (scripts/_bench.py)
     dt = torch.bfloat16
     for name, b, s, *more in shapes:
         d, causal = more if more else (D, True)
@@ -199,14 +203,21 @@ def peer_rates(shapes, fi_backends):
         q = torch.randn(b * s, HQ, d, dtype=dt, device="cuda")
         k = torch.randn(b * s, HKV, d, dtype=dt, device="cuda")
         v = torch.randn_like(k)
+        torch.cuda.synchronize()
+        ip = np.arange(0, (b + 1) * s, s, dtype=np.int32)
+        kw = BatchPrefillWithRaggedKVCache()
+        kw.plan(ip, ip, HQ, HKV, d, causal=causal)
+        kq, kk, kv, ko = kvattn.asarray(q), kvattn.asarray(k), kvattn.asarray(v), kvattn.empty((b * s, HQ, d), "bfloat16")
+        fns = {"kvattn": lambda: kw.run(kq, kk, kv, out=ko)}
         try:
             import flashinfer
-            ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-            indptr = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device="cuda")
-            for backend in fi_backends:
+            indptr = torch.from_numpy(ip).cuda()
+            for backend in fi_backends:   # (a workspace each: they are timed in turns)
+                ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
                 fw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
                 fw.plan(indptr, indptr, HQ, HKV, d, causal=causal, q_data_type=dt)
-                out[(name, "fi_" + backend)] = flops / torch_time_us(lambda: fw.run(q, k, v), reps=10) / 1e6
+                fw.run(q, k, v)
+                fns["fi_" + backend] = lambda fw=fw: fw.run(q, k, v)
         except Exception as exc:
             print(f"# FlashInfer prefill {name}: {exc.__class__.__name__}: {str(exc)[:120]}")
         try:
@@ -215,12 +226,15 @@ def peer_rates(shapes, fi_backends):
             qb = q.view(b, s, HQ, d).transpose(1, 2)
             kb, vb = (x.view(b, s, HKV, d).transpose(1, 2) for x in (k, v))
             for be in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
-                with sdpa_kernel(getattr(SDPBackend, be)):
-                    us = torch_time_us(lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal,
-                                                                              enable_gqa=True), reps=10)
-                out[(name, "torch_" + be.split("_")[0].lower())] = flops / us / 1e6
+                def sdpa(be=be):
+                    with sdpa_kernel(getattr(SDPBackend, be)):
+                        return F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, enable_gqa=True)
+                sdpa()
+                fns["torch_" + be.split("_")[0].lower()] = sdpa
         except Exception as exc:
             print(f"# PyTorch SDPA {name}: {exc.__class__.__name__}: {str(exc)[:120]}")
+        for impl, us in time_rounds(fns, reps=10).items():
+            out[(name, impl)] = flops / us / 1e6
     if any(more for _, _, _, *more in shapes):
         return out
     try:   # speculative verify: batch 64 x 4 queries, causal, paged KV of 4096 (page 16)
@@ -309,7 +323,7 @@ def main():
         print(f"{name:28s} {kern:>9s} {us:8.1f}us {rate:>15s}  {vs:34s} {err:11.2e}")
     if args.peers:
         peers = peer_rates(shapes, args.peers.split(","))
-        print("\npeers in this process (TFLOP/s, causal, same shapes; vs columns above use ANCHORS.md's fa2)")
+        print("\nsame data, timed in turns (TFLOP/s, causal, same shapes; vs columns above use ANCHORS.md's fa2)")
         for (name, impl), tf in sorted(peers.items()):
             print(f"{name:12s} {impl:20s} {tf:8.2f}")
         print("\nkvattn vs the peers of this process")
@@ -320,8 +334,9 @@ def main():
                 if "verify" in name:
                     fa2 = peers.get(("spec_verify", "fi_paged_fa2 TB/s"))
                 fa3, cud = peers.get((key, "fi_fa3")), peers.get((key, "torch_cudnn"))
-                val = float(rate.split()[0])
-                print(f"{name:28s} {w.last_plan.info['backend']:5s} {rate:>15s}  " + (f"{val / fa2:.2f}x FlashInfer fa2" if fa2 else "no fa2") +
+                # the ragged shapes: kvattn's figure of the same rounds (same data, in turns), not the first table's
+                val = peers.get((key, "kvattn"), float(rate.split()[0]))
+                print(f"{name:28s} {w.last_plan.info['backend']:5s} {val:10.1f} (same run)  " + (f"{val / fa2:.2f}x FlashInfer fa2" if fa2 else "no fa2") +
                       (f", {val / fa3:.2f}x fa3" if fa3 else "") + (f", {val / cud:.2f}x cuDNN" if cud else "") +
                       (f", {val / fl:.2f}x PyTorch flash" if fl else ""))
 
