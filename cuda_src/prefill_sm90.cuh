@@ -2,8 +2,8 @@
 //
 // Same plan items, parameters, variants and epilogue as prefill.cuh (PrefillKernel's helpers); only the
 // mainloop differs. Where kPersist (the host's choice), the kernel is persistent: a grid of at most one CTA per
-// SM walks the (item, KV head) units, longest first, CTA b taking unit b of every even round of gridDim.x units
-// and unit gridDim.x - 1 - b of every odd one (snake order: the rounds' sums even out). The ring of K/V stages
+// SM walks the (item, KV head) units, longest first within L2 windows (kvattn/scheduler.py), CTA b taking unit b
+// of every even round of gridDim.x units and unit gridDim.x - 1 - b of every odd one (snake order: the rounds' sums even out). The ring of K/V stages
 // runs on across a CTA's units, so the producers load the next unit's Q and first tiles while the consumers
 // finish a unit (its last P V, its epilogue). One CTA = three warpgroups (384 threads) for 128 packed query rows:
 //   - the producer warpgroup (24 registers after setmaxnreg, 40 when persistent) fills a ring of K/V tiles
@@ -44,12 +44,6 @@
 #endif
 #ifndef KVATTN_SM90_PERSIST
 #define KVATTN_SM90_PERSIST 0
-#endif
-// Experiment (scripts/ab_sm90.py --xunit; 0, the default, builds none of it): the persistent consumers walk their
-// units as one stream, the last P V of a unit issued with the next unit's first Q K^T and its epilogue run while
-// that Q K^T is on the tensor cores (consume_units). Not yet run on a GPU.
-#ifndef KVATTN_SM90_XUNIT
-#define KVATTN_SM90_XUNIT 0
 #endif
 // TMA tiles: each box's page id loaded a tile ahead, the copies' row offsets only before a copied tile (1), or
 // both looked up at each tile (0; the A/B of scripts/ab_sm90.py --prefetch).
@@ -491,120 +485,7 @@ struct PrefillSm90 {
     Base::store_rows(p, Base::load_item(p, static_cast<const volatile int*>(p.plan), w), kvh, cw, lane, o, m, l);
   }
 
-#if KVATTN_SM90_XUNIT
-  // (KVATTN_SM90_XUNIT) The consumers' walk over this CTA's units as one stream: a unit's first issue point also
-  // issues the previous unit's last P V (first, so that waiting for one group leaves its Q K^T running while the
-  // previous unit's epilogue stores its rows). Issue points: each unit's tiles, plus one for a last P V issued alone
-  // (before a unit without tiles, and at the end); consumer 1 opens the stream with consumer 0's turn and consumer 0
-  // closes it with consumer 1's last one, as consume() does per unit. The producers' protocol is unchanged (one Q
-  // buffer: a unit's last Q K^T completes before its last P V is issued, and qfree follows it as before).
-  template <bool MIXED>
-  __device__ static void consume_units(const PrefillParams& p, const Q* qs, const T* kvs, unsigned long long* full,
-                                       unsigned long long* empty, unsigned long long* qfree, int units, int hkv,
-                                       int ctas) {
-    const int lane = threadIdx.x % 32, cw = threadIdx.x / 32 - 4, cwg = cw / 4;
-    const unsigned q_addr = smem_addr(qs) + cwg * 64 * 128;
-    const unsigned kv_addr = smem_addr(kvs);
-    constexpr unsigned STAGE_BYTES = STAGE_ELEMS * sizeof(T);
-    float o[1][CHUNKS][4];
-    float m[1][2], l[1][2];
-    float (&acc)[ON] = reinterpret_cast<float (&)[ON]>(o);
-    float s[SN];
-    float sc[2];
-    unsigned pa[N / 16][4];
-    int g = 0;
-    bool opened = false;             // consumer 1 has given consumer 0 the stream's first turn
-    int pend_w = -1, pend_kvh = 0, pend_st = 0;   // the unit whose last P V is not issued yet (w < 0: none)
-    for (int r = 0, f = unit<MIXED>(0, ctas);; f = unit<MIXED>(++r, ctas)) {
-      const bool has = f < units;
-      Item it;
-      int ntiles = 0;
-      if (has) {
-        it = Base::load_item(p, p.plan, f / hkv);
-        ntiles = (it.ke - it.kb + N - 1) / N;
-      }
-      if (pend_w >= 0 && ntiles == 0) {   // the pending unit's last P V alone
-        my_turn(cwg);
-        wgmma_fence();
-        issue_pv(acc, pa, kv_addr + pend_st * STAGE_BYTES + K_ELEMS * sizeof(T));
-        their_turn(cwg);
-        wgmma_wait<0>();
-        fence_regs(acc);
-        if (lane == 0) mbar_arrive(&empty[pend_st]);
-        Base::store_rows(p, Base::load_item(p, static_cast<const volatile int*>(p.plan), pend_w), pend_kvh, cw, lane,
-                         o, m, l);
-        pend_w = -1;
-      }
-      if (!has) break;
-      if (ntiles == 0) {
-        reset_state(o, m, l);
-        Base::store_rows(p, Base::load_item(p, static_cast<const volatile int*>(p.plan), f / hkv), f % hkv, cw, lane,
-                         o, m, l);
-        continue;
-      }
-      int tok[2];
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) tok[rr] = (it.row0 + min(cw * 16 + lane / 4 + 8 * rr, it.nrows - 1)) / p.group_size;
-      float rc[1][2];
-      Base::row_consts(p, it, f % hkv, cw * 16, lane, rc);
-      if (!opened && cwg == 1) their_turn(cwg);
-      opened = true;
-      mbar_wait(&full[g % STAGES], (g / STAGES) & 1);
-      fence_proxy_async();
-      my_turn(cwg);
-      wgmma_fence();
-      if (pend_w >= 0) issue_pv(acc, pa, kv_addr + pend_st * STAGE_BYTES + K_ELEMS * sizeof(T));
-      issue_qk(s, q_addr, kv_addr + (g % STAGES) * STAGE_BYTES);
-      their_turn(cwg);
-      if (pend_w >= 0) {   // the previous unit's epilogue while this Q K^T runs
-        wgmma_wait<1>();
-        fence_regs(acc);
-        if (lane == 0) mbar_arrive(&empty[pend_st]);
-        Base::store_rows(p, Base::load_item(p, static_cast<const volatile int*>(p.plan), pend_w), pend_kvh, cw, lane,
-                         o, m, l);
-      }
-      reset_state(o, m, l);
-      wgmma_wait<0>();
-      fence_regs(s);
-      if (ntiles == 1 && lane == 0) mbar_arrive(qfree);
-      softmax_tile(p, it, s, it.kb, tok, rc[0], lane, m, l, sc);
-      for (int ti = 0; ti + 1 < ntiles; ++ti) {   // as consume()
-        const int nxt = ti + 1, cur_st = (g + ti) % STAGES, nxt_st = (g + nxt) % STAGES;
-        mbar_wait(&full[nxt_st], ((g + nxt) / STAGES) & 1);
-        fence_proxy_async();
-        unsigned pt[N / 16][4];
-        pack_p(s, pt);
-        my_turn(cwg);
-        wgmma_fence();
-        issue_qk(s, q_addr, kv_addr + nxt_st * STAGE_BYTES);
-        issue_pv(acc, pt, kv_addr + cur_st * STAGE_BYTES + K_ELEMS * sizeof(T));
-        their_turn(cwg);
-        wgmma_wait<1>();
-        fence_regs(s);
-        if (nxt == ntiles - 1 && lane == 0) mbar_arrive(qfree);
-        softmax_tile(p, it, s, it.kb + nxt * N, tok, rc[0], lane, m, l, sc);
-        wgmma_wait<0>();
-        fence_regs(acc);
-        if (lane == 0) mbar_arrive(&empty[cur_st]);
-        if (sc[0] != 1.f || sc[1] != 1.f) {
-#pragma unroll
-          for (int i = 0; i < ON / 4; ++i) {
-            acc[4 * i + 0] *= sc[0]; acc[4 * i + 1] *= sc[0];
-            acc[4 * i + 2] *= sc[1]; acc[4 * i + 3] *= sc[1];
-          }
-        }
-      }
-      pack_p(s, pa);
-      pend_w = f / hkv;
-      pend_kvh = f % hkv;
-      pend_st = (g + ntiles - 1) % STAGES;
-      g += ntiles;
-    }
-    if (opened && cwg == 0) my_turn(cwg);   // consumer 1's last arrival
-  }
-#endif
-
-  // Unit f of the launch: plan item f / Hkv (items are sorted longest first), KV head f % Hkv. The CTAs walking the
+  // Unit f of the launch: plan item f / Hkv (items sorted longest first within L2 windows: kvattn/scheduler.py), KV head f % Hkv. The CTAs walking the
   // units: the grid, or in a mixed launch (mixed.cuh) its first `ctas`.
   template <bool MIXED>
   __device__ __forceinline__ static int unit(int round, int ctas) {
@@ -654,10 +535,6 @@ struct PrefillSm90 {
       }
     } else {
       regs_inc<CONSUMER_REGS>();
-#if KVATTN_SM90_XUNIT
-      consume_units<MIXED>(p, qs, kvs, full, empty, qfree, units, hkv, ctas);
-      return;
-#endif
       for (int r = 0, f = unit<MIXED>(0, ctas); f < units; f = unit<MIXED>(++r, ctas)) {
         const Item it = Base::load_item(p, p.plan, f / hkv);
         consume(p, it, qs, kvs, full, empty, qfree, f % hkv, f / hkv, g);

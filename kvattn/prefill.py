@@ -379,7 +379,8 @@ class _BatchPrefill(AttentionOp):
         plan = scheduler.plan_prefill(qo_lens, kv_lens, group, hkv, cta_rows, causal=causal,
                                       window_left=window_left, num_sms=self.num_sms, ctas_per_sm=occ,
                                       split_tokens=DETERMINISTIC_SPLIT_TOKENS if self.deterministic else None,
-                                      max_split_chunks=DETERMINISTIC_SPLIT_CHUNKS if self.deterministic else None)
+                                      max_split_chunks=DETERMINISTIC_SPLIT_CHUNKS if self.deterministic else None,
+                                      kv_bytes_per_token=hkv * 2 * head_dim * _dtypes.to_numpy(kv_dtype).itemsize)
 
         # Packed int32 buffer: header, qo_indptr, kv_len, page_indptr, mask_indptr, items, merge lists, pages.
         if self.use_cuda_graph:

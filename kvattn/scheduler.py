@@ -662,13 +662,23 @@ blocks are cut into near-equal 64-aligned chunks of at most ``L``: when the bloc
 ``k`` writes float32 partial rows ``partial + (token - t0) * pstride`` with ``partial = pbase + k`` and
 ``pstride = chunks``; the merge list combines, for every token of a split block, its ``chunks`` consecutive
 partial rows into the output row (global query token index).  Unsplit items write the output directly
-(``partial = -1``).  Items are ordered by KV length, longest first (stable, so the plan is deterministic).
+(``partial = -1``).  Items are ordered by KV length, longest first (stable, so the plan is deterministic),
+within L2 windows: with ``kv_bytes_per_token`` given, consecutive requests are grouped into windows of about
+``PREFILL_L2_WINDOW_BYTES`` of KV (a new window wherever the KV bytes before a request cross a multiple of it),
+and the windows follow each other in request order.  The persistent kernel's CTAs walk the item list together, so the items in flight at
+any time are those of one or two windows: each request's K/V is read from memory about once and then served
+by L2 to its other query blocks.  Sorting the whole batch longest first instead interleaves every request's
+blocks, and a batch whose KV outgrows L2 (32 x 1024 tokens: 134 MB at Hq32/Hkv8/D128 bf16) rereads it from
+memory for every query block.
 """
 
 PREFILL_TILE_KV = 64
 #: Smallest KV chunk of a split item, in tokens.
 PREFILL_MIN_CHUNK = 256
 PREFILL_ITEM_FIELDS = 8
+#: KV bytes of an L2 window of the prefill item order (0: one window, the whole batch longest first). The
+#: H200's L2 is 50 MB (two halves); a window leaves room for the streamed Q tiles and outputs.
+PREFILL_L2_WINDOW_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -754,8 +764,18 @@ def _cut(ln, split: int, cap=None):
     return np.where(nchunk > 1, csize, np.maximum(ln, 1)), nchunk
 
 
-def _prefill_items(breq, t0, ntok, lo, hi, csize, nchunk, nz, hs, group, pbase, pstride, chunked):
-    """The work items (int32 [W, 8], longest KV range first, stable) of blocks cut into nchunk[b] chunks of
+def _l2_windows(kv, bytes_per_token: int):
+    """int64 [B]: the L2 window of each request (see the section doc): consecutive requests, a new window where
+    the KV bytes before a request reach the next multiple of PREFILL_L2_WINDOW_BYTES."""
+    if not bytes_per_token or not PREFILL_L2_WINDOW_BYTES:
+        return np.zeros(kv.size, np.int64)
+    before = np.cumsum(kv) - kv
+    return before * int(bytes_per_token) // PREFILL_L2_WINDOW_BYTES
+
+
+def _prefill_items(breq, t0, ntok, lo, hi, csize, nchunk, nz, hs, group, pbase, pstride, chunked, window=None):
+    """The work items (int32 [W, 8], by window[request] (None: one window), then longest KV range first,
+    stable) of blocks cut into nchunk[b] chunks of
     csize[b] tokens from lo[b] (clipped to hi[b]; a chunk past hi is empty), nz head slices each. Chunk k of a
     chunked block writes partial rows from pbase[b] + k with stride pstride[b]; other blocks pbase[b] (-1: the
     output) and pstride[b] as given."""
@@ -775,14 +795,19 @@ def _prefill_items(breq, t0, ntok, lo, hi, csize, nchunk, nz, hs, group, pbase, 
     sb = chunked[bidx]
     items[:, 5] = np.where(sb, pbase[bidx] + k, pbase[bidx])
     items[:, 6] = pstride[bidx]
-    order = np.argsort(-(ke - kb), kind="stable")
+    if window is None:
+        order = np.argsort(-(ke - kb), kind="stable")
+    else:
+        order = np.lexsort((-(ke - kb), window[breq[bidx]]))   # (lexsort is stable)
     return np.ascontiguousarray(items[order])
 
 
 
 def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal=False, window_left=-1,
-                 num_sms=132, ctas_per_sm=2, split_tokens=None, max_split_chunks=None) -> PrefillPlan:
+                 num_sms=132, ctas_per_sm=2, split_tokens=None, max_split_chunks=None,
+                 kv_bytes_per_token=0) -> PrefillPlan:
     """Schedule a prefill / append batch (see the section doc above).  qo_lens, kv_lens: int [B].
+    ``kv_bytes_per_token``: K and V bytes of one token over all KV heads (0: no L2 windows).
     ``split_tokens`` (a multiple of 64) is the batch-invariant schedule: ``L = split_tokens`` whatever the batch,
     so a block's chunks (near-equal 64-aligned pieces of its own KV range) and their merge order depend on the
     block alone. ``max_split_chunks`` (with split_tokens) caps a block's chunks: a KV range longer than
@@ -839,7 +864,8 @@ def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal
 
     sb = split_blk
     items = _prefill_items(breq, t0, ntok, lo, hi, csize, nchunk, nz, hs, group,
-                           np.where(sb, pbase, -1), np.where(sb, nchunk, 1), sb)
+                           np.where(sb, pbase, -1), np.where(sb, nchunk, 1), sb,
+                           _l2_windows(kv, _as_int("kv_bytes_per_token", kv_bytes_per_token, 0)))
 
     # merges: every token of every split block, its chunks' partial rows are consecutive
     sblk = np.nonzero(split_blk)[0]

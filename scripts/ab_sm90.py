@@ -1,6 +1,6 @@
 """A/B experiments on the sm90 prefill kernel, each in one process (bf16 unless named, Hq32/Hkv8, ragged):
 
-    PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--xunit]
+    PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -14,10 +14,9 @@
   --split shapes and paged page-16 b8_S2048, with the error.
 --prefetch: TMA tiles with each box's page id loaded a tile ahead (KVATTN_SM90_PREFETCH=1, the default) against
   looked up at each tile (0), paged page 16 and ragged, with the error.
---xunit: the persistent consumers' units as one stream (KVATTN_SM90_XUNIT=1: a unit's last P V issued with the next
-  unit's first Q K^T, its epilogue under that product) against the default (0), the --split shapes and paged page-16
-  b8_S2048, with the error against the float64 reference (bench_prefill.py's sampled rows).
---split, --fold, --persist, --prefetch and --xunit time their options in 3 rounds of alternating order (the GPU's clock
+--order: the prefill item order's L2 windows (kvattn.scheduler.PREFILL_L2_WINDOW_BYTES: 0 = the whole batch
+  longest first, else consecutive requests of about that much KV each, longest first inside), batched cases.
+--split, --fold, --persist, --prefetch and --order time their options in 3 rounds of alternating order (the GPU's clock
   drifts under load: BENCHMARKS.md, run 15d); --tanh and --d256 are single passes.
 """
 import argparse
@@ -58,8 +57,6 @@ def compile_all():
     prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
     prefill.SM90_PERSISTENT = True
     prefill.SM90_TUNING = (("KVATTN_SM90_PREFETCH", 0),)
-    prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
-    prefill.SM90_TUNING = (("KVATTN_SM90_XUNIT", 1),)
     prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
     prefill.SM90_TUNING = ()
 
@@ -149,11 +146,21 @@ def run_prefetch(bp, rng):
                 case(bp, rng, name, b, s, True, paged=name.startswith("paged")))
 
 
-def run_xunit(bp, rng):
-    for name, b, s, causal in SPLIT_CASES + [("paged causal b8_S2048", 8, 2048, True)]:
-        compare("xunit", name, flops_of(bp, b, s, causal),
-                [("unit by unit", tuning(())), ("one stream", tuning((("KVATTN_SM90_XUNIT", 1),)))],
+def l2_window(nbytes):
+    from kvattn import scheduler
+    return lambda: setattr(scheduler, "PREFILL_L2_WINDOW_BYTES", nbytes)
+
+
+def run_order(bp, rng):
+    from kvattn import scheduler
+    default = scheduler.PREFILL_L2_WINDOW_BYTES
+    for name, b, s, causal in SPLIT_CASES[1:] + [("causal b64_S512", 64, 512, True),
+                                                 ("non-causal b8_S2048", 8, 2048, False),
+                                                 ("paged causal b8_S2048", 8, 2048, True)]:
+        compare("order", name, flops_of(bp, b, s, causal),
+                [(f"window {mb} MB" if mb else "longest first", l2_window(mb << 20)) for mb in (0, 8, 16, 32)],
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
+    scheduler.PREFILL_L2_WINDOW_BYTES = default
 
 
 def run_d256(bp, rng):
@@ -167,7 +174,7 @@ def run_d256(bp, rng):
 
 
 EXPERIMENTS = {"split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold, "persist": run_persist,
-               "prefetch": run_prefetch, "xunit": run_xunit}
+               "prefetch": run_prefetch, "order": run_order}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

@@ -212,7 +212,8 @@ def test_deterministic_cascade_is_batch_invariant():
     hkv, group, d, ps = 2, 4, 128, 16
     hq = hkv * group
     bf = _dtypes.to_numpy("bfloat16")
-    prefix, tq, tk = 9000, 3, 5000            # the request: 3 query rows, 5000 tokens of its own (two splits)
+    prefix, tq, tk = 9008, 3, 5000            # the request: 3 query rows, 5000 tokens of its own (two splits);
+    # the shared prefix is whole pages (563 of 16)
     npre, nown = -(-prefix // ps), -(-tk // ps)
     max_pages = npre + nown + 41 * 200
     kc = rng.standard_normal((max_pages, ps, hkv, d)).astype(bf)

@@ -698,3 +698,27 @@ def test_capped_fixed_split_prefill_is_batch_invariant_and_bounded(qo, extra, gr
     assert int(batch.items[:, 6].max(initial=1)) <= cap
     mi, mp, mm = scheduler.prefill_bounds(qo.size, int(qo.sum()), group, 2, 128, max_split_chunks=cap)
     assert batch.num_items <= mi and batch.num_partial_rows <= mp and batch.num_merge <= mm
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 3000), min_size=1, max_size=24), st.sampled_from([1, 4, 8]),
+       st.booleans(), st.sampled_from([4096, 65536, 1 << 20]))
+def test_prefill_l2_windows_group_requests_and_keep_the_items(lens, group, causal, bpt):
+    """With kv_bytes_per_token, the prefill items come window by window (consecutive requests of about
+    PREFILL_L2_WINDOW_BYTES of KV), longest first inside a window; the items themselves are those of the
+    plan without windows."""
+    qo = np.asarray(lens)
+    kv = qo + np.arange(qo.size) % 3 * 100
+    plain = scheduler.plan_prefill(qo, kv, group, 2, 128, causal=causal)
+    win = scheduler.plan_prefill(qo, kv, group, 2, 128, causal=causal, kv_bytes_per_token=bpt)
+    key = lambda items: sorted(map(tuple, items.tolist()))
+    assert key(plain.items) == key(win.items)
+    np.testing.assert_array_equal(plain.merge_rows, win.merge_rows)
+    before = np.cumsum(kv) - kv
+    w = (before * bpt // scheduler.PREFILL_L2_WINDOW_BYTES)[win.items[:, 0]]
+    assert (np.diff(w) >= 0).all(), "windows out of request order"
+    ln = win.items[:, 4] - win.items[:, 3]
+    for x in np.unique(w):
+        assert (np.diff(ln[w == x]) <= 0).all(), "a window's items are not longest first"
+    if int(kv.sum()) * bpt <= scheduler.PREFILL_L2_WINDOW_BYTES:   # one window: the plain order
+        np.testing.assert_array_equal(plain.items, win.items)
