@@ -676,9 +676,11 @@ PREFILL_TILE_KV = 64
 #: Smallest KV chunk of a split item, in tokens.
 PREFILL_MIN_CHUNK = 256
 PREFILL_ITEM_FIELDS = 8
-#: KV bytes of an L2 window of the prefill item order (0: one window, the whole batch longest first). The
-#: H200's L2 is 50 MB (two halves); a window leaves room for the streamed Q tiles and outputs.
-PREFILL_L2_WINDOW_BYTES = 16 << 20
+#: KV bytes of an L2 window of the prefill item order (0: one window, the whole batch longest first). H200, causal
+#: bf16 Hq32/Hkv8 D128 (BENCHMARKS.md, run 24b), windows of 0 / 8 / 16 / 32 MiB: b32_S1024 330 / 382 / 379 / 375
+#: TFLOP/s, b64_S512 233 / 260 / 258 / 250, b8_S2048 457 / 432 / 465 / 476, paged b8_S2048 411 / 370 / 402 / 417
+#: (a window of one 8 MB request is worse there); b1 cases unchanged. 32 MiB: the best or within 4% of it.
+PREFILL_L2_WINDOW_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)

@@ -223,19 +223,24 @@ def test_deterministic_cascade_is_batch_invariant():
     own_pages = np.arange(npre, npre + nown)
 
     def run(qo, kv, pos, num_sms=None):
+        # the levels built explicitly (level 0: the prefix, one group; level 1: each request's own pages), so the
+        # request's levels are the same alone and in a batch (from_shared_prefixes would give a request alone its
+        # whole list as prefix)
         free = iter(range(npre + nown, max_pages))
-        lists, lens = [], []
-        for i, (n, k) in enumerate(zip(qo, kv)):
-            pages = own_pages if i == pos else np.array([next(free) for _ in range(-(-k // ps))], np.int64)
-            lists.append(np.concatenate([pre_pages, pages]))
-            lens.append(prefix + k)
-        levels = kvattn.CascadeLevels.from_shared_prefixes(lists, kv_lens=lens, qo_lens=qo, page_size=ps)
+        own = [own_pages if i == pos else np.array([next(free) for _ in range(-(-k // ps))], np.int64)
+               for i, k in enumerate(kv)]
+        qi = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+        pre = kvattn.PageTable(np.array([0, npre], np.int32), pre_pages.astype(np.int32),
+                               np.array([prefix - (npre - 1) * ps], np.int32), ps)
+        suf = kvattn.PageTable(np.concatenate([[0], np.cumsum([p.size for p in own])]).astype(np.int32),
+                               np.concatenate(own).astype(np.int32),
+                               np.array([k - (-(-k // ps) - 1) * ps for k in kv], np.int32), ps)
+        levels = kvattn.CascadeLevels([(np.array([0, qi[-1]], np.int32), pre), (qi, suf)])
         q = np.concatenate([q0 if i == pos else rng.standard_normal((n, hq, d)).astype(bf)
                             for i, n in enumerate(qo)])
         w = kvattn.MultiLevelCascadeAttentionWrapper(2, deterministic=True, num_sms=num_sms)
         w.plan(levels, None, hq, hkv, d, causal=True)
         o, lse = w.run(q, kc, vc, return_lse=True)
-        qi = np.concatenate([[0], np.cumsum(qo)])
         return o.numpy()[qi[pos]:qi[pos + 1]], lse.numpy()[qi[pos]:qi[pos + 1]], levels, q
 
     o0, l0, lv, q = run([tq], [tk], 0)
