@@ -51,27 +51,7 @@
 #define KVATTN_SM90_PREFETCH 1
 #endif
 
-// The epilogue's second read of its item: 1 = through the read-only path (ld.global.nc, served by L1 where the
-// unit's first read left the words), 0 = through a volatile pointer (ld.volatile: to L2 and back each time, in
-// dependent rounds: the item, then its request's offsets). Either way the loads are not merged with the unit's
-// first read, so the fields the epilogue alone needs are not held in registers across the mainloop. A/B:
-// scripts/ab_sm90.py --reload.
-#ifndef KVATTN_SM90_RELOAD
-#define KVATTN_SM90_RELOAD 1
-#endif
-
 namespace kvattn {
-
-// Plan words read again through the non-coherent read-only path (the plan does not change during a launch); the
-// asm is volatile so that the compiler neither merges these loads with earlier ones nor hoists them.
-struct PlanReload {
-  const int* base;
-  __device__ __forceinline__ int operator[](int i) const {
-    int v;
-    asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(v) : "l"(base + i));
-    return v;
-  }
-};
 
 // A: the element types and head dims (traits.cuh).
 template <class A, class V>
@@ -502,11 +482,7 @@ struct PrefillSm90 {
       fence_regs(acc);
       if (lane == 0) mbar_arrive(&empty[last_st]);
     }
-#if KVATTN_SM90_RELOAD
-    Base::store_rows(p, Base::load_item(p, PlanReload{p.plan}, w), kvh, cw, lane, o, m, l);
-#else
     Base::store_rows(p, Base::load_item(p, static_cast<const volatile int*>(p.plan), w), kvh, cw, lane, o, m, l);
-#endif
   }
 
   // Unit f of the launch: plan item f / Hkv (items sorted longest first within L2 windows: kvattn/scheduler.py), KV head f % Hkv. The CTAs walking the

@@ -1,6 +1,6 @@
 """A/B experiments on the sm90 prefill kernel, each in one process (bf16 unless named, Hq32/Hkv8, ragged):
 
-    PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order] [--reload]
+    PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -16,9 +16,7 @@
   looked up at each tile (0), paged page 16 and ragged, with the error.
 --order: the prefill item order's L2 windows (kvattn.scheduler.PREFILL_L2_WINDOW_BYTES: 0 = the whole batch
   longest first, else consecutive requests of about that much KV each, longest first inside), batched cases.
---reload: the epilogue's second read of its item through the read-only path (KVATTN_SM90_RELOAD=1, the default)
-  against a volatile pointer (0), the --split shapes and causal b64_S512, with the error.
---split, --fold, --persist, --prefetch, --order and --reload time their options in 3 rounds of alternating order (the GPU's clock
+--split, --fold, --persist, --prefetch and --order time their options in 3 rounds of alternating order (the GPU's clock
   drifts under load: BENCHMARKS.md, run 15d); --tanh and --d256 are single passes.
 """
 import argparse
@@ -59,8 +57,6 @@ def compile_all():
     prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
     prefill.SM90_PERSISTENT = True
     prefill.SM90_TUNING = (("KVATTN_SM90_PREFETCH", 0),)
-    prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
-    prefill.SM90_TUNING = (("KVATTN_SM90_RELOAD", 0),)
     prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
     prefill.SM90_TUNING = ()
 
@@ -150,13 +146,6 @@ def run_prefetch(bp, rng):
                 case(bp, rng, name, b, s, True, paged=name.startswith("paged")))
 
 
-def run_reload(bp, rng):
-    for name, b, s, causal in SPLIT_CASES + [("causal b64_S512", 64, 512, True)]:
-        compare("reload", name, flops_of(bp, b, s, causal),
-                [("volatile", tuning((("KVATTN_SM90_RELOAD", 0),))), ("read-only path", tuning(()))],
-                case(bp, rng, name, b, s, causal))
-
-
 def l2_window(nbytes):
     from kvattn import scheduler
     return lambda: setattr(scheduler, "PREFILL_L2_WINDOW_BYTES", nbytes)
@@ -185,7 +174,7 @@ def run_d256(bp, rng):
 
 
 EXPERIMENTS = {"split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold, "persist": run_persist,
-               "prefetch": run_prefetch, "order": run_order, "reload": run_reload}
+               "prefetch": run_prefetch, "order": run_order}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
