@@ -51,6 +51,14 @@
 #define KVATTN_SM90_PREFETCH 1
 #endif
 
+// Experiment (scripts/ab_sm90.py --stream; 0, the default, builds none of it): the persistent consumers' ping-pong
+// turns as one stream over the CTA's units (consumer 1 opens it once, consumer 0 closes it once), so that consumer 0
+// starts a unit's first Q K^T while consumer 1 still stores the previous unit, instead of the two resynchronising at
+// every unit boundary. Not yet run on a GPU.
+#ifndef KVATTN_SM90_STREAM
+#define KVATTN_SM90_STREAM 0
+#endif
+
 namespace kvattn {
 
 // A: the element types and head dims (traits.cuh).
@@ -409,10 +417,13 @@ struct PrefillSm90 {
   __device__ __forceinline__ static void their_turn(int cwg) { named_arrive(2 - cwg, 256); }
 
   // One unit's tiles (ring positions g ...): every tile's stage is released on `empty` once this warp is done
-  // with it, the Q tile on `qfree` after the unit's last Q K^T.
+  // with it, the Q tile on `qfree` after the unit's last Q K^T. STREAM (KVATTN_SM90_STREAM): the unit's turns are
+  // part of the CTA's one stream; consumer 1 opens it where `open` (the CTA's first unit with tiles), and the
+  // caller closes it after the last unit.
+  template <bool STREAM = false>
   __device__ static void consume(const PrefillParams& p, const Item& it, const Q* qs, const T* kvs,
                                  unsigned long long* full, unsigned long long* empty, unsigned long long* qfree,
-                                 int kvh, int w, int g) {
+                                 int kvh, int w, int g, bool open = true) {
     const int lane = threadIdx.x % 32, cw = threadIdx.x / 32 - 4, cwg = cw / 4;   // consumer warp / warpgroup
     const int ntiles = (it.ke - it.kb + N - 1) / N;
     // This thread's rows (cw * 16 + lane / 4 + 8 r): their query tokens, clamped for padding rows.
@@ -432,7 +443,7 @@ struct PrefillSm90 {
       constexpr unsigned STAGE_BYTES = STAGE_ELEMS * sizeof(T);
       float s[SN];
       float sc[2];
-      if (cwg == 1) their_turn(cwg);
+      if (cwg == 1 && (!STREAM || open)) their_turn(cwg);
       mbar_wait(&full[g % STAGES], (g / STAGES) & 1);
       fence_proxy_async();   // the copies were generic-proxy writes; wgmma reads through the async proxy
       my_turn(cwg);
@@ -477,7 +488,7 @@ struct PrefillSm90 {
       const int last_st = (g + ntiles - 1) % STAGES;
       issue_pv(acc, pa, kv_addr + last_st * STAGE_BYTES + K_ELEMS * sizeof(T));
       their_turn(cwg);
-      if (cwg == 0) my_turn(cwg);   // consumer 1's last arrival
+      if (!STREAM && cwg == 0) my_turn(cwg);   // consumer 1's last arrival
       wgmma_wait<0>();
       fence_regs(acc);
       if (lane == 0) mbar_arrive(&empty[last_st]);
@@ -535,11 +546,23 @@ struct PrefillSm90 {
       }
     } else {
       regs_inc<CONSUMER_REGS>();
+#if KVATTN_SM90_STREAM
+      bool opened = false;   // consumer 1 has opened the stream (the CTA had a unit with tiles)
+      for (int r = 0, f = unit<MIXED>(0, ctas); f < units; f = unit<MIXED>(++r, ctas)) {
+        const Item it = Base::load_item(p, p.plan, f / hkv);
+        consume<true>(p, it, qs, kvs, full, empty, qfree, f % hkv, f / hkv, g, !opened);
+        const int ntiles = (it.ke - it.kb + N - 1) / N;
+        g += ntiles;
+        opened = opened || ntiles > 0;
+      }
+      if (opened && (threadIdx.x / 32 - 4) / 4 == 0) my_turn(0);   // consumer 0 takes consumer 1's last arrival
+#else
       for (int r = 0, f = unit<MIXED>(0, ctas); f < units; f = unit<MIXED>(++r, ctas)) {
         const Item it = Base::load_item(p, p.plan, f / hkv);
         consume(p, it, qs, kvs, full, empty, qfree, f % hkv, f / hkv, g);
         g += (it.ke - it.kb + N - 1) / N;
       }
+#endif
     }
   }
 };

@@ -1,6 +1,6 @@
 """A/B experiments on the sm90 prefill kernel, each in one process (bf16 unless named, Hq32/Hkv8, ragged):
 
-    PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order]
+    PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order] [--stream]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -16,7 +16,10 @@
   looked up at each tile (0), paged page 16 and ragged, with the error.
 --order: the prefill item order's L2 windows (kvattn.scheduler.PREFILL_L2_WINDOW_BYTES: 0 = the whole batch
   longest first, else consecutive requests of about that much KV each, longest first inside), batched cases.
---split, --fold, --persist, --prefetch and --order time their options in 3 rounds of alternating order (the GPU's clock
+--stream: the persistent consumers' ping-pong turns as one stream over their units (KVATTN_SM90_STREAM=1: no
+  resynchronisation of the two consumer warpgroups at unit boundaries) against the default (0), the --split shapes,
+  causal b64_S512 and paged page-16 b8_S2048, with the error.
+--split, --fold, --persist, --prefetch, --order and --stream time their options in 3 rounds of alternating order (the GPU's clock
   drifts under load: BENCHMARKS.md, run 15d); --tanh and --d256 are single passes.
 """
 import argparse
@@ -57,6 +60,8 @@ def compile_all():
     prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
     prefill.SM90_PERSISTENT = True
     prefill.SM90_TUNING = (("KVATTN_SM90_PREFETCH", 0),)
+    prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
+    prefill.SM90_TUNING = (("KVATTN_SM90_STREAM", 1),)
     prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
     prefill.SM90_TUNING = ()
 
@@ -146,6 +151,13 @@ def run_prefetch(bp, rng):
                 case(bp, rng, name, b, s, True, paged=name.startswith("paged")))
 
 
+def run_stream(bp, rng):
+    for name, b, s, causal in SPLIT_CASES + [("causal b64_S512", 64, 512, True), ("paged causal b8_S2048", 8, 2048, True)]:
+        compare("stream", name, flops_of(bp, b, s, causal),
+                [("per unit", tuning(())), ("one stream", tuning((("KVATTN_SM90_STREAM", 1),)))],
+                case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
+
+
 def l2_window(nbytes):
     from kvattn import scheduler
     return lambda: setattr(scheduler, "PREFILL_L2_WINDOW_BYTES", nbytes)
@@ -174,7 +186,7 @@ def run_d256(bp, rng):
 
 
 EXPERIMENTS = {"split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold, "persist": run_persist,
-               "prefetch": run_prefetch, "order": run_order}
+               "prefetch": run_prefetch, "order": run_order, "stream": run_stream}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
