@@ -5,7 +5,8 @@
 // SM walks the (item, KV head) units, longest first within L2 windows (kvattn/scheduler.py), CTA b taking unit b
 // of every even round of gridDim.x units and unit gridDim.x - 1 - b of every odd one (snake order: the rounds'
 // sums even out). The ring of K/V stages runs on across a CTA's units, so the producers load the next unit's Q
-// and first tiles while the consumers finish a unit (its last P V, its epilogue). One CTA = three warpgroups (384 threads) for 128 packed query rows:
+// and first tiles while the consumers finish a unit (its last P V, its epilogue). One CTA = three warpgroups (384
+// threads) for 128 packed query rows:
 //   - the producer warpgroup (24 registers after setmaxnreg, 40 when persistent) fills a ring of K/V tiles
 //     (N = 128 tokens in 3 stages; 80 tokens in 2 at head_dim 256). A full tile of a 16-bit cache, where run()
 //     bound tensor maps (kvattn/tma.py), is a few TMA boxes issued by the lanes of one warp, their bytes expected

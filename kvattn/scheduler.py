@@ -665,11 +665,11 @@ partial rows into the output row (global query token index).  Unsplit items writ
 (``partial = -1``).  Items are ordered by KV length, longest first (stable, so the plan is deterministic),
 within L2 windows: with ``kv_bytes_per_token`` given, consecutive requests are grouped into windows of about
 ``PREFILL_L2_WINDOW_BYTES`` of KV (a new window wherever the KV bytes before a request cross a multiple of it),
-and the windows follow each other in request order.  The persistent kernel's CTAs walk the item list together, so the items in flight at
-any time are those of one or two windows: each request's K/V is read from memory about once and then served
-by L2 to its other query blocks.  Sorting the whole batch longest first instead interleaves every request's
-blocks, and a batch whose KV outgrows L2 (32 x 1024 tokens: 134 MB at Hq32/Hkv8/D128 bf16) rereads it from
-memory for every query block.
+and the windows follow each other in request order.  The persistent kernel's CTAs walk the item list
+together, so the items in flight at any time are those of one or two windows: each request's K/V is read from
+memory about once and then served by L2 to its other query blocks.  Sorting the whole batch longest first
+instead interleaves every request's blocks, and a batch whose KV outgrows L2 (32 x 1024 tokens: 134 MB at
+Hq32/Hkv8/D128 bf16) rereads it from memory for every query block.
 """
 
 PREFILL_TILE_KV = 64

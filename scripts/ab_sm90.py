@@ -1,6 +1,7 @@
 """A/B experiments on the sm90 prefill kernel, each in one process (bf16 unless named, Hq32/Hkv8, ragged):
 
-    PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order] [--stream]
+    PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order]
+                                            [--stream]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -19,8 +20,8 @@
 --stream: the persistent consumers' ping-pong turns as one stream over their units (KVATTN_SM90_STREAM=1: no
   resynchronisation of the two consumer warpgroups at unit boundaries) against the default (0), the --split shapes,
   causal b64_S512 and paged page-16 b8_S2048, with the error.
---split, --fold, --persist, --prefetch, --order and --stream time their options in 3 rounds of alternating order (the GPU's clock
-  drifts under load: BENCHMARKS.md, run 15d); --tanh and --d256 are single passes.
+--split, --fold, --persist, --prefetch, --order and --stream time their options in 3 rounds of alternating order
+  (the GPU's clock drifts under load: BENCHMARKS.md, run 15d); --tanh and --d256 are single passes.
 """
 import argparse
 import os
@@ -152,7 +153,8 @@ def run_prefetch(bp, rng):
 
 
 def run_stream(bp, rng):
-    for name, b, s, causal in SPLIT_CASES + [("causal b64_S512", 64, 512, True), ("paged causal b8_S2048", 8, 2048, True)]:
+    for name, b, s, causal in SPLIT_CASES + [("causal b64_S512", 64, 512, True),
+                                             ("paged causal b8_S2048", 8, 2048, True)]:
         compare("stream", name, flops_of(bp, b, s, causal),
                 [("per unit", tuning(())), ("one stream", tuning((("KVATTN_SM90_STREAM", 1),)))],
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))

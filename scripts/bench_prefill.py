@@ -335,9 +335,10 @@ def main():
                     fa2 = peers.get(("spec_verify", "fi_paged_fa2 TB/s"))
                 fa3, cud = peers.get((key, "fi_fa3")), peers.get((key, "torch_cudnn"))
                 # the ragged shapes: kvattn's figure of the same rounds (same data, in turns), not the first table's
-                val = peers.get((key, "kvattn")) if name.startswith("ragged") else None
-                val = val or float(rate.split()[0])
-                print(f"{name:28s} {w.last_plan.info['backend']:5s} {val:10.1f}{' (same run)' if name.startswith('ragged') else ''}  " + (f"{val / fa2:.2f}x FlashInfer fa2" if fa2 else "no fa2") +
+                same = name.startswith("ragged")
+                val = peers.get((key, "kvattn"), float(rate.split()[0])) if same else float(rate.split()[0])
+                print(f"{name:28s} {w.last_plan.info['backend']:5s} {val:10.1f}{' (same run)' if same else ''}  " +
+                      (f"{val / fa2:.2f}x FlashInfer fa2" if fa2 else "no fa2") +
                       (f", {val / fa3:.2f}x fa3" if fa3 else "") + (f", {val / cud:.2f}x cuDNN" if cud else "") +
                       (f", {val / fl:.2f}x PyTorch flash" if fl else ""))
 
