@@ -52,12 +52,12 @@
 #define KVATTN_SM90_PREFETCH 1
 #endif
 
-// Experiment (scripts/ab_sm90.py --stream; 0, the default, builds none of it): the persistent consumers' ping-pong
-// turns as one stream over the CTA's units (consumer 1 opens it once, consumer 0 closes it once), so that consumer 0
-// starts a unit's first Q K^T while consumer 1 still stores the previous unit, instead of the two resynchronising at
-// every unit boundary. Not yet run on a GPU.
+// Persistent consumers: their ping-pong turns run as one stream over the CTA's units (consumer 1 opens it once,
+// consumer 0 closes it once), so consumer 0 starts a unit's first Q K^T while consumer 1 still stores the previous
+// unit, instead of the two resynchronising at every unit boundary (+0.4-1.7%, scripts/ab_sm90.py --stream; 0: the
+// per-unit turns, for the A/B).
 #ifndef KVATTN_SM90_STREAM
-#define KVATTN_SM90_STREAM 0
+#define KVATTN_SM90_STREAM 1
 #endif
 
 namespace kvattn {
@@ -421,10 +421,10 @@ struct PrefillSm90 {
   // with it, the Q tile on `qfree` after the unit's last Q K^T. STREAM (KVATTN_SM90_STREAM): the unit's turns are
   // part of the CTA's one stream; consumer 1 opens it where `open` (the CTA's first unit with tiles), and the
   // caller closes it after the last unit.
-  template <bool STREAM = false>
+  template <bool STREAM>
   __device__ static void consume(const PrefillParams& p, const Item& it, const Q* qs, const T* kvs,
                                  unsigned long long* full, unsigned long long* empty, unsigned long long* qfree,
-                                 int kvh, int w, int g, bool open = true) {
+                                 int kvh, int w, int g, bool open) {
     const int lane = threadIdx.x % 32, cw = threadIdx.x / 32 - 4, cwg = cw / 4;   // consumer warp / warpgroup
     const int ntiles = (it.ke - it.kb + N - 1) / N;
     // This thread's rows (cw * 16 + lane / 4 + 8 r): their query tokens, clamped for padding rows.
@@ -505,6 +505,12 @@ struct PrefillSm90 {
     return round * nb + (round & 1 ? nb - 1 - (int)blockIdx.x : (int)blockIdx.x);
   }
 
+  // Closes the consumers' stream of turns (STREAM): consumer 0 takes consumer 1's last arrival.
+  static constexpr bool STREAM_TURNS = KVATTN_SM90_STREAM;
+  __device__ __forceinline__ static void close_turns(bool opened) {
+    if (STREAM_TURNS && opened && (threadIdx.x / 32 - 4) / 4 == 0) my_turn(0);
+  }
+
   // MIXED: the first `ctas` CTAs of a mixed launch run the (persistent) prefill.
   template <bool MIXED = false>
   __device__ static void run(const PrefillParams& p, Q* smem, int ctas = 0) {
@@ -529,7 +535,9 @@ struct PrefillSm90 {
         produce(p, Base::load_item(p, p.plan, blockIdx.x), qs, kvs, full, empty, qfree, blockIdx.y, 0, 0);
       } else {
         regs_inc<CONSUMER_REGS>();
-        consume(p, Base::load_item(p, p.plan, blockIdx.x), qs, kvs, full, empty, qfree, blockIdx.y, blockIdx.x, 0);
+        const Item it = Base::load_item(p, p.plan, blockIdx.x);
+        consume<STREAM_TURNS>(p, it, qs, kvs, full, empty, qfree, blockIdx.y, blockIdx.x, 0, true);
+        close_turns(it.ke > it.kb);
       }
       return;
     }
@@ -547,23 +555,15 @@ struct PrefillSm90 {
       }
     } else {
       regs_inc<CONSUMER_REGS>();
-#if KVATTN_SM90_STREAM
-      bool opened = false;   // consumer 1 has opened the stream (the CTA had a unit with tiles)
+      bool opened = false;   // consumer 1 has opened the stream of turns (the CTA had a unit with tiles)
       for (int r = 0, f = unit<MIXED>(0, ctas); f < units; f = unit<MIXED>(++r, ctas)) {
         const Item it = Base::load_item(p, p.plan, f / hkv);
-        consume<true>(p, it, qs, kvs, full, empty, qfree, f % hkv, f / hkv, g, !opened);
+        consume<STREAM_TURNS>(p, it, qs, kvs, full, empty, qfree, f % hkv, f / hkv, g, !opened);
         const int ntiles = (it.ke - it.kb + N - 1) / N;
         g += ntiles;
         opened = opened || ntiles > 0;
       }
-      if (opened && (threadIdx.x / 32 - 4) / 4 == 0) my_turn(0);   // consumer 0 takes consumer 1's last arrival
-#else
-      for (int r = 0, f = unit<MIXED>(0, ctas); f < units; f = unit<MIXED>(++r, ctas)) {
-        const Item it = Base::load_item(p, p.plan, f / hkv);
-        consume(p, it, qs, kvs, full, empty, qfree, f % hkv, f / hkv, g);
-        g += (it.ke - it.kb + N - 1) / N;
-      }
-#endif
+      close_turns(opened);
     }
   }
 };

@@ -17,9 +17,9 @@
   looked up at each tile (0), paged page 16 and ragged, with the error.
 --order: the prefill item order's L2 windows (kvattn.scheduler.PREFILL_L2_WINDOW_BYTES: 0 = the whole batch
   longest first, else consecutive requests of about that much KV each, longest first inside), batched cases.
---stream: the persistent consumers' ping-pong turns as one stream over their units (KVATTN_SM90_STREAM=1: no
-  resynchronisation of the two consumer warpgroups at unit boundaries) against the default (0), the --split shapes,
-  causal b64_S512 and paged page-16 b8_S2048, with the error.
+--stream: the persistent consumers' ping-pong turns as one stream over their units (KVATTN_SM90_STREAM=1, the
+  default: no resynchronisation of the two consumer warpgroups at unit boundaries) against per unit (0), the --split
+  shapes, causal b64_S512 and paged page-16 b8_S2048, with the error.
 --split, --fold, --persist, --prefetch, --order and --stream time their options in 3 rounds of alternating order
   (the GPU's clock drifts under load: BENCHMARKS.md, run 15d); --tanh and --d256 are single passes.
 """
@@ -62,7 +62,7 @@ def compile_all():
     prefill.SM90_PERSISTENT = True
     prefill.SM90_TUNING = (("KVATTN_SM90_PREFETCH", 0),)
     prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
-    prefill.SM90_TUNING = (("KVATTN_SM90_STREAM", 1),)
+    prefill.SM90_TUNING = STREAM_OFF
     prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
     prefill.SM90_TUNING = ()
 
@@ -152,11 +152,14 @@ def run_prefetch(bp, rng):
                 case(bp, rng, name, b, s, True, paged=name.startswith("paged")))
 
 
+STREAM_OFF = (("KVATTN_SM90_STREAM", 0),)
+
+
 def run_stream(bp, rng):
     for name, b, s, causal in SPLIT_CASES + [("causal b64_S512", 64, 512, True),
                                              ("paged causal b8_S2048", 8, 2048, True)]:
         compare("stream", name, flops_of(bp, b, s, causal),
-                [("per unit", tuning(())), ("one stream", tuning((("KVATTN_SM90_STREAM", 1),)))],
+                [("per unit", tuning(STREAM_OFF)), ("one stream", tuning(()))],
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 
