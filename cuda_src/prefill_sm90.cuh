@@ -60,6 +60,13 @@
 #define KVATTN_SM90_STREAM 1
 #endif
 
+// Persistent consumers: the loads of the unit's item for its epilogue and of the next unit's item are issued
+// before the wait for the unit's last P V, so their latency (two dependent global loads each) overlaps it
+// instead of following it and the epilogue (scripts/ab_sm90.py --early; 0: loaded where used).
+#ifndef KVATTN_SM90_EARLY
+#define KVATTN_SM90_EARLY 1
+#endif
+
 namespace kvattn {
 
 // A: the element types and head dims (traits.cuh).
@@ -420,11 +427,18 @@ struct PrefillSm90 {
   // One unit's tiles (ring positions g ...): every tile's stage is released on `empty` once this warp is done
   // with it, the Q tile on `qfree` after the unit's last Q K^T. STREAM (KVATTN_SM90_STREAM): the unit's turns are
   // part of the CTA's one stream; consumer 1 opens it where `open` (the CTA's first unit with tiles), and the
-  // caller closes it after the last unit.
+  // caller closes it after the last unit. w: the unit's plan item; w_next: the next unit's (-1: none), returned
+  // in `next` (EARLY).
   template <bool STREAM>
   __device__ static void consume(const PrefillParams& p, const Item& it, const Q* qs, const T* kvs,
                                  unsigned long long* full, unsigned long long* empty, unsigned long long* qfree,
-                                 int kvh, int w, int g, bool open) {
+                                 int kvh, int w, int g, bool open, int w_next, Item& next) {
+    constexpr bool EARLY = KVATTN_SM90_EARLY;
+    Item again;   // (EARLY) the unit's item, loaded anew for the epilogue
+    auto load_early = [&] {
+      again = Base::load_item(p, static_cast<const volatile int*>(p.plan), w);
+      if (w_next >= 0) next = Base::load_item(p, p.plan, w_next);
+    };
     const int lane = threadIdx.x % 32, cw = threadIdx.x / 32 - 4, cwg = cw / 4;   // consumer warp / warpgroup
     const int ntiles = (it.ke - it.kb + N - 1) / N;
     // This thread's rows (cw * 16 + lane / 4 + 8 r): their query tokens, clamped for padding rows.
@@ -490,11 +504,19 @@ struct PrefillSm90 {
       issue_pv(acc, pa, kv_addr + last_st * STAGE_BYTES + K_ELEMS * sizeof(T));
       their_turn(cwg);
       if (!STREAM && cwg == 0) my_turn(cwg);   // consumer 1's last arrival
+      if constexpr (EARLY) load_early();   // in flight while the last P V runs
       wgmma_wait<0>();
       fence_regs(acc);
       if (lane == 0) mbar_arrive(&empty[last_st]);
+    } else if constexpr (EARLY) {
+      load_early();
     }
-    Base::store_rows(p, Base::load_item(p, static_cast<const volatile int*>(p.plan), w), kvh, cw, lane, o, m, l);
+    if constexpr (EARLY) {
+      Base::store_rows(p, again, kvh, cw, lane, o, m, l);
+    } else {
+      Base::store_rows(p, Base::load_item(p, static_cast<const volatile int*>(p.plan), w), kvh, cw, lane, o, m, l);
+      if (w_next >= 0) next = Base::load_item(p, p.plan, w_next);
+    }
   }
 
   // Unit f of the launch: plan item f / Hkv (items sorted longest first within L2 windows: kvattn/scheduler.py),
@@ -536,7 +558,8 @@ struct PrefillSm90 {
       } else {
         regs_inc<CONSUMER_REGS>();
         const Item it = Base::load_item(p, p.plan, blockIdx.x);
-        consume<STREAM_TURNS>(p, it, qs, kvs, full, empty, qfree, blockIdx.y, blockIdx.x, 0, true);
+        Item none;
+        consume<STREAM_TURNS>(p, it, qs, kvs, full, empty, qfree, blockIdx.y, blockIdx.x, 0, true, -1, none);
         close_turns(it.ke > it.kb);
       }
       return;
@@ -556,12 +579,17 @@ struct PrefillSm90 {
     } else {
       regs_inc<CONSUMER_REGS>();
       bool opened = false;   // consumer 1 has opened the stream of turns (the CTA had a unit with tiles)
+      Item it;
+      if (unit<MIXED>(0, ctas) < units) it = Base::load_item(p, p.plan, unit<MIXED>(0, ctas) / hkv);
       for (int r = 0, f = unit<MIXED>(0, ctas); f < units; f = unit<MIXED>(++r, ctas)) {
-        const Item it = Base::load_item(p, p.plan, f / hkv);
-        consume<STREAM_TURNS>(p, it, qs, kvs, full, empty, qfree, f % hkv, f / hkv, g, !opened);
+        const int fn = unit<MIXED>(r + 1, ctas);
+        Item next;
+        consume<STREAM_TURNS>(p, it, qs, kvs, full, empty, qfree, f % hkv, f / hkv, g, !opened,
+                              fn < units ? fn / hkv : -1, next);
         const int ntiles = (it.ke - it.kb + N - 1) / N;
         g += ntiles;
         opened = opened || ntiles > 0;
+        it = next;
       }
       close_turns(opened);
     }

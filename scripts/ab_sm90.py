@@ -1,7 +1,7 @@
 """A/B experiments on the sm90 prefill kernel, each in one process (bf16 unless named, Hq32/Hkv8, ragged):
 
     PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order]
-                                            [--stream]
+                                            [--stream] [--early]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -20,7 +20,10 @@
 --stream: the persistent consumers' ping-pong turns as one stream over their units (KVATTN_SM90_STREAM=1, the
   default: no resynchronisation of the two consumer warpgroups at unit boundaries) against per unit (0), the --split
   shapes, causal b64_S512 and paged page-16 b8_S2048, with the error.
---split, --fold, --persist, --prefetch, --order and --stream time their options in 3 rounds of alternating order
+--early: the persistent consumers' item loads (the unit's again for its epilogue, the next unit's) issued before
+  the wait for the unit's last P V (KVATTN_SM90_EARLY=1, the default) against where they are used (0), the
+  --stream shapes.
+--split, --fold, --persist, --prefetch, --order, --stream and --early time their options in 3 rounds of alternating order
   (the GPU's clock drifts under load: BENCHMARKS.md, run 15d); --tanh and --d256 are single passes.
 """
 import argparse
@@ -62,8 +65,9 @@ def compile_all():
     prefill.SM90_PERSISTENT = True
     prefill.SM90_TUNING = (("KVATTN_SM90_PREFETCH", 0),)
     prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
-    prefill.SM90_TUNING = STREAM_OFF
-    prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
+    for defs in (STREAM_OFF, EARLY_OFF):
+        prefill.SM90_TUNING = defs
+        prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
     prefill.SM90_TUNING = ()
 
 
@@ -153,13 +157,21 @@ def run_prefetch(bp, rng):
 
 
 STREAM_OFF = (("KVATTN_SM90_STREAM", 0),)
+EARLY_OFF = (("KVATTN_SM90_EARLY", 0),)
+BOUNDARY_CASES = SPLIT_CASES + [("causal b64_S512", 64, 512, True), ("paged causal b8_S2048", 8, 2048, True)]
 
 
 def run_stream(bp, rng):
-    for name, b, s, causal in SPLIT_CASES + [("causal b64_S512", 64, 512, True),
-                                             ("paged causal b8_S2048", 8, 2048, True)]:
+    for name, b, s, causal in BOUNDARY_CASES:
         compare("stream", name, flops_of(bp, b, s, causal),
                 [("per unit", tuning(STREAM_OFF)), ("one stream", tuning(()))],
+                case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
+
+
+def run_early(bp, rng):
+    for name, b, s, causal in BOUNDARY_CASES:
+        compare("early", name, flops_of(bp, b, s, causal),
+                [("loaded where used", tuning(EARLY_OFF)), ("loaded early", tuning(()))],
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 
@@ -191,7 +203,8 @@ def run_d256(bp, rng):
 
 
 EXPERIMENTS = {"split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold, "persist": run_persist,
-               "prefetch": run_prefetch, "order": run_order, "stream": run_stream}
+               "prefetch": run_prefetch, "order": run_order, "stream": run_stream,
+               "early": run_early}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
