@@ -38,7 +38,11 @@ TUNINGS = {"default": {}, "l2_256B": dict(l2_prefetch=True), "refill1st": dict(r
            "st4_refill1st": dict(stages=4, refill_first=True), "fused_merge": dict(fused_merge=True),
            "mt2": dict(m_tiles=2), "mt1": dict(m_tiles=1), "wtok16": dict(wtok=16), "merge_1lane": dict(merge_lanes=1),
            "merge_plain": dict(merge_programmatic=False),
-           "merge_before": dict(merge_lanes=1, merge_programmatic=False), "merge_apart": dict(fused_merge=False)}
+           "merge_before": dict(merge_lanes=1, merge_programmatic=False), "merge_apart": dict(fused_merge=False),
+           # no split-KV merge where the batch fills the slots (as FlashInfer's tensor-core decode: b64_L4096 as 512
+           # CTAs in about two waves of 2 per SM)
+           "nosplit": dict(allow_no_split=True), "nosplit_2cta": dict(allow_no_split=True, ctas_per_sm=2),
+           "nosplit_st3_2cta": dict(allow_no_split=True, ctas_per_sm=2, stages=3)}
 
 
 def build(lens, cfg, rng):
