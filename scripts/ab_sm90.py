@@ -1,7 +1,7 @@
 """A/B experiments on the sm90 prefill kernel, each in one process (bf16 unless named, Hq32/Hkv8, ragged):
 
     PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order]
-                                            [--stream] [--early]
+                                            [--stream] [--early] [--shapes]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -23,6 +23,7 @@
 --early: the persistent consumers' item loads (the unit's again for its epilogue, the next unit's) issued before
   the wait for the unit's last P V (KVATTN_SM90_EARLY=1, the default) against where they are used (0), the
   --stream shapes.
+--shapes: the default kernel on unit shapes that separate a unit's fixed cost from its tiles (run_shapes).
 --split, --fold, --persist, --prefetch, --order, --stream and --early time their options in 3 rounds of alternating order
   (the GPU's clock drifts under load: BENCHMARKS.md, run 15d); --tanh and --d256 are single passes.
 """
@@ -175,6 +176,26 @@ def run_early(bp, rng):
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 
+SHAPES = [("non-causal b1_S8192", 1, 8192, 8192, False), ("causal b1_S8192", 1, 8192, 8192, True),
+          ("non-causal b32_S1024", 32, 1024, 1024, False), ("non-causal b32 q1024 kv960", 32, 1024, 960, False),
+          ("causal b32_S1024", 32, 1024, 1024, True)]
+
+
+def run_shapes(bp, rng):
+    """Where a short unit's time goes: 8192 units of 8 full tiles (non-causal b32_S1024), of 7 full tiles and a
+    half tile (kv 960: the partial tile copied per thread and masked by the item's end), and causal (4.5 tiles, the
+    last masked), against b1_S8192's long units (64 tiles). Each shape its own FLOPs; 3 alternating rounds."""
+    rates = {name: [] for name, *_ in SHAPES}
+    for r in range(ROUNDS):
+        for name, b, sq, skv, causal in (SHAPES if r % 2 == 0 else SHAPES[::-1]):
+            w, us, err = bp.ragged_case(rng, name, [sq] * b, [skv] * b, 128, causal=causal, backend="sm90")
+            rates[name].append(((2 if causal else 4) * b * bp.HQ * sq * skv * bp.D / us / 1e6, us, err))
+    for name, *_ in SHAPES:
+        tf = [x[0] for x in rates[name]]
+        print(f"shapes   {name:26s} " + " ".join(f"{x:6.0f}" for x in tf) + f"  median {np.median(tf):6.0f} TFLOP/s "
+              f"{np.median([x[1] for x in rates[name]]):9.1f} us  err {rates[name][-1][2]:.1e}", flush=True)
+
+
 def l2_window(nbytes):
     from kvattn import scheduler
     return lambda: setattr(scheduler, "PREFILL_L2_WINDOW_BYTES", nbytes)
@@ -204,7 +225,7 @@ def run_d256(bp, rng):
 
 EXPERIMENTS = {"split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold, "persist": run_persist,
                "prefetch": run_prefetch, "order": run_order, "stream": run_stream,
-               "early": run_early}
+               "early": run_early, "shapes": run_shapes}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
