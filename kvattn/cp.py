@@ -1,8 +1,9 @@
-"""Context parallelism, the plan: split each request's KV pages across ranks by position, balanced by bytes.
+"""Context parallelism: decode with each request's KV pages split across ranks by position, balanced by bytes
+(shard_page_table, ContextParallelDecode), and causal prefill of one prompt split in zigzag chunks (zigzag_plan,
+ContextParallelPrefill).
 
-A context-parallel decode (or prefill) gives every rank a shard of each request's KV cache; each rank attends its
-query rows to its shard and returns (o, lse); the ranks' states are gathered and merged (kvattn.merge_states, in
-rank order). Every page of the full table lands on exactly one rank, in position order (rank 0 holds each
+A context-parallel decode gives every rank a shard of each request's KV cache; each rank attends its query rows to
+its shard and returns (o, lse); the ranks' states are gathered and merged (kvattn.merge_states, in rank order). Every page of the full table lands on exactly one rank, in position order (rank 0 holds each
 request's first pages), so the shards of a request are contiguous runs of its tokens.
 """
 from __future__ import annotations
@@ -138,6 +139,160 @@ class ContextParallelDecode:
             marks[2].synchronize()
             timings["attention_us"] = marks[0].elapsed_ms(marks[1]) * 1e3
             timings["exchange_merge_us"] = marks[1].elapsed_ms(marks[2]) * 1e3
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ZigzagPlan:
+    """A causal prompt of num_tokens split for context-parallel prefill: 2 * world chunks in position order
+    (sizes differ by at most one token, the longer first); rank r holds chunks r and 2 * world - 1 - r, so every
+    rank's causal work (a chunk's queries attend to all keys before its end) is the same to within a chunk's
+    rounding. starts: int64 [2 world + 1], the chunks' first positions; positions[r]: int64 [n_r], the prompt
+    positions rank r's shard holds (q, k and v rows of its shard, in this order: its low chunk, then its high one)."""
+    num_tokens: int
+    starts: np.ndarray
+    positions: tuple
+
+    @property
+    def world_size(self) -> int:
+        return len(self.positions)
+
+    def chunks(self, rank: int) -> tuple:
+        """Rank `rank`'s two chunk numbers (low, high)."""
+        return rank, 2 * self.world_size - 1 - rank
+
+    def causal_work(self, rank: int) -> int:
+        """Query-key pairs rank `rank` computes: each of its chunks' queries against every key up to it."""
+        total = 0
+        for c in self.chunks(rank):
+            a, b = int(self.starts[c]), int(self.starts[c + 1])
+            total += sum(range(a + 1, b + 1))
+        return total
+
+
+def zigzag_plan(num_tokens: int, world_size: int) -> ZigzagPlan:
+    """The zigzag split of a causal prompt over world_size ranks (see ZigzagPlan)."""
+    n = _v.as_int(num_tokens, "num_tokens", min_value=0)
+    world = _v.as_int(world_size, "world_size", min_value=1)
+    c = 2 * world
+    sizes = np.full(c, n // c, np.int64)
+    sizes[:n % c] += 1
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    positions = tuple(np.concatenate([np.arange(starts[lo], starts[lo + 1]), np.arange(starts[hi], starts[hi + 1])])
+                      for lo, hi in ((r, c - 1 - r) for r in range(world)))
+    return ZigzagPlan(n, starts, positions)
+
+
+class ContextParallelPrefill:
+    """Causal prefill of one long prompt with its tokens split across ranks (zigzag_plan: two chunks each, so the
+    causal work is balanced). Each rank holds q, k and v of its shard's tokens; the ranks' K/V are all-gathered
+    over NCCL and put back in position order (one device-to-device copy per chunk), and each rank attends its two
+    query chunks to the keys up to their ends (two ragged causal prefills over prefixes of the gathered K/V).
+    Every query sees all its keys on its own rank, so there is no partial state to merge; each rank returns the
+    outputs of its own tokens. (Chosen over a ring exchange of K/V blocks: at 131,072 tokens the gathered K/V is
+    537 MB, about 1% of the prefill's time over NVLink; the all-gather is one NCCL call and needs no overlap
+    schedule. It needs the whole K/V on every rank: 2 x 4 MB per 1,000 tokens at Hkv 8, D 128, bf16.)
+
+    comm: as for ContextParallelDecode (``rank``, ``nranks``, ``allgather(sendbuf, recvbuf, stream=handle)``).
+
+        cp = ContextParallelPrefill(comm)
+        zz = cp.plan(num_tokens, 32, 8, 128)          # rank r feeds the rows of positions zz.positions[r]
+        o = cp.run(q_shard, k_shard, v_shard)         # [n_r, Hq, D]: the attention of this rank's tokens
+
+    ``timings`` (a dict) receives the GPU time of the exchange (all-gather and reorder) and of the attention (us).
+    """
+
+    def __init__(self, comm, **prefill_kwargs):
+        from .prefill import BatchPrefillWithRaggedKVCache
+        self.comm = comm
+        self.rank, self.world = int(comm.rank), int(comm.nranks)
+        self.parts = (BatchPrefillWithRaggedKVCache(**prefill_kwargs), BatchPrefillWithRaggedKVCache(**prefill_kwargs))
+        self.zz = None
+        self._bufs = None        # (send k, send v, gathered k, gathered v, k and v in position order), kept
+        self._bufs_key = None
+        self._bufs_read = None   # an Event after the last run's attention, the buffers' last reader
+
+    def plan(self, num_tokens: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, **plan_kwargs):
+        """Split the prompt (zigzag_plan) and plan this rank's two causal prefills. Returns the ZigzagPlan (every
+        rank computes the same one). plan_kwargs go to both prefill plans (causal is always on)."""
+        if "causal" in plan_kwargs and not plan_kwargs.pop("causal"):
+            raise ValueError("causal: context-parallel prefill is causal (a non-causal prompt needs no zigzag)")
+        self.zz = zz = zigzag_plan(num_tokens, self.world)
+        self.heads = (_v.as_int(num_qo_heads, "num_qo_heads", min_value=1),
+                      _v.as_int(num_kv_heads, "num_kv_heads", min_value=1), _v.as_int(head_dim, "head_dim", min_value=1))
+        for part, c in zip(self.parts, zz.chunks(self.rank)):
+            n = int(zz.starts[c + 1] - zz.starts[c])
+            end = int(zz.starts[c + 1])
+            if n == 0:   # (a prompt shorter than 2 * world tokens: this chunk is empty, run() skips it)
+                continue
+            part.plan(np.array([0, n], np.int32), np.array([0, end], np.int32), num_qo_heads, num_kv_heads, head_dim,
+                      causal=True, **plan_kwargs)
+        return zz
+
+    def run(self, q, k, v, *, stream=None, timings=None):
+        """q: [n_r, Hq, D], k / v: [n_r, Hkv, D], this rank's shard (rows in zz.positions[rank] order). Returns
+        o [n_r, Hq, D] in q's dtype."""
+        from .memory import asarray, empty
+        from .stream import Event, as_stream
+        from . import _driver
+        if self.zz is None:
+            raise RuntimeError("ContextParallelPrefill.run: call plan() first")
+        zz, w, r = self.zz, self.world, self.rank
+        hq, hkv, d = self.heads
+        s = as_stream(stream)
+        q, k, v = asarray(q, s), asarray(k, s), asarray(v, s)
+        n_r = zz.positions[r].size
+        for name, a, h in (("q", q, hq), ("k", k, hkv), ("v", v, hkv)):
+            if a.shape != (n_r, h, d):
+                raise ValueError(f"{name}: expected this rank's shard of shape {(n_r, h, d)}, got {a.shape}")
+            if not a.is_contiguous():
+                raise ValueError(f"{name}: expected a contiguous array")
+        if k.dtype != v.dtype:
+            raise ValueError(f"v: expected k's dtype {k.dtype_name}, got {v.dtype_name}")
+        shard = max(p.size for p in zz.positions)   # the all-gather's rows per rank (shorter shards padded)
+        key = (shard, hkv, d, k.dtype_name)
+        if self._bufs_key != key:
+            dt = k.dtype_name
+            self._bufs = (empty((shard, hkv, d), dt), empty((shard, hkv, d), dt), empty((w, shard, hkv, d), dt),
+                          empty((w, shard, hkv, d), dt), empty((zz.num_tokens, hkv, d), dt),
+                          empty((zz.num_tokens, hkv, d), dt))
+            self._bufs_key = key
+        if self._bufs_read is not None:
+            s.wait(self._bufs_read)   # the previous run's attention (maybe on another stream) has read them
+        sk, sv, gk, gv, pk, pv = self._bufs
+        marks = [Event(), Event(), Event()] if timings is not None else None
+        if marks:
+            marks[0].record(s)
+        row = hkv * d * k.itemsize
+        for src, send, gathered, ordered in ((k, sk, gk, pk), (v, sv, gv, pv)):
+            if n_r < shard:   # pad this rank's shard to the gather's row count (the pad rows are never read)
+                if n_r:
+                    _driver.call("cuMemcpyDtoDAsync", send.ptr, src.ptr, n_r * row, s.handle)
+                src = send
+            self.comm.allgather(src, gathered, stream=s.ptr)
+            for rank in range(w):   # rank's chunks back to their positions
+                off = 0
+                for c in zz.chunks(rank):
+                    a, b = int(zz.starts[c]), int(zz.starts[c + 1])
+                    if b > a:
+                        _driver.call("cuMemcpyDtoDAsync", ordered.ptr + a * row,
+                                     gathered.ptr + (rank * shard + off) * row, (b - a) * row, s.handle)
+                    off += b - a
+        if marks:
+            marks[1].record(s)
+        out = empty((n_r, hq, d), q.dtype_name)
+        lo = 0
+        for part, c in zip(self.parts, zz.chunks(r)):
+            n, end = int(zz.starts[c + 1] - zz.starts[c]), int(zz.starts[c + 1])
+            if n > 0:
+                part.run(q[lo:lo + n], pk[:end], pv[:end], out=out[lo:lo + n], stream=s)
+            lo += n
+        self._bufs_read = s.record(self._bufs_read or Event(disable_timing=True))
+        if marks:
+            marks[2].record(s)
+            marks[2].synchronize()
+            timings["exchange_us"] = marks[0].elapsed_ms(marks[1]) * 1e3
+            timings["attention_us"] = marks[1].elapsed_ms(marks[2]) * 1e3
         return out
 
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvattn import reference
-from kvattn.cp import shard_page_table
+from kvattn.cp import shard_page_table, zigzag_plan
 from kvattn.formats import PageTable
 
 
@@ -69,3 +69,67 @@ def test_world_size_is_checked():
     pt = random_table(np.random.default_rng(0), [10], 4)
     with pytest.raises(ValueError, match="world_size"):
         shard_page_table(pt, 0)
+
+
+# -- causal prefill: the zigzag split ----------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(n=st.one_of(st.integers(0, 40), st.integers(0, 200000)), world=st.integers(1, 8))
+def test_zigzag_every_position_on_exactly_one_rank_with_balanced_work(n, world):
+    zz = zigzag_plan(n, world)
+    assert zz.world_size == world and zz.num_tokens == n
+    sizes = np.diff(zz.starts)
+    assert sizes.size == 2 * world and sizes.sum() == n and sizes.max() - sizes.min() <= 1
+    held = np.concatenate(zz.positions)
+    assert np.array_equal(np.sort(held), np.arange(n))                    # each position once
+    for r in range(world):
+        lo, hi = zz.chunks(r)
+        assert np.array_equal(zz.positions[r], np.concatenate([np.arange(zz.starts[lo], zz.starts[lo + 1]),
+                                                               np.arange(zz.starts[hi], zz.starts[hi + 1])]))
+    work = np.array([zz.causal_work(r) for r in range(world)])
+    assert work.sum() == n * (n + 1) // 2                                  # every causal pair computed once
+    # balanced: equal chunks give every rank the same work exactly; the n % (2 world) longer chunks move a rank's
+    # work by at most a couple of key rows (n each), against n^2 / (2 world) per rank
+    assert work.max() - work.min() <= 2 * n + 2
+
+
+def test_zigzag_work_is_balanced_on_the_issue_shape():
+    zz = zigzag_plan(131072, 2)
+    work = [zz.causal_work(r) for r in range(2)]
+    assert work[0] == work[1]   # 131072 = 4 chunks of 32768: exactly equal
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 300), world=st.integers(1, 4), seed=st.integers(0, 2**31 - 1))
+def test_zigzag_ranks_attention_equals_the_whole_prompts(n, world, seed):
+    """Each simulated rank attends its two query chunks to the keys up to each chunk's end (the gathered K/V in
+    position order), as ContextParallelPrefill runs it; scattered back by position, the ranks' outputs equal the
+    causal float64 reference over the whole prompt."""
+    rng = np.random.default_rng(seed)
+    hq, hkv, d = 4, 2, 16
+    q, k, v = (rng.standard_normal((n, h, d)) for h in (hq, hkv, hkv))
+    want = reference.attention(q, k, v, causal=True)
+    zz = zigzag_plan(n, world)
+    got = np.full_like(want, np.nan)
+    for r in range(world):
+        rows = zz.positions[r]
+        q_shard = q[rows]                 # what rank r is given ...
+        k_full = np.concatenate([k[zz.positions[x]] for x in range(world)])   # ... and what the all-gather gives,
+        v_full = np.concatenate([v[zz.positions[x]] for x in range(world)])   # put back in position order:
+        order = np.argsort(np.concatenate(zz.positions), kind="stable")
+        k_pos, v_pos = k_full[order], v_full[order]
+        lo = 0
+        for c in zz.chunks(r):
+            a, b = int(zz.starts[c]), int(zz.starts[c + 1])
+            if b > a:
+                o = reference.batch_attention_ragged(q_shard[lo:lo + b - a], k_pos[:b], v_pos[:b], [0, b - a], [0, b],
+                                                     causal=True)
+                got[rows[lo:lo + b - a]] = o
+            lo += b - a
+    assert np.allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_zigzag_arguments_are_checked():
+    with pytest.raises(ValueError, match="world_size"):
+        zigzag_plan(10, 0)
+    with pytest.raises(ValueError, match="num_tokens"):
+        zigzag_plan(-1, 2)
