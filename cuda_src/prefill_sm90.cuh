@@ -67,6 +67,14 @@
 #define KVATTN_SM90_EARLY 1
 #endif
 
+// Experiment (scripts/ab_sm90.py --qpf; 0, the default, builds none of it): persistent producers prefetch the next
+// unit's query rows into L2 when they start a unit, a unit ahead of the Q copy (which stays right after qfree), so
+// that copy reads L2, not memory. Session 12 found Q on the unit boundary's critical path (BENCHMARKS.md: moving
+// its copy later cost 2-4%); not yet run on a GPU.
+#ifndef KVATTN_SM90_QPF
+#define KVATTN_SM90_QPF 0
+#endif
+
 namespace kvattn {
 
 // A: the element types and head dims (traits.cuh).
@@ -527,6 +535,18 @@ struct PrefillSm90 {
     return round * nb + (round & 1 ? nb - 1 - (int)blockIdx.x : (int)blockIdx.x);
   }
 
+  // (QPF) The query rows of unit f (if f < units; rows as copy_q reads them) into L2, one row per producer thread.
+  __device__ __forceinline__ static void prefetch_q(const PrefillParams& p, int f, int units, int hkv) {
+    static_assert(ROWS <= PRODUCERS, "one query row per producer thread");
+    if (f >= units) return;
+    const int base = p.off_items + 8 * (f / hkv), rr = threadIdx.x;
+    if (rr >= p.plan[base + 2] || p.plan[base + 4] <= p.plan[base + 3]) return;   // nrows; a unit without tiles
+    const int pr = p.plan[base + 1] + rr, tq = pr / p.group_size, h = pr - tq * p.group_size;
+    const int qo_start = p.plan[p.off_qo_indptr + p.plan[base]];
+    bulk_prefetch_l2(static_cast<const Q*>(p.q) + (long long)(qo_start + tq) * p.q_stride_n +
+                         (long long)((f % hkv) * p.group_size + h) * p.q_stride_h, D_QK * sizeof(Q));
+  }
+
   // Closes the consumers' stream of turns (STREAM): consumer 0 takes consumer 1's last arrival.
   static constexpr bool STREAM_TURNS = KVATTN_SM90_STREAM;
   __device__ __forceinline__ static void close_turns(bool opened) {
@@ -570,6 +590,7 @@ struct PrefillSm90 {
       regs_dec<PRODUCER_REGS>();
       int nq = 0;   // of them, units with tiles
       for (int r = 0, f = unit<MIXED>(0, ctas); f < units; f = unit<MIXED>(++r, ctas)) {
+        if constexpr (KVATTN_SM90_QPF) prefetch_q(p, unit<MIXED>(r + 1, ctas), units, hkv);
         const Item it = Base::load_item(p, p.plan, f / hkv);
         produce(p, it, qs, kvs, full, empty, qfree, f % hkv, g, nq);
         const int ntiles = (it.ke - it.kb + N - 1) / N;
