@@ -233,6 +233,7 @@ class ContextParallelPrefill:
         """q: [n_r, Hq, D], k / v: [n_r, Hkv, D], this rank's shard (rows in zz.positions[rank] order). Returns
         o [n_r, Hq, D] in q's dtype."""
         from .memory import asarray, empty
+        from .pool import pool_empty
         from .stream import Event, as_stream
         from . import _driver
         if self.zz is None:
@@ -280,7 +281,7 @@ class ContextParallelPrefill:
                     off += b - a
         if marks:
             marks[1].record(s)
-        out = empty((n_r, hq, d), q.dtype_name)
+        out = pool_empty((n_r, hq, d), q.dtype, s)   # stream-ordered: no allocation call that synchronises
         lo = 0
         for part, c in zip(self.parts, zz.chunks(r)):
             n, end = int(zz.starts[c + 1] - zz.starts[c]), int(zz.starts[c + 1])
