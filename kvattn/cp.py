@@ -135,10 +135,7 @@ class ContextParallelDecode:
         out = merge_states(ov, lv, stream=s)
         self._gather_read = s.record(self._gather_read or Event(disable_timing=True))
         if marks:
-            marks[2].record(s)
-            marks[2].synchronize()
-            timings["attention_us"] = marks[0].elapsed_ms(marks[1]) * 1e3
-            timings["exchange_merge_us"] = marks[1].elapsed_ms(marks[2]) * 1e3
+            _phase_times(marks, s, timings, "attention_us", "exchange_merge_us")
         return out
 
 
@@ -290,11 +287,17 @@ class ContextParallelPrefill:
             lo += n
         self._bufs_read = s.record(self._bufs_read or Event(disable_timing=True))
         if marks:
-            marks[2].record(s)
-            marks[2].synchronize()
-            timings["exchange_us"] = marks[0].elapsed_ms(marks[1]) * 1e3
-            timings["attention_us"] = marks[1].elapsed_ms(marks[2]) * 1e3
+            _phase_times(marks, s, timings, "exchange_us", "attention_us")
         return out
+
+
+def _phase_times(marks, stream, timings: dict, first: str, second: str):
+    """Records the last of three events on `stream`, waits for it, and stores the GPU time (us) between the first
+    two as timings[first] and between the last two as timings[second]."""
+    marks[2].record(stream)
+    marks[2].synchronize()
+    timings[first] = marks[0].elapsed_ms(marks[1]) * 1e3
+    timings[second] = marks[1].elapsed_ms(marks[2]) * 1e3
 
 
 #: The environment scripts/launch_cp.py gives each rank's process.
