@@ -75,6 +75,14 @@
 #define KVATTN_SM90_QPF 0
 #endif
 
+// Experiment (scripts/ab_sm90.py --qbuf; 1, the default, builds one Q tile): QBUF = 2 gives persistent CTAs two Q
+// tiles, used by alternate units with tiles, so the producers copy a unit's Q while the unit before it still runs
+// (not after its last Q K^T); with head_dim 128 only 2 K/V stages then fit (KVATTN_SM90_STAGES=2 with it). Not
+// yet run on a GPU.
+#ifndef KVATTN_SM90_QBUF
+#define KVATTN_SM90_QBUF 1
+#endif
+
 namespace kvattn {
 
 // A: the element types and head dims (traits.cuh).
@@ -126,7 +134,10 @@ struct PrefillSm90 {
   static constexpr int Q_ELEMS = ROWS * D_QK;
   static constexpr int K_ELEMS = N * D_QK;            // K of a stage (V follows)
   static constexpr int STAGE_ELEMS = K_ELEMS + N * D_VO;
-  static constexpr int SMEM_BYTES = (Q_ELEMS + STAGES * STAGE_ELEMS) * (int)sizeof(T) + (2 * STAGES + 1) * 8;
+  static constexpr int QBUF = KVATTN_SM90_QBUF;   // Q tiles (a CTA of one unit uses the first)
+  static_assert(QBUF == 1 || QBUF == 2, "KVATTN_SM90_QBUF: one or two Q tiles");
+  static constexpr int SMEM_BYTES = (QBUF * Q_ELEMS + STAGES * STAGE_ELEMS) * (int)sizeof(T) + (2 * STAGES + QBUF) * 8;
+  static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: at most 227 KB per CTA (fewer stages, or one Q tile)");
   // LPR adjacent lanes copy one token's K and V rows (LPR divides both rows' 16-byte chunks and 32): lane l
   // chunks l % LPR + k LPR (equal rows up to head dim 256: LPR = CHUNKS, one chunk of each row per lane).
   static constexpr int LPR = gcd(gcd(Q_CHUNKS, CHUNKS), 32);
@@ -372,7 +383,7 @@ struct PrefillSm90 {
     const int ntiles = (it.ke - it.kb + N - 1) / N;
     if (ntiles == 0) return;
     const typename V::QKState qk_state = V::template qk_init<D_QK>(p, qk_dims<D_QK>(threadIdx.x));
-    if (nq > 0) mbar_wait(qfree, (nq - 1) & 1);
+    if (nq >= QBUF) mbar_wait(qfree, (nq / QBUF - 1) & 1);   // (qfree, qs: this unit's Q slot's)
     load_q(p, it, qs, kvh);   // lands before tile 0 is announced (the arrival waits for every earlier copy)
     const int my_row = RPW * pw + min(lane, RPW - 1);   // the tile row whose offset this lane holds
     long long off = Base::tok_offset(p, it.pages, min(it.kb + my_row, it.ke - 1));
@@ -556,17 +567,17 @@ struct PrefillSm90 {
   // MIXED: the first `ctas` CTAs of a mixed launch run the (persistent) prefill.
   template <bool MIXED = false>
   __device__ static void run(const PrefillParams& p, Q* smem, int ctas = 0) {
-    T* qs = smem;
-    T* kvs = smem + Q_ELEMS;
+    T* qs = smem;                        // [QBUF] Q tiles
+    T* kvs = smem + QBUF * Q_ELEMS;
     unsigned long long* full = reinterpret_cast<unsigned long long*>(kvs + STAGES * STAGE_ELEMS);   // [STAGES]
     unsigned long long* empty = full + STAGES;                                                      // [STAGES]
-    unsigned long long* qfree = empty + STAGES;                                                     // [1]
+    unsigned long long* qfree = empty + STAGES;                                                     // [QBUF]
     if (threadIdx.x == 0) {
       for (int i = 0; i < STAGES; ++i) {
         mbar_init(&full[i], PRODUCERS);
         mbar_init(&empty[i], 8);   // one arrival per consumer warp
       }
-      mbar_init(qfree, 8);
+      for (int i = 0; i < QBUF; ++i) mbar_init(&qfree[i], 8);
     }
     __syncthreads();
     const int items = plan_header(p.plan).num_items;   // a padded grid (graph mode) walks only these
@@ -592,7 +603,7 @@ struct PrefillSm90 {
       for (int r = 0, f = unit<MIXED>(0, ctas); f < units; f = unit<MIXED>(++r, ctas)) {
         if constexpr (KVATTN_SM90_QPF) prefetch_q(p, unit<MIXED>(r + 1, ctas), units, hkv);
         const Item it = Base::load_item(p, p.plan, f / hkv);
-        produce(p, it, qs, kvs, full, empty, qfree, f % hkv, g, nq);
+        produce(p, it, qs + (nq % QBUF) * Q_ELEMS, kvs, full, empty, &qfree[nq % QBUF], f % hkv, g, nq);
         const int ntiles = (it.ke - it.kb + N - 1) / N;
         g += ntiles;
         nq += ntiles > 0;
@@ -600,15 +611,17 @@ struct PrefillSm90 {
     } else {
       regs_inc<CONSUMER_REGS>();
       bool opened = false;   // consumer 1 has opened the stream of turns (the CTA had a unit with tiles)
+      int nq = 0;            // the CTA's earlier units with tiles (their Q slots alternate where QBUF = 2)
       Item it;
       if (unit<MIXED>(0, ctas) < units) it = Base::load_item(p, p.plan, unit<MIXED>(0, ctas) / hkv);
       for (int r = 0, f = unit<MIXED>(0, ctas); f < units; f = unit<MIXED>(++r, ctas)) {
         const int fn = unit<MIXED>(r + 1, ctas);
         Item next;
-        consume<STREAM_TURNS>(p, it, qs, kvs, full, empty, qfree, f % hkv, f / hkv, g, !opened,
-                              fn < units ? fn / hkv : -1, next);
+        consume<STREAM_TURNS>(p, it, qs + (nq % QBUF) * Q_ELEMS, kvs, full, empty, &qfree[nq % QBUF], f % hkv,
+                              f / hkv, g, !opened, fn < units ? fn / hkv : -1, next);
         const int ntiles = (it.ke - it.kb + N - 1) / N;
         g += ntiles;
+        nq += ntiles > 0;
         opened = opened || ntiles > 0;
         it = next;
       }

@@ -146,9 +146,10 @@ def sm90_tile(head_dim: int, head_dim_vo: int | None = None) -> tuple[int, int]:
 
 def sm90_smem_bytes(head_dim: int, head_dim_vo: int | None = None) -> int:
     """Dynamic shared memory of prefill_sm90_kernel (mirrors PrefillSm90::SMEM_BYTES: Q, the ring of K and V
-    tiles, a full and an empty mbarrier per stage, the Q tile's `qfree` mbarrier)."""
+    tiles, a full and an empty mbarrier per stage, each Q tile's `qfree` mbarrier; KVATTN_SM90_QBUF Q tiles)."""
     n, stages = sm90_tile(head_dim, head_dim_vo)
-    return (128 * head_dim + stages * n * (head_dim + (head_dim_vo or head_dim))) * 2 + (2 * stages + 1) * 8
+    qbuf = dict(SM90_TUNING).get("KVATTN_SM90_QBUF", 1)
+    return (qbuf * 128 * head_dim + stages * n * (head_dim + (head_dim_vo or head_dim))) * 2 + (2 * stages + qbuf) * 8
 
 
 #: Persistent sm90 CTAs (prefill_sm90.cuh: at most one CTA per SM, each walking its share of the (item, KV head)

@@ -1,7 +1,7 @@
 """A/B experiments on the sm90 prefill kernel, each in one process (bf16 unless named, Hq32/Hkv8, ragged):
 
     PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order]
-                                            [--stream] [--early] [--shapes] [--qpf]
+                                            [--stream] [--early] [--shapes] [--qpf] [--qbuf]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -25,8 +25,10 @@
   --stream shapes.
 --qpf: the next unit's query rows prefetched into L2 a unit ahead (KVATTN_SM90_QPF=1, an experiment) against the
   default (0), the --stream shapes and non-causal b32_S1024.
+--qbuf: two Q tiles (KVATTN_SM90_QBUF=2: a unit's Q copied while the unit before it runs) with 2 K/V stages, against
+  one Q tile with 3 stages (the default) and with 2, the --qpf shapes.
 --shapes: the default kernel on unit shapes that separate a unit's fixed cost from its tiles (run_shapes).
---split, --fold, --persist, --prefetch, --order, --stream, --early and --qpf time their options in 3 rounds of alternating order
+--split, --fold, --persist, --prefetch, --order, --stream, --early, --qpf and --qbuf time their options in 3 rounds of alternating order
   (the GPU's clock drifts under load: BENCHMARKS.md, run 15d); --tanh and --d256 are single passes.
 """
 import argparse
@@ -68,7 +70,7 @@ def compile_all():
     prefill.SM90_PERSISTENT = True
     prefill.SM90_TUNING = (("KVATTN_SM90_PREFETCH", 0),)
     prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
-    for defs in (STREAM_OFF, EARLY_OFF, QPF_ON):
+    for defs in (STREAM_OFF, EARLY_OFF, QPF_ON, QBUF2, STAGES2):
         prefill.SM90_TUNING = defs
         prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
     prefill.SM90_TUNING = ()
@@ -162,6 +164,8 @@ def run_prefetch(bp, rng):
 STREAM_OFF = (("KVATTN_SM90_STREAM", 0),)
 EARLY_OFF = (("KVATTN_SM90_EARLY", 0),)
 QPF_ON = (("KVATTN_SM90_QPF", 1),)
+STAGES2 = (("KVATTN_SM90_STAGES", 2),)
+QBUF2 = STAGES2 + (("KVATTN_SM90_QBUF", 2),)
 BOUNDARY_CASES = SPLIT_CASES + [("causal b64_S512", 64, 512, True), ("paged causal b8_S2048", 8, 2048, True)]
 
 
@@ -183,6 +187,14 @@ def run_qpf(bp, rng):
     for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
         compare("qpf", name, flops_of(bp, b, s, causal),
                 [("no Q prefetch", tuning(())), ("Q prefetched", tuning(QPF_ON))],
+                case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
+
+
+def run_qbuf(bp, rng):
+    for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
+        compare("qbuf", name, flops_of(bp, b, s, causal),
+                [("1 Q, 3 stages", tuning(())), ("1 Q, 2 stages", tuning(STAGES2)),
+                 ("2 Q, 2 stages", tuning(QBUF2))],
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 
@@ -235,7 +247,8 @@ def run_d256(bp, rng):
 
 EXPERIMENTS = {"split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold, "persist": run_persist,
                "prefetch": run_prefetch, "order": run_order, "stream": run_stream,
-               "early": run_early, "shapes": run_shapes, "qpf": run_qpf}
+               "early": run_early, "shapes": run_shapes, "qpf": run_qpf,
+               "qbuf": run_qbuf}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
