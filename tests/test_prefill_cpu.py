@@ -200,6 +200,17 @@ def test_sm90_kernels_compile_without_spills_or_serialized_wgmma(d):
         assert "serialized" not in compiled.log, compiled.log
 
 
+@pytest.mark.parametrize("defs", [(("KVATTN_SM90_STREAM", 0),), (("KVATTN_SM90_EARLY", 0),), (("KVATTN_SM90_QPF", 1),),
+                                  (("KVATTN_SM90_STAGES", 2), ("KVATTN_SM90_QBUF", 2))])
+def test_sm90_experiment_builds_compile_without_spills(defs, monkeypatch):
+    """The build switches scripts/ab_sm90.py times against the default stay correct builds: the persistent
+    head_dim 128 instance compiles with no spills and its shared memory mirrored by Python (a static_assert)."""
+    from kvattn import prefill
+    monkeypatch.setattr(prefill, "SM90_TUNING", defs)
+    compiled, _ = sm90_spec(128, Variant(), "bfloat16", persistent=True).compile("sm_90a")
+    assert all(r.spill_stores == 0 and r.spill_loads == 0 for r in compiled.resources.values()), compiled.log
+
+
 class _FakeKernel:
     """A loaded kernel's ptxas report, without a GPU."""
 
