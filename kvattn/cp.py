@@ -161,9 +161,9 @@ class ZigzagPlan:
     def causal_work(self, rank: int) -> int:
         """Query-key pairs rank `rank` computes: each of its chunks' queries against every key up to it."""
         total = 0
-        for c in self.chunks(rank):
+        for c in self.chunks(rank):   # queries a .. b - 1 see a + 1 .. b keys
             a, b = int(self.starts[c]), int(self.starts[c + 1])
-            total += sum(range(a + 1, b + 1))
+            total += (a + 1 + b) * (b - a) // 2
         return total
 
 
@@ -205,7 +205,9 @@ class ContextParallelPrefill:
         self.rank, self.world = int(comm.rank), int(comm.nranks)
         self.parts = (BatchPrefillWithRaggedKVCache(**prefill_kwargs), BatchPrefillWithRaggedKVCache(**prefill_kwargs))
         self.zz = None
-        self._bufs = None        # (send k, send v, gathered k, gathered v, k and v in position order), kept
+        self._queries = ()       # (part, first row in the shard, rows, keys before the chunk's end) per chunk
+        self._reorder = ()       # (row in position order, row in the gathered buffer, rows) per chunk
+        self._bufs = None        # (send k, send v or None, gathered k, gathered v, k and v in position order), kept
         self._bufs_key = None
         self._bufs_read = None   # an Event after the last run's attention, the buffers' last reader
 
@@ -217,13 +219,21 @@ class ContextParallelPrefill:
         self.zz = zz = zigzag_plan(num_tokens, self.world)
         self.heads = (_v.as_int(num_qo_heads, "num_qo_heads", min_value=1),
                       _v.as_int(num_kv_heads, "num_kv_heads", min_value=1), _v.as_int(head_dim, "head_dim", min_value=1))
-        for part, c in zip(self.parts, zz.chunks(self.rank)):
-            n = int(zz.starts[c + 1] - zz.starts[c])
-            end = int(zz.starts[c + 1])
-            if n == 0:   # (a prompt shorter than 2 * world tokens: this chunk is empty, run() skips it)
-                continue
-            part.plan(np.array([0, n], np.int32), np.array([0, end], np.int32), num_qo_heads, num_kv_heads, head_dim,
-                      causal=True, **plan_kwargs)
+        shard = max(p.size for p in zz.positions)   # the all-gather's rows per rank (shorter shards padded)
+        queries, reorder = [], []
+        for rank in range(self.world):
+            lo = 0
+            for part, c in zip(self.parts, zz.chunks(rank)):
+                a, b = int(zz.starts[c]), int(zz.starts[c + 1])
+                if b == a:   # (a prompt shorter than 2 * world tokens: an empty chunk)
+                    continue
+                reorder.append((a, rank * shard + lo, b - a))
+                if rank == self.rank:
+                    part.plan(np.array([0, b - a], np.int32), np.array([0, b], np.int32), num_qo_heads, num_kv_heads,
+                              head_dim, causal=True, **plan_kwargs)
+                    queries.append((part, lo, b - a, b))
+                lo += b - a
+        self._queries, self._reorder, self._shard = tuple(queries), tuple(reorder), shard
         return zz
 
     def run(self, q, k, v, *, stream=None, timings=None):
@@ -247,13 +257,14 @@ class ContextParallelPrefill:
                 raise ValueError(f"{name}: expected a contiguous array")
         if k.dtype != v.dtype:
             raise ValueError(f"v: expected k's dtype {k.dtype_name}, got {v.dtype_name}")
-        shard = max(p.size for p in zz.positions)   # the all-gather's rows per rank (shorter shards padded)
-        key = (shard, hkv, d, k.dtype_name)
+        shard = self._shard
+        key = (shard, n_r, hkv, d, k.dtype_name)
         if self._bufs_key != key:
             dt = k.dtype_name
-            self._bufs = (empty((shard, hkv, d), dt), empty((shard, hkv, d), dt), empty((w, shard, hkv, d), dt),
-                          empty((w, shard, hkv, d), dt), empty((zz.num_tokens, hkv, d), dt),
-                          empty((zz.num_tokens, hkv, d), dt))
+            pad = n_r < shard   # this rank's shard is copied into a padded send buffer
+            self._bufs = (empty((shard, hkv, d), dt) if pad else None, empty((shard, hkv, d), dt) if pad else None,
+                          empty((w, shard, hkv, d), dt), empty((w, shard, hkv, d), dt),
+                          empty((zz.num_tokens, hkv, d), dt), empty((zz.num_tokens, hkv, d), dt))
             self._bufs_key = key
         if self._bufs_read is not None:
             s.wait(self._bufs_read)   # the previous run's attention (maybe on another stream) has read them
@@ -268,23 +279,14 @@ class ContextParallelPrefill:
                     _driver.call("cuMemcpyDtoDAsync", send.ptr, src.ptr, n_r * row, s.handle)
                 src = send
             self.comm.allgather(src, gathered, stream=s.ptr)
-            for rank in range(w):   # rank's chunks back to their positions
-                off = 0
-                for c in zz.chunks(rank):
-                    a, b = int(zz.starts[c]), int(zz.starts[c + 1])
-                    if b > a:
-                        _driver.call("cuMemcpyDtoDAsync", ordered.ptr + a * row,
-                                     gathered.ptr + (rank * shard + off) * row, (b - a) * row, s.handle)
-                    off += b - a
+            for dst, at, rows in self._reorder:   # every rank's chunks back to their positions
+                _driver.call("cuMemcpyDtoDAsync", ordered.ptr + dst * row, gathered.ptr + at * row, rows * row,
+                             s.handle)
         if marks:
             marks[1].record(s)
         out = pool_empty((n_r, hq, d), q.dtype, s)   # stream-ordered: no allocation call that synchronises
-        lo = 0
-        for part, c in zip(self.parts, zz.chunks(r)):
-            n, end = int(zz.starts[c + 1] - zz.starts[c]), int(zz.starts[c + 1])
-            if n > 0:
-                part.run(q[lo:lo + n], pk[:end], pv[:end], out=out[lo:lo + n], stream=s)
-            lo += n
+        for part, lo, n, end in self._queries:
+            part.run(q[lo:lo + n], pk[:end], pv[:end], out=out[lo:lo + n], stream=s)
         self._bufs_read = s.record(self._bufs_read or Event(disable_timing=True))
         if marks:
             _phase_times(marks, s, timings, "exchange_us", "attention_us")
