@@ -10,7 +10,8 @@
 //   - the producer warpgroup (24 registers after setmaxnreg, 40 when persistent) fills a ring of K/V tiles
 //     (N = 128 tokens in 3 stages; 80 tokens in 2 at head_dim 256). A full tile of a 16-bit cache, where run()
 //     bound tensor maps (kvattn/tma.py), is a few TMA boxes issued by the lanes of one warp, their bytes expected
-//     by the stage's `full` mbarrier. Otherwise (the last, partial tile of an item, block-sparse columns, odd page sizes, RoPE) each
+//     by the stage's `full` mbarrier (where the ring has 2 stages, K and V of a stage have their own `full` and
+//     `empty` mbarriers: KVSPLIT). Otherwise (the last, partial tile of an item, block-sparse columns, odd page sizes, RoPE) each
 //     warp looks up the page offsets of N / 4 rows (one per lane) and copies them with cp.async, coalesced
 //     16-byte chunks, zero-filled past the item's KV. Every producer thread arrives on `full` once its own
 //     copies land (cp.async.mbarrier.arrive; the Q rows go with tile 0): the producers never wait for them;
@@ -67,18 +68,10 @@
 #define KVATTN_SM90_EARLY 1
 #endif
 
-// Experiment (scripts/ab_sm90.py --qpf; 0, the default, builds none of it): persistent producers prefetch the next
-// unit's query rows into L2 when they start a unit, a unit ahead of the Q copy (which stays right after qfree), so
-// that copy reads L2, not memory. Session 12 found Q on the unit boundary's critical path (BENCHMARKS.md: moving
-// its copy later cost 2-4%); not yet run on a GPU.
-#ifndef KVATTN_SM90_QPF
-#define KVATTN_SM90_QPF 0
-#endif
-
 // Experiment (scripts/ab_sm90.py --qbuf; 1, the default, builds one Q tile): QBUF = 2 gives persistent CTAs two Q
 // tiles, used by alternate units with tiles, so the producers copy a unit's Q while the unit before it still runs
-// (not after its last Q K^T); with head_dim 128 only 2 K/V stages then fit (KVATTN_SM90_STAGES=2 with it). Not
-// yet run on a GPU.
+// (not after its last Q K^T); with head_dim 128 only 2 K/V stages then fit (KVATTN_SM90_STAGES=2 with it). Runs
+// 27a / 27b (BENCHMARKS.md): the lost stage costs far more than the second Q tile gives; kept for the A/B.
 #ifndef KVATTN_SM90_QBUF
 #define KVATTN_SM90_QBUF 1
 #endif
@@ -136,7 +129,18 @@ struct PrefillSm90 {
   static constexpr int STAGE_ELEMS = K_ELEMS + N * D_VO;
   static constexpr int QBUF = KVATTN_SM90_QBUF;   // Q tiles (a CTA of one unit uses the first)
   static_assert(QBUF == 1 || QBUF == 2, "KVATTN_SM90_QBUF: one or two Q tiles");
-  static constexpr int SMEM_BYTES = (QBUF * Q_ELEMS + STAGES * STAGE_ELEMS) * (int)sizeof(T) + (2 * STAGES + QBUF) * 8;
+  // K and V of a stage have their own `full` and `empty` mbarriers where the ring has 2 stages (head_dim 256), so the
+  // producers reload a stage's K once the consumers' Q K^T of it has completed, not after its P V too: with the
+  // two consumers ping-ponging, a 2-stage joint ring is always full and leaves the copies no lead (head_dim 128 with
+  // 2 stages: 412 TFLOP/s joint, 630 split). At 3 stages the joint ring has lead enough and the split's extra
+  // barrier traffic costs 1-5% (scripts/ab_sm90.py --kvsplit, runs 27a / 27b). KVATTN_SM90_KVSPLIT=0 / 1 forces it.
+#ifdef KVATTN_SM90_KVSPLIT
+  static constexpr bool KVSPLIT = KVATTN_SM90_KVSPLIT;
+#else
+  static constexpr bool KVSPLIT = STAGES < 3;
+#endif
+  static constexpr int SMEM_BYTES =
+      (QBUF * Q_ELEMS + STAGES * STAGE_ELEMS) * (int)sizeof(T) + (2 * STAGES + QBUF + (KVSPLIT ? 2 * STAGES : 0)) * 8;
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: at most 227 KB per CTA (fewer stages, or one Q tile)");
   // LPR adjacent lanes copy one token's K and V rows (LPR divides both rows' 16-byte chunks and 32): lane l
   // chunks l % LPR + k LPR (equal rows up to head dim 256: LPR = CHUNKS, one chunk of each row per lane).
@@ -156,6 +160,12 @@ struct PrefillSm90 {
   // Element offset of 16-byte chunk c of row r in a [R][D] tile (any D): 64-column blocks of R rows of 128 bytes.
   template <int R> __device__ __forceinline__ static int sw(int r, int c) {
     return (c >> 3) * (R * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3);
+  }
+
+  // The barriers after the K/V stages: full[STAGES], empty[STAGES], qfree[QBUF], then (KVSPLIT) V's full[STAGES] and
+  // empty[STAGES]. Without KVSPLIT, V shares K's: v_full is `full`.
+  __device__ __forceinline__ static unsigned long long* v_full(unsigned long long* full) {
+    return KVSPLIT ? full + 2 * STAGES + QBUF : full;
   }
 
   __device__ __forceinline__ static void load_q(const PrefillParams& p, const Item& it, Q* qs, int kvh) {
@@ -197,10 +207,12 @@ struct PrefillSm90 {
   // lane's box may land before that (the transaction count may go below zero), but the phase cannot complete
   // before lane 0 arrives, after its expect_tx. (A __syncwarp here made ptxas spill the 24-register producers.)
   // Only full tiles of items that start on a box boundary come here (produce), so every box lies in one page.
-  // id: the box's page id (box_page).
+  // id: the box's page id (box_page). PART: 0 both K and V on `bar`, 1 K only, 2 V only (KVSPLIT).
+  template <int PART = 0>
   __device__ __forceinline__ static void issue_kv_tma(const PrefillParams& p, T* stage, int t0, int box, int id,
                                                       int kvh, unsigned long long* bar) {
-    if (box == 0) mbar_expect_tx(bar, STAGE_ELEMS * (int)sizeof(T));
+    constexpr int ELEMS = PART == 0 ? STAGE_ELEMS : PART == 1 ? K_ELEMS : N * D_VO;
+    if (box == 0) mbar_expect_tx(bar, ELEMS * (int)sizeof(T));
     const int r0 = box * p.tma_rows;
     if (r0 >= N) return;
     int pg, in;
@@ -208,19 +220,23 @@ struct PrefillSm90 {
     // ragged: the "page" id is the request's first token, in one page of (many) slots
     const int slot = p.tma_mode == 1 ? id + in : in, page = p.tma_mode == 1 ? 0 : id;
     const int c1 = p.tma_hnd ? slot : kvh, c2 = p.tma_hnd ? kvh : slot;
-    if constexpr (D_QK == D_VO) {
+    if constexpr (D_QK == D_VO && PART == 0) {
 #pragma unroll
       for (int cb = 0; cb < D_QK / 64; ++cb) {
         tma_load_4d(stage + cb * (N * 64) + r0 * 64, &p.tma_k, cb * 64, c1, c2, page, bar);
         tma_load_4d(stage + K_ELEMS + cb * (N * 64) + r0 * 64, &p.tma_v, cb * 64, c1, c2, page, bar);
       }
     } else {
+      if constexpr (PART != 2) {
 #pragma unroll
-      for (int cb = 0; cb < D_QK / 64; ++cb)
-        tma_load_4d(stage + cb * (N * 64) + r0 * 64, &p.tma_k, cb * 64, c1, c2, page, bar);
+        for (int cb = 0; cb < D_QK / 64; ++cb)
+          tma_load_4d(stage + cb * (N * 64) + r0 * 64, &p.tma_k, cb * 64, c1, c2, page, bar);
+      }
+      if constexpr (PART != 1) {
 #pragma unroll
-      for (int cb = 0; cb < D_VO / 64; ++cb)
-        tma_load_4d(stage + K_ELEMS + cb * (N * 64) + r0 * 64, &p.tma_v, cb * 64, c1, c2, page, bar);
+        for (int cb = 0; cb < D_VO / 64; ++cb)
+          tma_load_4d(stage + K_ELEMS + cb * (N * 64) + r0 * 64, &p.tma_v, cb * 64, c1, c2, page, bar);
+      }
     }
   }
 
@@ -360,7 +376,8 @@ struct PrefillSm90 {
   // thread rotates its 16 dims of the tile's rows, makes its writes visible to the tensor cores (async proxy)
   // and arrives on the stage's `full` barrier.
   __device__ __forceinline__ static void transform_and_announce(const PrefillParams& p, const Item& it, Q* qs,
-                                                                T* kvs, unsigned long long* full, int u, int g,
+                                                                T* kvs, unsigned long long* full,
+                                                                unsigned long long* vfull, int u, int g,
                                                                 const typename V::QKState& qk_state) {
     named_sync(3, PRODUCERS);
     const int t0 = it.kb + u * N;
@@ -371,14 +388,18 @@ struct PrefillSm90 {
                             0, min(N, it.ke - t0), threadIdx.x, PRODUCERS, it.req, true, [&](int r) { return t0 + r; });
     fence_proxy_async();
     mbar_arrive(&full[(g + u) % STAGES]);
+    if constexpr (KVSPLIT) mbar_arrive(&vfull[(g + u) % STAGES]);
   }
 
   // One unit's Q and K/V tiles; g counts the tiles the CTA's earlier units put through the ring (stage g % STAGES,
   // its (g / STAGES)-th use), nq the earlier units that had tiles: the Q of such a unit waits until the consumers
   // released the previous one's (qfree: its last Q K^T has completed). Units without tiles touch neither (else
   // the consumers, who need no Q for them, could run two qfree phases ahead and the parity wait would hang).
+  // KVSPLIT: full / empty are K's barriers (and Q's, with tile 0), vfull / vempty V's; else they are full / empty.
   __device__ static void produce(const PrefillParams& p, const Item& it, Q* qs, T* kvs, unsigned long long* full,
                                  unsigned long long* empty, unsigned long long* qfree, int kvh, int g, int nq) {
+    unsigned long long* vfull = v_full(full);
+    unsigned long long* vempty = KVSPLIT ? vfull + STAGES : empty;
     const int lane = threadIdx.x % 32, pw = threadIdx.x / 32;
     const int ntiles = (it.ke - it.kb + N - 1) / N;
     if (ntiles == 0) return;
@@ -394,13 +415,25 @@ struct PrefillSm90 {
     for (int t = 0; t < ntiles; ++t) {
       const int u = g + t, st = u % STAGES;
       if (u >= STAGES) mbar_wait(&empty[st], (u / STAGES - 1) & 1);
+      if constexpr (KVSPLIT) {   // a copied tile's K and V are copied together
+        if (u >= STAGES && !(tma && it.kb + (t + 1) * N <= it.ke)) mbar_wait(&vempty[st], (u / STAGES - 1) & 1);
+      }
       if (tma && it.kb + (t + 1) * N <= it.ke) {
         // one page lookup per lane of warp 0, in parallel
         const int t0 = it.kb + t * N;
-        if (pw == 0)
-          issue_kv_tma(p, kvs + st * STAGE_ELEMS, t0, lane, KVATTN_SM90_PREFETCH ? box_id : box_page(p, it, t0, lane),
-                       kvh, &full[st]);
-        cp_async_mbar_arrive(&full[st]);   // after this thread's earlier copies (the Q rows before tile 0)
+        if constexpr (KVSPLIT) {
+          const int id = KVATTN_SM90_PREFETCH ? box_id : box_page(p, it, t0, lane);
+          if (pw == 0) issue_kv_tma<1>(p, kvs + st * STAGE_ELEMS, t0, lane, id, kvh, &full[st]);
+          cp_async_mbar_arrive(&full[st]);   // after this thread's earlier copies (the Q rows before tile 0)
+          if (u >= STAGES) mbar_wait(&vempty[st], (u / STAGES - 1) & 1);
+          if (pw == 0) issue_kv_tma<2>(p, kvs + st * STAGE_ELEMS, t0, lane, id, kvh, &vfull[st]);
+          mbar_arrive(&vfull[st]);
+        } else {
+          if (pw == 0)
+            issue_kv_tma(p, kvs + st * STAGE_ELEMS, t0, lane, KVATTN_SM90_PREFETCH ? box_id : box_page(p, it, t0, lane),
+                         kvh, &full[st]);
+          cp_async_mbar_arrive(&full[st]);   // after this thread's earlier copies (the Q rows before tile 0)
+        }
         if (t + 1 < ntiles) {
           if (KVATTN_SM90_PREFETCH && pw == 0) box_id = box_page(p, it, t0 + N, lane);
           // the copies' row offsets only where the next tile is copied (the item's last, partial tile)
@@ -413,27 +446,30 @@ struct PrefillSm90 {
         if (t == 0) asm volatile("cp.async.wait_all;\n" ::: "memory");
         fence_proxy_async();
         mbar_arrive(&full[st]);
+        if constexpr (KVSPLIT) mbar_arrive(&vfull[st]);
       } else if constexpr (kFp8) {
         expand_kv8(p, kvs + st * STAGE_ELEMS, off, it.kb + t * N, it.ke, kvh, pw, lane);
         if (t == 0) asm volatile("cp.async.wait_all;\n" ::: "memory");   // this thread's Q copies, before tile 0
         fence_proxy_async();   // the stores (generic proxy) before the tensor cores' reads (async proxy)
         mbar_arrive(&full[st]);
+        if constexpr (KVSPLIT) mbar_arrive(&vfull[st]);
       } else {
         issue_kv(p, kvs + st * STAGE_ELEMS, off, it.kb + t * N, it.ke, kvh, pw, lane);
         if constexpr (V::kQK) {   // announce the previous tile, transformed, while this one is in flight
           cp_async_commit();
           if (t > 0) {
             cp_async_wait<1>();
-            transform_and_announce(p, it, qs, kvs, full, t - 1, g, qk_state);
+            transform_and_announce(p, it, qs, kvs, full, vfull, t - 1, g, qk_state);
           }
         } else {
           cp_async_mbar_arrive(&full[st]);
+          if constexpr (KVSPLIT) cp_async_mbar_arrive(&vfull[st]);
         }
       }
       if (t + 1 < ntiles) off = Base::tok_offset(p, it.pages, min(it.kb + (t + 1) * N + my_row, it.ke - 1));
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
-    if constexpr (V::kQK) transform_and_announce(p, it, qs, kvs, full, ntiles - 1, g, qk_state);
+    if constexpr (V::kQK) transform_and_announce(p, it, qs, kvs, full, vfull, ntiles - 1, g, qk_state);
   }
 
   // Ping-pong: the consumers take turns issuing their matrix products (named barriers 1 and 2, each over both
@@ -452,6 +488,8 @@ struct PrefillSm90 {
   __device__ static void consume(const PrefillParams& p, const Item& it, const Q* qs, const T* kvs,
                                  unsigned long long* full, unsigned long long* empty, unsigned long long* qfree,
                                  int kvh, int w, int g, bool open, int w_next, Item& next) {
+    unsigned long long* vfull = v_full(full);
+    unsigned long long* vempty = KVSPLIT ? vfull + STAGES : empty;
     constexpr bool EARLY = KVATTN_SM90_EARLY;
     Item again;   // (EARLY) the unit's item, loaded anew for the epilogue
     auto load_early = [&] {
@@ -487,11 +525,13 @@ struct PrefillSm90 {
       wgmma_wait<0>();
       fence_regs(s);
       if (ntiles == 1 && lane == 0) mbar_arrive(qfree);
+      if (KVSPLIT && lane == 0) mbar_arrive(&empty[g % STAGES]);   // the tile's K is done with
       softmax_tile(p, it, s, it.kb, tok, rc[0], lane, m, l, sc);
 
       for (int ti = 0; ti + 1 < ntiles; ++ti) {
         const int nxt = ti + 1, cur_st = (g + ti) % STAGES, nxt_st = (g + nxt) % STAGES;
         mbar_wait(&full[nxt_st], ((g + nxt) / STAGES) & 1);
+        if constexpr (KVSPLIT) mbar_wait(&vfull[cur_st], ((g + ti) / STAGES) & 1);
         fence_proxy_async();
         unsigned pa[N / 16][4];
         pack_p(s, pa);
@@ -503,10 +543,11 @@ struct PrefillSm90 {
         wgmma_wait<1>();
         fence_regs(s);
         if (nxt == ntiles - 1 && lane == 0) mbar_arrive(qfree);   // the unit's last Q K^T has completed
+        if (KVSPLIT && lane == 0) mbar_arrive(&empty[nxt_st]);     // and this tile's K
         softmax_tile(p, it, s, it.kb + nxt * N, tok, rc[0], lane, m, l, sc);
         wgmma_wait<0>();
         fence_regs(acc);
-        if (lane == 0) mbar_arrive(&empty[cur_st]);   // this warp is done with tile ti's stage
+        if (lane == 0) mbar_arrive(&vempty[cur_st]);   // this warp is done with tile ti's stage (KVSPLIT: its V)
         if (sc[0] != 1.f || sc[1] != 1.f) {
 #pragma unroll
           for (int i = 0; i < ON / 4; ++i) {
@@ -514,6 +555,10 @@ struct PrefillSm90 {
             acc[4 * i + 2] *= sc[1]; acc[4 * i + 3] *= sc[1];
           }
         }
+      }
+      if constexpr (KVSPLIT) {
+        mbar_wait(&vfull[(g + ntiles - 1) % STAGES], ((g + ntiles - 1) / STAGES) & 1);
+        fence_proxy_async();
       }
       unsigned pa[N / 16][4];
       pack_p(s, pa);
@@ -526,7 +571,7 @@ struct PrefillSm90 {
       if constexpr (EARLY) load_early();   // in flight while the last P V runs
       wgmma_wait<0>();
       fence_regs(acc);
-      if (lane == 0) mbar_arrive(&empty[last_st]);
+      if (lane == 0) mbar_arrive(&vempty[last_st]);
     } else if constexpr (EARLY) {
       load_early();
     }
@@ -546,18 +591,6 @@ struct PrefillSm90 {
     return round * nb + (round & 1 ? nb - 1 - (int)blockIdx.x : (int)blockIdx.x);
   }
 
-  // (QPF) The query rows of unit f (if f < units; rows as copy_q reads them) into L2, one row per producer thread.
-  __device__ __forceinline__ static void prefetch_q(const PrefillParams& p, int f, int units, int hkv) {
-    static_assert(ROWS <= PRODUCERS, "one query row per producer thread");
-    if (f >= units) return;
-    const int base = p.off_items + 8 * (f / hkv), rr = threadIdx.x;
-    if (rr >= p.plan[base + 2] || p.plan[base + 4] <= p.plan[base + 3]) return;   // nrows; a unit without tiles
-    const int pr = p.plan[base + 1] + rr, tq = pr / p.group_size, h = pr - tq * p.group_size;
-    const int qo_start = p.plan[p.off_qo_indptr + p.plan[base]];
-    bulk_prefetch_l2(static_cast<const Q*>(p.q) + (long long)(qo_start + tq) * p.q_stride_n +
-                         (long long)((f % hkv) * p.group_size + h) * p.q_stride_h, D_QK * sizeof(Q));
-  }
-
   // Closes the consumers' stream of turns (STREAM): consumer 0 takes consumer 1's last arrival.
   static constexpr bool STREAM_TURNS = KVATTN_SM90_STREAM;
   __device__ __forceinline__ static void close_turns(bool opened) {
@@ -572,10 +605,16 @@ struct PrefillSm90 {
     unsigned long long* full = reinterpret_cast<unsigned long long*>(kvs + STAGES * STAGE_ELEMS);   // [STAGES]
     unsigned long long* empty = full + STAGES;                                                      // [STAGES]
     unsigned long long* qfree = empty + STAGES;                                                     // [QBUF]
+    unsigned long long* vfull = v_full(full);                                                      // [STAGES]
+    unsigned long long* vempty = vfull + STAGES;                                                   // [STAGES]
     if (threadIdx.x == 0) {
       for (int i = 0; i < STAGES; ++i) {
         mbar_init(&full[i], PRODUCERS);
         mbar_init(&empty[i], 8);   // one arrival per consumer warp
+        if constexpr (KVSPLIT) {
+          mbar_init(&vfull[i], PRODUCERS);
+          mbar_init(&vempty[i], 8);
+        }
       }
       for (int i = 0; i < QBUF; ++i) mbar_init(&qfree[i], 8);
     }
@@ -601,7 +640,6 @@ struct PrefillSm90 {
       regs_dec<PRODUCER_REGS>();
       int nq = 0;   // of them, units with tiles
       for (int r = 0, f = unit<MIXED>(0, ctas); f < units; f = unit<MIXED>(++r, ctas)) {
-        if constexpr (KVATTN_SM90_QPF) prefetch_q(p, unit<MIXED>(r + 1, ctas), units, hkv);
         const Item it = Base::load_item(p, p.plan, f / hkv);
         produce(p, it, qs + (nq % QBUF) * Q_ELEMS, kvs, full, empty, &qfree[nq % QBUF], f % hkv, g, nq);
         const int ntiles = (it.ke - it.kb + N - 1) / N;

@@ -28,11 +28,6 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const void* tmap, int c0,
       ::"r"(smem_addr(dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar)) : "memory");
 }
 
-// Prefetches `bytes` (a multiple of 16, 16-byte aligned) of global memory into L2 (no completion to wait for).
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, unsigned bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-}
-
 // Blocks until the phase of parity `parity` of the barrier has completed (phases alternate 0, 1, 0, ...).
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
   asm volatile(

@@ -146,10 +146,13 @@ def sm90_tile(head_dim: int, head_dim_vo: int | None = None) -> tuple[int, int]:
 
 def sm90_smem_bytes(head_dim: int, head_dim_vo: int | None = None) -> int:
     """Dynamic shared memory of prefill_sm90_kernel (mirrors PrefillSm90::SMEM_BYTES: Q, the ring of K and V
-    tiles, a full and an empty mbarrier per stage, each Q tile's `qfree` mbarrier; KVATTN_SM90_QBUF Q tiles)."""
+    tiles, a full and an empty mbarrier per stage, each Q tile's `qfree` mbarrier; KVATTN_SM90_QBUF Q tiles;
+    V's own full and empty mbarriers per stage with 2 stages, or as KVATTN_SM90_KVSPLIT says)."""
     n, stages = sm90_tile(head_dim, head_dim_vo)
-    qbuf = dict(SM90_TUNING).get("KVATTN_SM90_QBUF", 1)
-    return (qbuf * 128 * head_dim + stages * n * (head_dim + (head_dim_vo or head_dim))) * 2 + (2 * stages + qbuf) * 8
+    over = dict(SM90_TUNING)
+    qbuf, split = over.get("KVATTN_SM90_QBUF", 1), over.get("KVATTN_SM90_KVSPLIT", stages < 3)
+    bars = 2 * stages * (2 if split else 1) + qbuf
+    return (qbuf * 128 * head_dim + stages * n * (head_dim + (head_dim_vo or head_dim))) * 2 + bars * 8
 
 
 #: Persistent sm90 CTAs (prefill_sm90.cuh: at most one CTA per SM, each walking its share of the (item, KV head)

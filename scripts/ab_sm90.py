@@ -1,14 +1,15 @@
 """A/B experiments on the sm90 prefill kernel, each in one process (bf16 unless named, Hq32/Hkv8, ragged):
 
     PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order]
-                                            [--stream] [--early] [--shapes] [--qpf] [--qbuf]
+                                            [--stream] [--early] [--shapes] [--kvsplit]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
   against the full kernel (head_dim 128; only X=0 is a correct kernel, the others' error is not printed).
 --tanh: the soft cap's tanh (KVATTN_TANH 0 = tanhf, 1 = ex2 + fast reciprocal, 2 = tanh.approx.f32), cap 30,
   causal b1_S8192 head_dim 128, bf16 and fp16, with the error against the float64 reference.
---d256: head_dim 256's KV tile and ring depth (KVATTN_SM90_N / _STAGES), causal b1_S8192, beside the sm80 kernel.
+--d256: head_dim 256's KV tile, ring depth and K/V split (KVATTN_SM90_N / _STAGES / _KVSPLIT), causal b1_S8192,
+  beside the sm80 kernel.
 --fold: the score scale folded into the exponent on unmasked tiles (KVATTN_SM90_FOLD=1, the default) against
   not (0), the --split shapes, with the error.
 --persist: persistent CTAs (kvattn.prefill.SM90_PERSISTENT, the default) against one CTA per (item, KV head), the
@@ -23,13 +24,12 @@
 --early: the persistent consumers' item loads (the unit's again for its epilogue, the next unit's) issued before
   the wait for the unit's last P V (KVATTN_SM90_EARLY=1, the default) against where they are used (0), the
   --stream shapes.
---qpf: the next unit's query rows prefetched into L2 a unit ahead (KVATTN_SM90_QPF=1, an experiment) against the
-  default (0), the --stream shapes and non-causal b32_S1024.
---qbuf: two Q tiles (KVATTN_SM90_QBUF=2: a unit's Q copied while the unit before it runs) with 2 K/V stages, against
-  one Q tile with 3 stages (the default) and with 2, the --qpf shapes.
+--kvsplit: K and V of a stage released apart (KVATTN_SM90_KVSPLIT=1; the default only with 2 stages) against
+  together (0), with 3 stages (the default: joint), with 2, and with 2 and two Q tiles (KVATTN_SM90_QBUF=2: a unit's Q copied while the unit before it runs),
+  the --stream shapes and non-causal b32_S1024.
 --shapes: the default kernel on unit shapes that separate a unit's fixed cost from its tiles (run_shapes).
---split, --fold, --persist, --prefetch, --order, --stream, --early, --qpf and --qbuf time their options in 3 rounds of alternating order
-  (the GPU's clock drifts under load: BENCHMARKS.md, run 15d); --tanh and --d256 are single passes.
+--split, --d256, --fold, --persist, --prefetch, --order, --stream, --early and --kvsplit time their options in 3 rounds of alternating order
+  (the GPU's clock drifts under load: BENCHMARKS.md, run 15d); --tanh is a single pass.
 """
 import argparse
 import os
@@ -45,7 +45,6 @@ SPLIT = {0: "full kernel", 1: "no K/V loads", 2: "no softmax"}
 SPLIT_CASES = [("non-causal b1_S8192", 1, 8192, False), ("causal b1_S8192", 1, 8192, True),
                ("causal b8_S2048", 8, 2048, True), ("causal b32_S1024", 32, 1024, True)]
 TANH = {0: "tanhf", 1: "ex2 + rcp", 2: "tanh.approx"}
-D256_TILES = [(64, 2), (80, 2)]
 
 
 def split_defines(x):
@@ -56,10 +55,15 @@ def tile_defines(n, stages):
     return (("KVATTN_SM90_N", n), ("KVATTN_SM90_STAGES", stages))
 
 
+#: head_dim 256's tile shapes and ring (2 stages: K and V released apart unless joint)
+D256_BUILDS = [("N64 x2 split", tile_defines(64, 2)), ("N80 x2 split", tile_defines(80, 2)),
+               ("N80 x2 joint", tile_defines(80, 2) + (("KVATTN_SM90_KVSPLIT", 0),))]
+
+
 def compile_all():
     builds = [(split_defines(x), 128, Variant(), "bfloat16") for x in SPLIT]
     builds += [((("KVATTN_TANH", x),), 128, Variant(soft_cap=True), t) for x in TANH for t in ("bfloat16", "float16")]
-    builds += [(tile_defines(n, st), 256, Variant(), "bfloat16") for n, st in D256_TILES]
+    builds += [(defs, 256, Variant(), "bfloat16") for _, defs in D256_BUILDS]
     builds += [((("KVATTN_SM90_FOLD", 0),), 128, Variant(), "bfloat16")]
     for defs, d, v, t in builds:
         prefill.SM90_TUNING = defs
@@ -70,7 +74,7 @@ def compile_all():
     prefill.SM90_PERSISTENT = True
     prefill.SM90_TUNING = (("KVATTN_SM90_PREFETCH", 0),)
     prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
-    for defs in (STREAM_OFF, EARLY_OFF, QPF_ON, QBUF2, STAGES2):
+    for defs in (STREAM_OFF, EARLY_OFF, QBUF2, STAGES2, KV_APART, JOINT + STAGES2):
         prefill.SM90_TUNING = defs
         prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
     prefill.SM90_TUNING = ()
@@ -163,7 +167,8 @@ def run_prefetch(bp, rng):
 
 STREAM_OFF = (("KVATTN_SM90_STREAM", 0),)
 EARLY_OFF = (("KVATTN_SM90_EARLY", 0),)
-QPF_ON = (("KVATTN_SM90_QPF", 1),)
+JOINT = (("KVATTN_SM90_KVSPLIT", 0),)
+KV_APART = (("KVATTN_SM90_KVSPLIT", 1),)
 STAGES2 = (("KVATTN_SM90_STAGES", 2),)
 QBUF2 = STAGES2 + (("KVATTN_SM90_QBUF", 2),)
 BOUNDARY_CASES = SPLIT_CASES + [("causal b64_S512", 64, 512, True), ("paged causal b8_S2048", 8, 2048, True)]
@@ -183,18 +188,12 @@ def run_early(bp, rng):
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 
-def run_qpf(bp, rng):
+def run_kvsplit(bp, rng):
     for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
-        compare("qpf", name, flops_of(bp, b, s, causal),
-                [("no Q prefetch", tuning(())), ("Q prefetched", tuning(QPF_ON))],
-                case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
-
-
-def run_qbuf(bp, rng):
-    for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
-        compare("qbuf", name, flops_of(bp, b, s, causal),
-                [("1 Q, 3 stages", tuning(())), ("1 Q, 2 stages", tuning(STAGES2)),
-                 ("2 Q, 2 stages", tuning(QBUF2))],
+        compare("kvsplit", name, flops_of(bp, b, s, causal),
+                [("joint, 3 stages", tuning(())), ("split, 3 stages", tuning(KV_APART)),
+                 ("joint, 2 stages", tuning(JOINT + STAGES2)), ("split, 2 stages", tuning(STAGES2)),
+                 ("split, 2 Q, 2 st", tuning(QBUF2))],
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 
@@ -236,19 +235,18 @@ def run_order(bp, rng):
 
 
 def run_d256(bp, rng):
-    for n, st in D256_TILES:
-        prefill.SM90_TUNING = tile_defines(n, st)
-        label, w, us, tf, err = bp.variant_case(rng, "causal b1_S8192 D256", d=256, backend="sm90")
-        print(f"d256  {label:22s} sm90 N{n} x{st} {us:9.1f} us {tf:6.0f} TFLOP/s err {err:.1e}", flush=True)
-    prefill.SM90_TUNING = ()
+    def measure():
+        _, _, us, _, err = bp.variant_case(rng, "causal b1_S8192 D256", d=256, backend="sm90")
+        return us, err
+    compare("d256", "causal b1_S8192 D256", 4 * bp.HQ * 256 * (8192 * 8193 // 2),
+            [(what, tuning(defs)) for what, defs in D256_BUILDS], measure)
     label, w, us, tf, err = bp.variant_case(rng, "causal b1_S8192 D256", d=256, backend="sm80")
     print(f"d256  {label:22s} {'sm80 / 64 rows':14s} {us:9.1f} us {tf:6.0f} TFLOP/s err {err:.1e}", flush=True)
 
 
 EXPERIMENTS = {"split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold, "persist": run_persist,
                "prefetch": run_prefetch, "order": run_order, "stream": run_stream,
-               "early": run_early, "shapes": run_shapes, "qpf": run_qpf,
-               "qbuf": run_qbuf}
+               "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
