@@ -75,6 +75,7 @@ struct DecodeParams {
 // CTA, each its own shared memory and named barrier); false: a CTA of its own (the same machine code as before).
 template <class A, int M_TILES, int STAGES_, class V, bool SUB = false>
 struct DecodeKernel {
+  using Variant = V;
   using Q = typename A::Q;
   using KV = typename A::KV;
   using O = typename A::O;
@@ -559,8 +560,14 @@ struct DecodeKernel {
 #undef KV_TID
 #undef KV_SYNC
 
+// The packed RoPE builds ask for 3 CTAs per SM where their shared memory allows 3 (168 registers): left to itself
+// ptxas gave the packed rotation at head dim 128 196-223 registers, 2 CTAs. (0: no minimum, as before.)
+template <class K>
+constexpr int decode_min_ctas() {
+  return K::Variant::kQK && !KVATTN_ROPE_F32 && 3 * K::SMEM_BYTES <= 227 * 1024 ? 3 : 0;
+}
 template <class A, int M_TILES, int STAGES, class V>
-__global__ void __launch_bounds__(128) decode_kernel(const __grid_constant__ DecodeParams p) {
+__global__ void __launch_bounds__(128, decode_min_ctas<DecodeKernel<A, M_TILES, STAGES, V>>()) decode_kernel(const __grid_constant__ DecodeParams p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   allow_dependent_launch();   // the split-KV merge kernel may launch now and wait for this grid's end on the GPU
   const int chunk = blockIdx.x / p.z_split, z = blockIdx.x - chunk * p.z_split;

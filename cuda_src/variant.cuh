@@ -125,6 +125,48 @@ __device__ __forceinline__ void rope_rotate(float (&lo)[8], float (&hi)[8], cons
   }
 }
 
+// Decode's key rotation (rope_key_run), compile switches for the A/B of scripts/ab_rope_decode.py (run 28a,
+// BENCHMARKS.md): KVATTN_ROPE_F32 1 rotates in float32 (unpacked, rotated, rounded once: the kernel before), 0 in
+// T's packed two-element arithmetic (the sines and cosines rounded to T, u = x c - round(y s) rounded once more, as
+// Hugging Face's bf16 RoPE rounds: 0.883 of plain against 0.841 at b64_L4096); KVATTN_ROPE_BATCH: the rows a lane
+// loads before rotating them (8: 0.883, 4: 0.855); KVATTN_ROPE_CHEB 1: the next row's angle by Chebyshev's
+// recurrence (2 FMA a pair, not 4; at 4 rows 0.873 against 0.855, but with 8 rows it spills at 168 registers).
+#ifndef KVATTN_ROPE_F32
+#define KVATTN_ROPE_F32 0
+#endif
+#ifndef KVATTN_ROPE_BATCH
+#define KVATTN_ROPE_BATCH 8
+#endif
+#ifndef KVATTN_ROPE_CHEB
+#define KVATTN_ROPE_CHEB 0
+#endif
+
+template <typename T> struct Packed2;   // T's two-element vector
+template <> struct Packed2<half> { using type = half2; };
+template <> struct Packed2<__nv_bfloat16> { using type = __nv_bfloat162; };
+
+// Words xw, yw (two elements each: pairs (x_k, y_k), k = 0, 1) rotated by the words cw = (cos_0, cos_1), sw =
+// (sin_0, sin_1): x <- x cos - y sin, y <- y cos + x sin, in T's packed arithmetic (4 instructions for 2 pairs).
+template <typename T>
+__device__ __forceinline__ void rotate_packed(unsigned& xw, unsigned& yw, unsigned cw, unsigned sw) {
+  using P2 = typename Packed2<T>::type;
+  const P2 x = *reinterpret_cast<const P2*>(&xw), y = *reinterpret_cast<const P2*>(&yw);
+  const P2 c = *reinterpret_cast<const P2*>(&cw), s = *reinterpret_cast<const P2*>(&sw);
+  const P2 u = __hfma2(x, c, __hneg2(__hmul2(y, s)));
+  const P2 v = __hfma2(y, c, __hmul2(x, s));
+  xw = *reinterpret_cast<const unsigned*>(&u);
+  yw = *reinterpret_cast<const unsigned*>(&v);
+}
+
+// Word w = (x, y), one pair, rotated by the words cc = (cos, cos), ns = (-sin, sin): (x cos - y sin, y cos + x sin).
+template <typename T> __device__ __forceinline__ unsigned rotate_pair_packed(unsigned w, unsigned cc, unsigned ns) {
+  using P2 = typename Packed2<T>::type;
+  const P2 x = *reinterpret_cast<const P2*>(&w);
+  const P2 r = __hfma2(x, *reinterpret_cast<const P2*>(&cc),
+                       __hmul2(__lowhigh2highlow(x), *reinterpret_cast<const P2*>(&ns)));
+  return *reinterpret_cast<const unsigned*>(&r);
+}
+
 template <typename T> __device__ __forceinline__ float2 unpack2(unsigned w);
 template <> __device__ __forceinline__ float2 unpack2<half>(unsigned w) {
   return __half22float2(*reinterpret_cast<const half2*>(&w));
@@ -139,62 +181,128 @@ template <> __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(unsigned w)
 // the previous by one rotation through the step angle RP * rcp_scale * freq (8 sine / cosine per lane and tile
 // instead of 32), and the rows are unrolled so that their shared-memory loads issue together (that, more than
 // the sines, is what made it faster: BENCHMARKS.md). The angles stay within the per-row path's (rope_rotate) own
-// fp32 error. rd: RoPE's variant data (log2 theta, 1 / scale, the per-request offsets).
+// fp32 error. rd: RoPE's variant data (log2 theta, 1 / scale, the per-request offsets); inv8: the calling thread's
+// RopeState::inv (the inverse frequencies of its query-transform pairs).
 template <bool INTERLEAVE, int D, int N, typename T>
-__device__ __forceinline__ void rope_key_run(T* tile, int r0, int lane, const float* rd, int pos0, int req) {
+__device__ __forceinline__ void rope_key_run(T* tile, int r0, int lane, const float* rd, int pos0, int req,
+                                             const float (&inv8)[8]) {
   constexpr int LPR = D / 8;       // lanes per row
   static_assert(32 % LPR == 0, "whole key rows per warp: D 64, 128 or 256");
   constexpr int RP = 32 / LPR;     // rows in flight per warp
   static_assert(N % RP == 0, "whole row sets");
-  const int q = lane % LPR, rfirst = r0 + lane / LPR;
+  // (packed) the lane's 4 pairs are half (h) of the 8 whose inverse frequencies its QKState holds (inv8, for the
+  // dims 8 m.. of qk_dims), so none is recomputed per tile: NeoX pairs 4 q.. with q = 2 m + h, GPT-J chunk q = m
+  // + h D / 16; (float32) pairs 4 q.. with q = lane % LPR, as before.
+  const int m = lane % (D / 16), h = lane / (D / 16) % 2;
+  const int q = KVATTN_ROPE_F32 ? lane % LPR : INTERLEAVE ? m + h * (D / 16) : 2 * m + h, rfirst = r0 + lane / LPR;
   const float log2_theta = __ldg(rd), rcp = __ldg(rd + 1);
   const float p_first = (float)(pos0 + rfirst + __float_as_int(__ldg(rd + 2 + req))) * rcp;
   const float p_step = (float)RP * rcp;
   float cs[4], sn[4], cd[4], sd[4];
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const float inv = rope_freq<D>(4 * q + e, log2_theta);
+    const float inv = KVATTN_ROPE_F32 ? rope_freq<D>(4 * q + e, log2_theta) : h ? inv8[4 + e] : inv8[e];
     rope_sincos(p_first * inv, sn[e], cs[e]);
     rope_sincos(p_step * inv, sd[e], cd[e]);
   }
-#pragma unroll   // (unrolled: every row's shared-memory loads issue together, not one row's latency at a time)
-  for (int k = 0; k < N / RP; ++k) {
-    const int r = rfirst + k * RP;
-    unsigned* a;   // NeoX: dims 4q.. (2 words) and 4q + D/2.. (2 words); GPT-J: the pairs of chunk q (4 words)
-    unsigned* b;
-    if (INTERLEAVE) {
-      a = b = reinterpret_cast<unsigned*>(tile + swz<D>(r, q));
-    } else {
-      a = reinterpret_cast<unsigned*>(tile + swz<D>(r, q / 2) + 4 * (q % 2));
-      b = reinterpret_cast<unsigned*>(tile + swz<D>(r, D / 16 + q / 2) + 4 * (q % 2));
-    }
-    float x[4], y[4];   // pair e: (x, y) -> (x cos - y sin, y cos + x sin)
-    if (INTERLEAVE) {
-      const uint4 w = *reinterpret_cast<const uint4*>(a);
-      const unsigned ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) { const float2 f = unpack2<T>(ws[e]); x[e] = f.x; y[e] = f.y; }
-    } else {
-      const uint2 wa = *reinterpret_cast<const uint2*>(a), wb = *reinterpret_cast<const uint2*>(b);
-      const float2 a0 = unpack2<T>(wa.x), a1 = unpack2<T>(wa.y), b0 = unpack2<T>(wb.x), b1 = unpack2<T>(wb.y);
-      x[0] = a0.x; x[1] = a0.y; x[2] = a1.x; x[3] = a1.y;
-      y[0] = b0.x; y[1] = b0.y; y[2] = b1.x; y[3] = b1.y;
-    }
-    float u[4], v[4];
+  if constexpr (!KVATTN_ROPE_F32) {   // packed: no unpacking, 2 instructions a pair
+    // KVATTN_ROPE_CHEB: the next row's angle by Chebyshev's recurrence, cos(a + d) = 2 cos(d) cos(a) - cos(a - d)
+    // (likewise sine): 2 FMA a pair instead of a rotation's 4, the previous angle kept.
+    float cp[4], sp[4], tcd[4];   // (CHEB) the previous row's cosine / sine; 2 cos(step)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      u[e] = x[e] * cs[e] - y[e] * sn[e];
-      v[e] = y[e] * cs[e] + x[e] * sn[e];
-      const float c2 = cs[e] * cd[e] - sn[e] * sd[e];   // the next row's angle
-      sn[e] = sn[e] * cd[e] + cs[e] * sd[e];
-      cs[e] = c2;
+      cp[e] = cs[e] * cd[e] + sn[e] * sd[e];
+      sp[e] = sn[e] * cd[e] - cs[e] * sd[e];
+      tcd[e] = 2.f * cd[e];
     }
-    if (INTERLEAVE) {
-      *reinterpret_cast<uint4*>(a) = make_uint4(Mma<T>::pack(u[0], v[0]), Mma<T>::pack(u[1], v[1]),
-                                                Mma<T>::pack(u[2], v[2]), Mma<T>::pack(u[3], v[3]));
-    } else {
-      *reinterpret_cast<uint2*>(a) = make_uint2(Mma<T>::pack(u[0], u[1]), Mma<T>::pack(u[2], u[3]));
-      *reinterpret_cast<uint2*>(b) = make_uint2(Mma<T>::pack(v[0], v[1]), Mma<T>::pack(v[2], v[3]));
+    constexpr int K = N / RP < KVATTN_ROPE_BATCH ? N / RP : KVATTN_ROPE_BATCH;   // rows loaded together
+#pragma unroll 1
+    for (int k0 = 0; k0 < N / RP; k0 += K) {
+      uint2 wa[K], wb[K];   // NeoX: dims 4q.. and 4q + D/2..; GPT-J: the two halves of chunk q
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int r = rfirst + (k0 + k) * RP;
+        if (INTERLEAVE) {
+          const uint4 w = *reinterpret_cast<const uint4*>(tile + swz<D>(r, q));
+          wa[k] = make_uint2(w.x, w.y);
+          wb[k] = make_uint2(w.z, w.w);
+        } else {
+          wa[k] = *reinterpret_cast<const uint2*>(tile + swz<D>(r, q / 2) + 4 * (q % 2));
+          wb[k] = *reinterpret_cast<const uint2*>(tile + swz<D>(r, D / 16 + q / 2) + 4 * (q % 2));
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int r = rfirst + (k0 + k) * RP;
+        if (INTERLEAVE) {   // word e: pair e, (cos, cos) and (-sin, sin)
+          uint4 w;
+          w.x = rotate_pair_packed<T>(wa[k].x, Mma<T>::pack(cs[0], cs[0]), Mma<T>::pack(-sn[0], sn[0]));
+          w.y = rotate_pair_packed<T>(wa[k].y, Mma<T>::pack(cs[1], cs[1]), Mma<T>::pack(-sn[1], sn[1]));
+          w.z = rotate_pair_packed<T>(wb[k].x, Mma<T>::pack(cs[2], cs[2]), Mma<T>::pack(-sn[2], sn[2]));
+          w.w = rotate_pair_packed<T>(wb[k].y, Mma<T>::pack(cs[3], cs[3]), Mma<T>::pack(-sn[3], sn[3]));
+          *reinterpret_cast<uint4*>(tile + swz<D>(r, q)) = w;
+        } else {
+          rotate_packed<T>(wa[k].x, wb[k].x, Mma<T>::pack(cs[0], cs[1]), Mma<T>::pack(sn[0], sn[1]));
+          rotate_packed<T>(wa[k].y, wb[k].y, Mma<T>::pack(cs[2], cs[3]), Mma<T>::pack(sn[2], sn[3]));
+          *reinterpret_cast<uint2*>(tile + swz<D>(r, q / 2) + 4 * (q % 2)) = wa[k];
+          *reinterpret_cast<uint2*>(tile + swz<D>(r, D / 16 + q / 2) + 4 * (q % 2)) = wb[k];
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {   // the next row's angle
+          if (KVATTN_ROPE_CHEB) {
+            const float c2 = fmaf(tcd[e], cs[e], -cp[e]), s2 = fmaf(tcd[e], sn[e], -sp[e]);
+            cp[e] = cs[e];
+            sp[e] = sn[e];
+            cs[e] = c2;
+            sn[e] = s2;
+          } else {
+            const float c2 = cs[e] * cd[e] - sn[e] * sd[e];
+            sn[e] = sn[e] * cd[e] + cs[e] * sd[e];
+            cs[e] = c2;
+          }
+        }
+      }
+    }
+  } else {   // float32
+#pragma unroll   // (unrolled: every row's shared-memory loads issue together, not one row's latency at a time)
+    for (int k = 0; k < N / RP; ++k) {
+      const int r = rfirst + k * RP;
+      unsigned* a;   // NeoX: dims 4q.. (2 words) and 4q + D/2.. (2 words); GPT-J: the pairs of chunk q (4 words)
+      unsigned* b;
+      if (INTERLEAVE) {
+        a = b = reinterpret_cast<unsigned*>(tile + swz<D>(r, q));
+      } else {
+        a = reinterpret_cast<unsigned*>(tile + swz<D>(r, q / 2) + 4 * (q % 2));
+        b = reinterpret_cast<unsigned*>(tile + swz<D>(r, D / 16 + q / 2) + 4 * (q % 2));
+      }
+      float x[4], y[4];   // pair e: (x, y) -> (x cos - y sin, y cos + x sin)
+      if (INTERLEAVE) {
+        const uint4 w = *reinterpret_cast<const uint4*>(a);
+        const unsigned ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) { const float2 f = unpack2<T>(ws[e]); x[e] = f.x; y[e] = f.y; }
+      } else {
+        const uint2 wa = *reinterpret_cast<const uint2*>(a), wb = *reinterpret_cast<const uint2*>(b);
+        const float2 a0 = unpack2<T>(wa.x), a1 = unpack2<T>(wa.y), b0 = unpack2<T>(wb.x), b1 = unpack2<T>(wb.y);
+        x[0] = a0.x; x[1] = a0.y; x[2] = a1.x; x[3] = a1.y;
+        y[0] = b0.x; y[1] = b0.y; y[2] = b1.x; y[3] = b1.y;
+      }
+      float u[4], v[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        u[e] = x[e] * cs[e] - y[e] * sn[e];
+        v[e] = y[e] * cs[e] + x[e] * sn[e];
+        const float c2 = cs[e] * cd[e] - sn[e] * sd[e];   // the next row's angle
+        sn[e] = sn[e] * cd[e] + cs[e] * sd[e];
+        cs[e] = c2;
+      }
+      if (INTERLEAVE) {
+        *reinterpret_cast<uint4*>(a) = make_uint4(Mma<T>::pack(u[0], v[0]), Mma<T>::pack(u[1], v[1]),
+                                                  Mma<T>::pack(u[2], v[2]), Mma<T>::pack(u[3], v[3]));
+      } else {
+        *reinterpret_cast<uint2*>(a) = make_uint2(Mma<T>::pack(u[0], u[1]), Mma<T>::pack(u[2], u[3]));
+        *reinterpret_cast<uint2*>(b) = make_uint2(Mma<T>::pack(v[0], v[1]), Mma<T>::pack(v[2], v[3]));
+      }
     }
   }
 }
@@ -363,7 +471,7 @@ template <class V, int D, int N, typename T, class P>
 __device__ __forceinline__ void transform_key_rows(const P& p, const typename V::QKState& st, T* tile, int r0,
                                                    int lane, int pos0, int req) {
   if constexpr (V::kRope != 0) {
-    rope_key_run<V::kRope == 2, D, N>(tile, r0, lane, V::rope_data(p), pos0, req);
+    rope_key_run<V::kRope == 2, D, N>(tile, r0, lane, V::rope_data(p), pos0, req, st.inv);
   } else {
     transform_rows<V, D>(p, st, tile, r0, N, lane, 32, req, true, [&](int r) { return pos0 + r; });
   }

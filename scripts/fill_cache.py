@@ -70,6 +70,12 @@ def specs():
         out += [decode.decode_spec(d, 1, v, "bfloat16") for d in decode.HEAD_DIMS]
         out += [pf.prefill_spec(d, rows, v, "bfloat16") for d in (64, 128, 256) for rows in (64, 16)]
         out += [pf.prefill_spec(64, 128, v, "bfloat16")] + [pf.sm90_spec(d, v, "bfloat16") for d in (64, 128)]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import ab_rope_decode   # its A/B builds of the RoPE key rotation
+    for _, kw, tn in ab_rope_decode.CONFIGS:
+        if tn:
+            out.append(decode.decode_spec(128, 1, Variant(rope=2 if kw["rope"].interleave else 1), "bfloat16",
+                                          rope_defines=tn["rope_defines"]))
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from _user_variants import EVEN_KEYS, HALF_LOGITS, HEAD_SCALE, SIGMOID   # the GPU tests' user variants
     for v in (HALF_LOGITS, EVEN_KEYS, SIGMOID, HEAD_SCALE):
