@@ -1,7 +1,7 @@
 """A/B experiments on the sm90 prefill kernel, each in one process (bf16 unless named, Hq32/Hkv8, ragged):
 
     PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order]
-                                            [--stream] [--early] [--shapes] [--kvsplit]
+                                            [--stream] [--early] [--shapes] [--kvsplit] [--pages]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -28,6 +28,7 @@
   together (0), with 3 stages (the default: joint), with 2, and with 2 and two Q tiles (KVATTN_SM90_QBUF=2: a unit's Q copied while the unit before it runs),
   the --stream shapes and non-causal b32_S1024.
 --shapes: the default kernel on unit shapes that separate a unit's fixed cost from its tiles (run_shapes).
+--pages: paged prefill at page sizes 16-128, page 16 without TMA boxes, and ragged (run_pages).
 --split, --d256, --fold, --persist, --prefetch, --order, --stream, --early and --kvsplit time their options in 3 rounds of alternating order
   (the GPU's clock drifts under load: BENCHMARKS.md, run 15d); --tanh is a single pass.
 """
@@ -244,7 +245,33 @@ def run_d256(bp, rng):
     print(f"d256  {label:22s} {'sm80 / 64 rows':14s} {us:9.1f} us {tf:6.0f} TFLOP/s err {err:.1e}", flush=True)
 
 
-EXPERIMENTS = {"split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold, "persist": run_persist,
+def run_pages(bp, rng):
+    """Where the paged path loses to ragged (issue 13: within 5%): causal b1_S8192 and b8_S2048 paged at page sizes
+    16 / 32 / 64 / 128 (one TMA box a page, up to the 128-token tile), page 16 with the per-thread copies instead
+    of boxes (TMA off), and ragged (one box a tile). Run 28c-28e (BENCHMARKS.md)."""
+    from kvattn import tma
+    mode = {}
+    tma_mode = tma.tma_mode
+
+    def option(what, ps, tma_on=True, ragged=False):
+        def apply():
+            bp.PS = ps
+            tma.tma_mode = tma_mode if tma_on else (lambda *a: (tma.MODE_OFF, 0))
+            mode.update(ragged=ragged)
+        return what, apply
+    options = [option("page 16 TMA", 16), option("page 16 cp.async", 16, tma_on=False), option("page 32", 32),
+               option("page 64", 64), option("page 128", 128), option("ragged", 16, ragged=True)]
+    for name, b, s in [("causal b1_S8192", 1, 8192), ("causal b8_S2048", 8, 2048)]:
+        def measure():
+            if mode["ragged"]:
+                return bp.ragged_case(rng, name, [s] * b, [s] * b, 128, causal=True, backend="sm90")[1:]
+            return bp.paged_case(rng, [s] * b, [s] * b, 128, causal=True, backend="sm90")[1:]
+        compare("pages", name, flops_of(bp, b, s, True), options, measure)
+    bp.PS, tma.tma_mode = 16, tma_mode
+
+
+EXPERIMENTS = {"pages": run_pages, "split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold,
+               "persist": run_persist,
                "prefetch": run_prefetch, "order": run_order, "stream": run_stream,
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit}
 
