@@ -27,6 +27,15 @@
 #ifndef KVATTN_DECODE_WTOK
 #define KVATTN_DECODE_WTOK 0
 #endif
+// The copies' page ids loaded a tile ahead into registers (1, the default), their offsets computed just before the
+// tile's copies are issued, so no iteration waits on an id load; 0: each tile's offsets computed a tile ahead,
+// right after their id loads (a miss stalls that iteration: one id a row at page size 1), the ids of pages under
+// 8 tokens prefetched into L1. Run 28f (scripts/probe_decode_pages.py, b64_L4096): page 1 0.750 -> 0.994 of the
+// copy ceiling, page 2 0.841 -> 1.004, page 16 1.002 -> 1.015; run 28g: +1.1-1.7% on the five anchors, but head
+// dim 256 (one CTA of 4 warps a SM, 16 rows a thread) 11% slower, so -1 (the default) takes it below head dim 256.
+#ifndef KVATTN_DECODE_IDS_AHEAD
+#define KVATTN_DECODE_IDS_AHEAD -1
+#endif
 
 namespace kvattn {
 
@@ -70,6 +79,9 @@ struct DecodeParams {
     if constexpr (SUB) named_sync(1 + (int)threadIdx.x / THREADS, THREADS); \
     else __syncthreads();                                                \
   } while (0)
+
+template <bool IDS> struct RowRefOf { using type = long long; };   // DecodeKernel::RowRef
+template <> struct RowRefOf<true> { using type = int; };
 
 // SUB: the CTA is one warpgroup of a larger one (the mixed launch, mixed.cuh: three decode CTAs in one 384-thread
 // CTA, each its own shared memory and named barrier); false: a CTA of its own (the same machine code as before).
@@ -184,6 +196,27 @@ struct DecodeKernel {
     }
   }
 
+  // (IDS_AHEAD) The page ids of the K/V rows this thread copies for the cursor's tile (loaded, not yet used).
+  __device__ __forceinline__ void load_ids(const Cursor& c, int (&ids)[ROWS_PER_THREAD]) const {
+    if (!c.valid()) return;
+    const int* pi = p.page_indices + p.page_indptr[c.req];
+#pragma unroll
+    for (int j = 0; j < ROWS_PER_THREAD; ++j) {
+      const int tok = min(c.t0 + KV_TID / TPR + j * (THREADS / TPR), c.end - 1);
+      ids[j] = pi[p.page_shift >= 0 ? tok >> p.page_shift : tok / p.page_size];
+    }
+  }
+  // (IDS_AHEAD) The element offsets of those rows from their page ids.
+  __device__ __forceinline__ void offsets_of(const Cursor& c, const int (&ids)[ROWS_PER_THREAD],
+                                             long long (&off)[ROWS_PER_THREAD]) const {
+#pragma unroll
+    for (int j = 0; j < ROWS_PER_THREAD; ++j) {
+      const int tok = min(c.t0 + KV_TID / TPR + j * (THREADS / TPR), c.end - 1);
+      const int in = p.page_shift >= 0 ? tok & (p.page_size - 1) : tok % p.page_size;
+      off[j] = (long long)ids[j] * p.kv_stride_page + (long long)in * p.kv_stride_token;
+    }
+  }
+
   __device__ __forceinline__ int slot(const Cursor& c) const { return (c.w - c.w_first) % STAGES; }
   __device__ __forceinline__ Q* q_slot(const Cursor& c, unsigned char* smem) const {
     return reinterpret_cast<Q*>(smem + STAGES * STAGE_BYTES + slot(c) * Q_BYTES);
@@ -222,12 +255,25 @@ struct DecodeKernel {
 
   // Issue the producer's tile into the slot consumed at iteration it - 1, move the producer on, and start the
   // page-id loads of its next tile (used one iteration later). Always commits a group (maybe empty).
-  __device__ __forceinline__ void refill(Cursor& prod, long long (&off)[ROWS_PER_THREAD], unsigned char* smem,
+  // What a thread keeps of the producer's next tile between iterations: its rows' element offsets, or (IDS_AHEAD)
+  // their page ids.
+  static constexpr bool IDS_AHEAD = KVATTN_DECODE_IDS_AHEAD < 0 ? D_QK < 256 : KVATTN_DECODE_IDS_AHEAD != 0;
+  using RowRef = typename RowRefOf<IDS_AHEAD>::type;
+
+  __device__ __forceinline__ void refill(Cursor& prod, RowRef (&off)[ROWS_PER_THREAD], unsigned char* smem,
                                          int it) const {
     if (prod.valid()) {
-      issue(prod, off, smem + ((it + STAGES - 1) % STAGES) * STAGE_BYTES, q_slot(prod, smem));
-      advance(prod);
-      row_offsets(prod, off);
+      if constexpr (IDS_AHEAD) {
+        long long o[ROWS_PER_THREAD];
+        offsets_of(prod, off, o);
+        issue(prod, o, smem + ((it + STAGES - 1) % STAGES) * STAGE_BYTES, q_slot(prod, smem));
+        advance(prod);
+        load_ids(prod, off);
+      } else {
+        issue(prod, off, smem + ((it + STAGES - 1) % STAGES) * STAGE_BYTES, q_slot(prod, smem));
+        advance(prod);
+        row_offsets(prod, off);
+      }
     }
     cp_async_commit();
   }
@@ -240,8 +286,9 @@ struct DecodeKernel {
     if (prod.w >= prod.w_end) return;
     load_item(prod);
     Cursor cons = prod;
-    long long off[ROWS_PER_THREAD];
-    row_offsets(prod, off);
+    RowRef off[ROWS_PER_THREAD];
+    if constexpr (IDS_AHEAD) load_ids(prod, off);
+    else row_offsets(prod, off);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) refill(prod, off, smem, s + 1 - STAGES);   // fills slot s
 

@@ -66,10 +66,12 @@ DETERMINISTIC_SPLIT_TOKENS = 2048
 #: merge_lanes: None (auto: kvattn.merge.lane_shift) or 1 (one lane per unit: the A/B); merge_programmatic: the
 #: merge kernel launched programmatically (it starts while decode ends; False: a plain launch, the A/B).
 #: rope_defines: ((name, value), ...) compile switches of fused RoPE's key rotation (cuda_src/variant.cuh:
-#: KVATTN_ROPE_F32, KVATTN_ROPE_BATCH, KVATTN_ROPE_CHEB; the A/B of scripts/ab_rope_decode.py), RoPE builds only.
+#: KVATTN_ROPE_F32, KVATTN_ROPE_BATCH, KVATTN_ROPE_CHEB; the A/B of scripts/ab_rope_decode.py), RoPE builds only;
+#: ids_ahead: the copies' page ids loaded a tile ahead into registers (KVATTN_DECODE_IDS_AHEAD): None (below head
+#: dim 256, as measured in run 28g), True, or False (the kernel before: the A/B of scripts/probe_decode_pages.py).
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=None,
                       refill_first=False, fused_merge=None, wtok=None, merge_lanes=None, merge_programmatic=True,
-                      rope_defines=())
+                      rope_defines=(), ids_ahead=None)
 
 
 def warp_tokens(head_dim: int, kv_dtype: str | None = None, forced: int | None = None,
@@ -107,9 +109,11 @@ def auto_m_tiles(group: int, head_dim: int, kv_dtype: str | None, variant: Varia
 
 def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: int | None = None,
                 l2_prefetch: bool = False, refill_first: bool = False, kv_dtype: str | None = None,
-                wtok: int | None = None, head_dim_vo: int | None = None, rope_defines: tuple = ()) -> KernelSpec:
+                wtok: int | None = None, head_dim_vo: int | None = None, rope_defines: tuple = (),
+                ids_ahead: bool | None = None) -> KernelSpec:
     """wtok: tokens per warp per tile forced (16 or 32; None or the rule's value: warp_tokens' rule, no define).
-    rope_defines: RoPE's compile switches (A/B builds; RoPE instances only).
+    rope_defines: RoPE's compile switches (A/B builds; RoPE instances only); ids_ahead: None (the kernel's rule)
+    or KVATTN_DECODE_IDS_AHEAD forced on / off.
     head_dim_vo: V / O's head dim where it differs from head_dim (Q / K's): compile tests only, no op runs it."""
     kv_dtype = kv_dtype or dtype
     stages = stages or default_stages(head_dim, kv_dtype, wtok, head_dim_vo)
@@ -120,6 +124,8 @@ def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: in
         defines += (("KVATTN_DECODE_WTOK", int(wtok)),)
     if variant.rope:
         defines += tuple((k, int(v)) for k, v in rope_defines)
+    if ids_ahead is not None:
+        defines += (("KVATTN_DECODE_IDS_AHEAD", int(ids_ahead)),)
     smem = smem_bytes(head_dim, mt, stages, kv_dtype, wtok, head_dim_vo)
     return KernelSpec("decode.cuh", f"kvattn::decode_kernel<{args}>", defines=defines, prelude=variant.prelude(),
                       checks=((f"{traits}::SMEM_BYTES", smem), (f"{traits}::THREADS", THREADS)))
@@ -237,7 +243,7 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         stages = tn["stages"] or default_stages(head_dim, kv_dtype, tn["wtok"])
         smem = smem_bytes(head_dim, mt, stages, kv_dtype, tn["wtok"])
         kernel = get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"], tn["refill_first"],
-                                        kv_dtype, tn["wtok"], rope_defines=tn["rope_defines"]))
+                                        kv_dtype, tn["wtok"], rope_defines=tn["rope_defines"], ids_ahead=tn["ids_ahead"]))
         # at most 3 (measured: BENCHMARKS.md); from the kernel's registers and static shared memory as compiled
         ctas_per_sm = tn["ctas_per_sm"] or (kernel.resources or Resources()).ctas_per_sm(THREADS, smem, limit=3)
 

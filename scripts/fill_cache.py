@@ -28,6 +28,7 @@ def specs():
             for refill in (False, True):
                 out.append(decode.decode_spec(128, 1, Variant(), "bfloat16", stages, l2, refill))
     out.append(decode.decode_spec(64, 1, Variant(), "bfloat16", wtok=16))   # bench_decode --tune: the A/B of wtok
+    out += [decode.decode_spec(d, 1, Variant(), "bfloat16", ids_ahead=False) for d in (64, 128)]   # and ids_at_use
     from kvattn import prefill as pf
     for defs in ((("KVATTN_PF_FAST64", 1),), (("KVATTN_PF_FOLD", 1),), (("KVATTN_PF_FAST64", 1), ("KVATTN_PF_FOLD", 1))):
         pf.TUNING[128] = defs

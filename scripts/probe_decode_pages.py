@@ -3,7 +3,9 @@
 Why decode at page size 1 trails page 16 (issue 12): b64_L4096 (bf16 Hq32/Hkv8/D128, NHD) at page sizes 1 and 16,
 pages scattered over the pool (as an allocator leaves them) or in order (page ids 0, 1, 2, ...), timed in turns in
 one process. If page 1 in order runs near page 16, the cost is where the rows lie in memory (DRAM / TLB locality),
-not the kernel's page-id loads. One request of each case checked against the float64 reference."""
+not the kernel's page-id loads (run 28c: it does not). Then the A/B at page sizes 16 / 8 / 4 / 2 / 1 of the copies'
+page ids loaded a tile ahead into registers (the default since run 28f) against the kernel before ("ids at use":
+tuning ids_ahead=False). One request of each case checked against the float64 reference."""
 import os
 import sys
 
@@ -18,7 +20,7 @@ LENS = [4096] * 64
 HQ, HKV, D = 32, 8, 128
 
 
-def case(page, scattered, rng):
+def case(page, scattered, rng, tuning=None):
     pt = kvattn.PageTable.from_kv_lens(np.asarray(LENS), page, rng=rng)
     if not scattered:   # the same table with its pages in pool order
         pt = kvattn.PageTable(pt.indptr, np.arange(pt.num_pages_used), pt.last_page_len, page)
@@ -26,7 +28,7 @@ def case(page, scattered, rng):
     k, v = random_device(shape, "bfloat16", rng), random_device(shape, "bfloat16", rng)
     q = random_device((len(LENS), HQ, D), "bfloat16", rng)
     out = kvattn.empty(q.shape, "bfloat16")
-    w = kvattn.BatchDecodeWithPagedKVCache()
+    w = kvattn.BatchDecodeWithPagedKVCache(tuning=tuning)
     w.plan(pt, HQ, HKV, D)
     return pt, q, k, v, out, w
 
@@ -35,6 +37,11 @@ def main():
     rng = np.random.default_rng(0)
     copy = copy_bandwidth_tbs()
     cases = {f"page{p} {'scattered' if s else 'in order'}": case(p, s, rng) for p in (16, 1) for s in (True, False)}
+    for p in (16, 8, 4, 2, 1):   # the A/B: page ids loaded a tile ahead (the default) against the kernel before
+        data = case(p, True, rng)
+        cases[f"page{p} scattered"] = data
+        cases[f"page{p} ids at use"] = data[:5] + (kvattn.BatchDecodeWithPagedKVCache(tuning=dict(ids_ahead=False)),)
+        cases[f"page{p} ids at use"][5].plan(data[0], HQ, HKV, D)
     t = time_rounds({n: (lambda c=c: c[5].run(c[1], c[2], c[3], out=c[4])) for n, c in cases.items()})
     nbytes = 2 * sum(LENS) * HKV * D * 2
     print(f"copy ceiling {copy:.2f} TB/s; b64_L4096 bf16 Hq{HQ}/Hkv{HKV}/D{D}")
@@ -44,7 +51,7 @@ def main():
         ro = reference.attention(q[0:1].numpy().astype(np.float64), kk.astype(np.float64), vv.astype(np.float64))
         err = np.linalg.norm(out[0:1].numpy() - ro) / np.linalg.norm(ro)
         tbs = nbytes / t[n] / 1e6
-        print(f"{n:20s} {t[n]:8.1f} us  {tbs:5.2f} TB/s  {tbs / copy:.3f} of copy  err {err:.1e}", flush=True)
+        print(f"{n:22s} {t[n]:8.1f} us  {tbs:5.2f} TB/s  {tbs / copy:.3f} of copy  err {err:.1e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -141,3 +141,23 @@ def test_auto_m_tiles_takes_two_tiles_only_for_large_groups_of_the_plain_kernels
     assert auto_m_tiles(32, 128, "float8_e4m3fn", plain) == 1
     assert auto_m_tiles(32, 128, "bfloat16", rope) == 1
     assert auto_m_tiles(32, 128, "bfloat16", Variant(sink=True)) == 1
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("build", [dict(ids_ahead=False), dict(ids_ahead=True), dict(rope=1, rope_f32=True),
+                                   dict(rope=1, cheb4=True), dict(rope=2)])
+def test_decode_ab_builds_compile_without_spills(head_dim, build):
+    """The builds the A/B scripts time against the default (bench_decode's ids_at_use, ids ahead forced at every
+    head dim; ab_rope_decode's float32 and Chebyshev rotations) stay correct builds: no spills, and the plain
+    kernel's CTAs per SM (3 below head dim 256, 1 at 256)."""
+    from kvattn import decode
+    from kvattn.variants import Variant
+    rope = build.get("rope", 0)
+    defines = ((("KVATTN_ROPE_F32", 1),) if build.get("rope_f32") else
+               (("KVATTN_ROPE_CHEB", 1), ("KVATTN_ROPE_BATCH", 4)) if build.get("cheb4") else ())
+    spec = decode.decode_spec(head_dim, 1, Variant(rope=rope), "bfloat16", rope_defines=defines,
+                              ids_ahead=build.get("ids_ahead"))
+    compiled, _ = spec.compile("sm_90a")
+    (res,) = compiled.resources.values()
+    assert res.spills == 0 and res.stack_frame == 0, res
+    assert res.ctas_per_sm(decode.THREADS, decode.smem_bytes(head_dim, 1), limit=3) == (3 if head_dim < 256 else 1)
