@@ -23,7 +23,8 @@
 #ifndef KVATTN_REFILL_FIRST
 #define KVATTN_REFILL_FIRST 0
 #endif
-// Tokens per warp per tile: 0 = the rule below (kvattn.decode.warp_tokens mirrors it), else 16 or 32 (A/B builds).
+// Tokens per warp per tile: 0 = the rule below (kvattn.decode.warp_tokens mirrors it), else 8, 16 or 32 (A/B builds;
+// 8: 16-bit caches only, for head dim 256's 2 CTAs per SM).
 #ifndef KVATTN_DECODE_WTOK
 #define KVATTN_DECODE_WTOK 0
 #endif
@@ -104,6 +105,8 @@ struct DecodeKernel {
   static constexpr int WTOK = KVATTN_DECODE_WTOK ? KVATTN_DECODE_WTOK
                                                  : 64 * (A::K_ROW_BYTES + A::V_ROW_BYTES) <= 16384 ? 32 : 16;
   static constexpr int NB = WTOK / 8;                // 8-token n-blocks of a warp's scores
+  static constexpr int PB = (NB + 1) / 2;            // 16-token P fragments (WTOK 8: one, its tokens 8-15 zero)
+  static_assert(WTOK >= 16 || !kFp8, "8-token warp tiles: 16-bit caches");
   static constexpr int TILE = WARPS * WTOK;          // tokens per pipeline stage
   static constexpr int Q_CHUNKS = A::QK_CHUNKS;      // 16-byte chunks of a query row
   static constexpr int CHUNKS = A::VO_CHUNKS;        // 8-column chunks of an output row
@@ -114,21 +117,25 @@ struct DecodeKernel {
   static constexpr int K_BYTES = TILE * A::K_ROW_BYTES;   // K of a stage (V follows)
   static constexpr int V_BYTES = TILE * A::V_ROW_BYTES;
   // The epilogue merges the warps' states in the stage just consumed: in one pass (m / l there too, the stage
-  // padded to fit), or for an fp8 cache in two passes of D_VO / 2 columns (m / l in their own region).
-  static constexpr int MERGE_PHASES = kFp8 && WTOK == 16 ? 2 : 1;
+  // padded to fit), or for an fp8 cache or 8-token warp tiles in two passes of D_VO / 2 columns (m / l in their own
+  // region: SPLIT_ML).
+  static constexpr int MERGE_PHASES = (kFp8 && WTOK == 16) || WTOK == 8 ? 2 : 1;
+  static constexpr bool SPLIT_ML = kFp8 || MERGE_PHASES == 2;
   using Merge = WarpMerge<D_VO / MERGE_PHASES, WARPS, V::kSoftmax, kFp8 ? 0 : 4>;
   static constexpr int STAGE_BYTES =   // K and V, or the merge's scratch (which is larger at 16 tokens per warp)
-      kFp8 || K_BYTES + V_BYTES > Merge::BYTES ? K_BYTES + V_BYTES : Merge::BYTES;
+      kFp8 ? K_BYTES + V_BYTES
+      : SPLIT_ML ? (K_BYTES + V_BYTES > Merge::O_BYTES ? K_BYTES + V_BYTES : Merge::O_BYTES)
+                 : (K_BYTES + V_BYTES > Merge::BYTES ? K_BYTES + V_BYTES : Merge::BYTES);
   static constexpr int Q_BYTES = ROWS * D_QK * (int)sizeof(Q);   // one Q slot; STAGES slots, by item ordinal
   static constexpr int RS_OFFSET = STAGES * (STAGE_BYTES + Q_BYTES);   // fp8: per-slot row scales, merge m / l
-  static constexpr int SMEM_BYTES = RS_OFFSET + (kFp8 ? STAGES * ROWS * 4 + Merge::ML_BYTES : 0);
+  static constexpr int SMEM_BYTES = RS_OFFSET + (kFp8 ? STAGES * ROWS * 4 : 0) + (SPLIT_ML ? Merge::ML_BYTES : 0);
   // The tile's copies: TPR adjacent threads take one token's K row and V row (TPR divides both rows' 16-byte
   // chunks and THREADS; one page offset serves both): thread t copies chunks t % TPR + k TPR of rows t / TPR + j
   // (THREADS / TPR). Equal K and V rows: TPR = K_CHUNKS, one chunk of each row per thread.
   static constexpr int TPR = gcd(gcd(K_CHUNKS, V_CHUNKS), THREADS);
   static constexpr int ROWS_PER_THREAD = TILE * TPR / THREADS;   // K (and V) rows each thread copies per tile
   static_assert(TILE % (THREADS / TPR) == 0, "whole copy passes per tile");
-  static_assert(kFp8 ? Merge::O_BYTES <= STAGE_BYTES : K_BYTES + V_BYTES <= STAGE_BYTES,
+  static_assert(SPLIT_ML ? Merge::O_BYTES <= STAGE_BYTES : K_BYTES + V_BYTES <= STAGE_BYTES,
                 "epilogue scratch fits a stage");
   static_assert(!(kFp8 && V::kQK), "a query / key transform (RoPE) needs a 16-bit cache");
   static_assert(!(SUB && kFp8), "a decode warpgroup of a mixed launch: 16-bit caches (q_rows_to_half takes the CTA)");
@@ -355,6 +362,11 @@ struct DecodeKernel {
       for (int kk = 0; kk < D_QK / 16; ++kk) {
         unsigned a[4];
         ldmatrix_x4(a, q_tile + swz<D_QK>(mt * 16 + (j % 2) * 8 + lane % 8, 2 * kk + j / 2));
+        if constexpr (NB == 1) {   // 8 tokens: (tokens 0-7, chunk 2 kk), (0-7, 2 kk + 1)
+          unsigned b[2];
+          ldmatrix_x2(b, kt + swz<D_QK>(tw + lane % 8, 2 * kk + j % 2));
+          Mma<MT>::run(s[0], a, b[0], b[1]);
+        }
 #pragma unroll
         for (int g2 = 0; g2 < NB / 2; ++g2) {   // 16 tokens each
           unsigned b[4];
@@ -395,13 +407,19 @@ struct DecodeKernel {
   }
 
   // O += P V of this warp's WTOK tokens (pa: P as A fragments, one per 16 tokens).
-  __device__ __forceinline__ void pv_product(const unsigned char* vs, const unsigned (&pa)[NB / 2][4], int tw,
+  __device__ __forceinline__ void pv_product(const unsigned char* vs, const unsigned (&pa)[PB][4], int tw,
                                              int lane, float (&o)[CHUNKS][4]) const {
     const int j = lane / 8;
     if constexpr (!kFp8) {
       const KV* vt = reinterpret_cast<const KV*>(vs);
 #pragma unroll
       for (int dp = 0; dp < D_VO / 16; ++dp) {
+        if constexpr (NB == 1) {   // 8 tokens (P's tokens 8-15 are zero): (0-7, chunk 2 dp), (0-7, 2 dp + 1)
+          unsigned b[2];
+          ldmatrix_x2_trans(b, vt + swz<D_VO>(tw + lane % 8, 2 * dp + j % 2));
+          Mma<MT>::run(o[2 * dp], pa[0], b[0], 0u);
+          Mma<MT>::run(o[2 * dp + 1], pa[0], b[1], 0u);
+        }
 #pragma unroll
         for (int g2 = 0; g2 < NB / 2; ++g2) {   // 16 tokens each
           unsigned b[4];
@@ -472,7 +490,7 @@ struct DecodeKernel {
           s[nb][e] = x;
           mx[e >> 1] = fmaxf(mx[e >> 1], x);
         }
-      unsigned pa[NB / 2][4];
+      unsigned pa[PB][4];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float scale = row_probs<V, false>(p, s, r, mx[r], m[mt][r], l[mt][r]);
@@ -483,6 +501,11 @@ struct DecodeKernel {
       }
 #pragma unroll
       for (int g2 = 0; g2 < NB / 2; ++g2) a_from_c<MT>(&s[2 * g2][0], pa[g2]);
+      if constexpr (NB == 1) {   // one 8-token n-block: k 0-7 of the fragment, tokens 8-15 zero
+        pa[0][0] = Mma<MT>::pack(s[0][0], s[0][1]);
+        pa[0][1] = Mma<MT>::pack(s[0][2], s[0][3]);
+        pa[0][2] = pa[0][3] = 0u;
+      }
       pv_product(stage + K_BYTES, pa, tw, lane, o[mt]);
     }
   }
@@ -490,7 +513,8 @@ struct DecodeKernel {
   // Merge the 4 warps' states of this item through the stage's shared memory and write o / lse.
   __device__ void epilogue(unsigned char* smem, unsigned char* stage, const Cursor& c, int lane, int warp,
                            float (&o)[M_TILES][CHUNKS][4], float (&m)[M_TILES][2], float (&l)[M_TILES][2]) const {
-    const Merge wm = kFp8 ? Merge(stage, reinterpret_cast<float*>(smem + SMEM_BYTES - Merge::ML_BYTES)) : Merge(stage);
+    const Merge wm =
+        SPLIT_ML ? Merge(stage, reinterpret_cast<float*>(smem + SMEM_BYTES - Merge::ML_BYTES)) : Merge(stage);
     const int partial = p.plan[p.off_work_partial + c.w];
     constexpr int PCH = CHUNKS / MERGE_PHASES;   // output chunks per merge phase
 #pragma unroll
@@ -501,6 +525,9 @@ struct DecodeKernel {
         if constexpr (kFp8) {
           if (ph == 0) wm.stash_ml(warp, lane, m[mt], l[mt]);
           wm.stash_even_odd(warp, lane, o[mt], ph * PCH);
+        } else if constexpr (MERGE_PHASES == 2) {   // 8-token warp tiles: a stage holds half the merge's columns
+          if (ph == 0) wm.stash_ml(warp, lane, m[mt], l[mt]);
+          wm.stash_cols(warp, lane, o[mt], ph * PCH);
         } else {
           wm.stash(warp, lane, o[mt], m[mt], l[mt]);
         }

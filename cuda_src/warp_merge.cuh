@@ -64,6 +64,19 @@ template <int D, int WARPS, bool SOFTMAX = true, int PAD = 4> struct WarpMerge {
       }
   }
 
+  // Columns [8 dn0, 8 dn0 + D) of a warp's o (mma accumulator layout), for a kernel that merges its head dim in
+  // phases of D columns (m / l through stash_ml, once).
+  template <int DN>
+  __device__ __forceinline__ void stash_cols(int warp, int lane, const float (&o)[DN][4], int dn0) const {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int dn = 0; dn < CHUNKS; ++dn)
+        *reinterpret_cast<float2*>(so + (warp * 16 + g + 8 * r) * OSTRIDE + dn * 8 + 2 * t) =
+            make_float2(o[dn0 + dn][2 * r], o[dn0 + dn][2 * r + 1]);
+  }
+
   // Each warp stores its 16-row state: o (mma accumulator layout), running max m (log2 domain), row sums l
   // (per-thread partials, reduced over the quad here). A __syncthreads() must follow before merge().
   __device__ __forceinline__ void stash(int warp, int lane, const float (&o)[CHUNKS][4], const float (&m)[2],

@@ -111,7 +111,8 @@ def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: in
                 l2_prefetch: bool = False, refill_first: bool = False, kv_dtype: str | None = None,
                 wtok: int | None = None, head_dim_vo: int | None = None, rope_defines: tuple = (),
                 ids_ahead: bool | None = None) -> KernelSpec:
-    """wtok: tokens per warp per tile forced (16 or 32; None or the rule's value: warp_tokens' rule, no define).
+    """wtok: tokens per warp per tile forced (8, 16 or 32; None or the rule's value: warp_tokens' rule, no define;
+    8: 16-bit caches, the experiment of head dim 256 at 2 CTAs per SM).
     rope_defines: RoPE's compile switches (A/B builds; RoPE instances only); ids_ahead: None (the kernel's rule)
     or KVATTN_DECODE_IDS_AHEAD forced on / off.
     head_dim_vo: V / O's head dim where it differs from head_dim (Q / K's): compile tests only, no op runs it."""
@@ -143,6 +144,9 @@ def smem_bytes(head_dim: int, mt: int, stages: int | None = None, kv_dtype: str 
     merge_ml = 2 * 4 * 16 * 4                      # WarpMerge's m and l
     if fp8:   # K, V fp8 tiles; Q slots; their row scales; m / l apart
         return stages * (tile * (head_dim + dvo) + rows * head_dim * 2) + stages * rows * 4 + merge_ml
+    if tile == 32:   # 8-token warp tiles: the merge in two phases of dvo / 2 columns, m / l apart
+        stage = max(4 * 16 * (dvo // 2 + 4) * 4, tile * (head_dim + dvo) * 2)
+        return stages * (stage + rows * head_dim * 2) + merge_ml
     stage = max(4 * 16 * (dvo + 4) * 4 + merge_ml, tile * (head_dim + dvo) * 2)   # the merge's scratch, or K + V
     return stages * (stage + rows * head_dim * 2)
 
