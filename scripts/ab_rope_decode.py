@@ -14,7 +14,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench import kvattn, random_device, request_kv, time_rounds  # noqa: E402
 from bench_variants import ROPE, ROPE_GPTJ, expected  # noqa: E402
 
-GPTJ = ROPE_GPTJ
 STAGE_CONFIGS = (("plain", {}, None), ("rope st2", dict(rope=ROPE), None), ("rope st3", dict(rope=ROPE), dict(stages=3)),
                  ("rope st3 refill1st", dict(rope=ROPE), dict(stages=3, refill_first=True)))
 F32, CHEB = ("KVATTN_ROPE_F32", 1), ("KVATTN_ROPE_CHEB", 1)   # the float32 build before; Chebyshev's angles
@@ -23,8 +22,8 @@ CONFIGS = (("plain", {}, None), ("rope f32", dict(rope=ROPE), dict(rope_defines=
            ("rope packed (default: rot b8)", dict(rope=ROPE), None),
            ("rope packed rot b4", dict(rope=ROPE), dict(rope_defines=(BATCH4,))),
            ("rope packed cheb b4", dict(rope=ROPE), dict(rope_defines=(CHEB, BATCH4))),
-           ("gptj f32", dict(rope=GPTJ), dict(rope_defines=(F32,))),
-           ("gptj packed", dict(rope=GPTJ), None))
+           ("gptj f32", dict(rope=ROPE_GPTJ), dict(rope_defines=(F32,))),
+           ("gptj packed", dict(rope=ROPE_GPTJ), None))
 
 
 def main():
