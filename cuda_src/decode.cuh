@@ -641,7 +641,8 @@ constexpr int decode_min_ctas() {
   return K::Variant::kQK && !KVATTN_ROPE_F32 && 3 * K::SMEM_BYTES <= 227 * 1024 ? 3 : 0;
 }
 template <class A, int M_TILES, int STAGES, class V>
-__global__ void __launch_bounds__(128, decode_min_ctas<DecodeKernel<A, M_TILES, STAGES, V>>()) decode_kernel(const __grid_constant__ DecodeParams p) {
+__global__ void __launch_bounds__(128, decode_min_ctas<DecodeKernel<A, M_TILES, STAGES, V>>())
+    decode_kernel(const __grid_constant__ DecodeParams p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   allow_dependent_launch();   // the split-KV merge kernel may launch now and wait for this grid's end on the GPU
   const int chunk = blockIdx.x / p.z_split, z = blockIdx.x - chunk * p.z_split;

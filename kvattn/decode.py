@@ -247,7 +247,8 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         stages = tn["stages"] or default_stages(head_dim, kv_dtype, tn["wtok"])
         smem = smem_bytes(head_dim, mt, stages, kv_dtype, tn["wtok"])
         kernel = get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"], tn["refill_first"],
-                                        kv_dtype, tn["wtok"], rope_defines=tn["rope_defines"], ids_ahead=tn["ids_ahead"]))
+                                        kv_dtype, tn["wtok"], rope_defines=tn["rope_defines"],
+                                        ids_ahead=tn["ids_ahead"]))
         # at most 3 (measured: BENCHMARKS.md); from the kernel's registers and static shared memory as compiled
         ctas_per_sm = tn["ctas_per_sm"] or (kernel.resources or Resources()).ctas_per_sm(THREADS, smem, limit=3)
 

@@ -14,7 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench import kvattn, random_device, request_kv, time_rounds  # noqa: E402
 from bench_variants import ROPE, ROPE_GPTJ, expected  # noqa: E402
 
-STAGE_CONFIGS = (("plain", {}, None), ("rope st2", dict(rope=ROPE), None), ("rope st3", dict(rope=ROPE), dict(stages=3)),
+STAGE_CONFIGS = (("plain", {}, None), ("rope st2", dict(rope=ROPE), None),
+                 ("rope st3", dict(rope=ROPE), dict(stages=3)),
                  ("rope st3 refill1st", dict(rope=ROPE), dict(stages=3, refill_first=True)))
 F32, CHEB = ("KVATTN_ROPE_F32", 1), ("KVATTN_ROPE_CHEB", 1)   # the float32 build before; Chebyshev's angles
 BATCH4 = ("KVATTN_ROPE_BATCH", 4)   # rows loaded together (the default: 8)

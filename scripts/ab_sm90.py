@@ -25,12 +25,13 @@
   the wait for the unit's last P V (KVATTN_SM90_EARLY=1, the default) against where they are used (0), the
   --stream shapes.
 --kvsplit: K and V of a stage released apart (KVATTN_SM90_KVSPLIT=1; the default only with 2 stages) against
-  together (0), with 3 stages (the default: joint), with 2, and with 2 and two Q tiles (KVATTN_SM90_QBUF=2: a unit's Q copied while the unit before it runs),
-  the --stream shapes and non-causal b32_S1024.
+  together (0), with 3 stages (the default: joint), with 2, and with 2 and two Q tiles (KVATTN_SM90_QBUF=2: a
+  unit's Q copied while the unit before it runs), the --stream shapes and non-causal b32_S1024.
 --shapes: the default kernel on unit shapes that separate a unit's fixed cost from its tiles (run_shapes).
 --pages: paged prefill at page sizes 16-128, page 16 without TMA boxes, and ragged (run_pages).
---split, --d256, --fold, --persist, --prefetch, --order, --stream, --early and --kvsplit time their options in 3 rounds of alternating order
-  (the GPU's clock drifts under load: BENCHMARKS.md, run 15d); --tanh is a single pass.
+--split, --d256, --fold, --persist, --prefetch, --order, --stream, --early, --kvsplit and --pages time their
+  options in 3 rounds of alternating order (the GPU's clock drifts under load: BENCHMARKS.md, run 15d); --tanh is a
+  single pass.
 """
 import argparse
 import os
