@@ -122,10 +122,10 @@ struct DecodeKernel {
   static constexpr int MERGE_PHASES = (kFp8 && WTOK == 16) || WTOK == 8 ? 2 : 1;
   static constexpr bool SPLIT_ML = kFp8 || MERGE_PHASES == 2;
   using Merge = WarpMerge<D_VO / MERGE_PHASES, WARPS, V::kSoftmax, kFp8 ? 0 : 4>;
+  // the merge's scratch in a stage (fp8: within K and V, static_assert below; SPLIT_ML: without m / l)
+  static constexpr int SCRATCH = kFp8 ? 0 : SPLIT_ML ? Merge::O_BYTES : Merge::BYTES;
   static constexpr int STAGE_BYTES =   // K and V, or the merge's scratch (which is larger at 16 tokens per warp)
-      kFp8 ? K_BYTES + V_BYTES
-      : SPLIT_ML ? (K_BYTES + V_BYTES > Merge::O_BYTES ? K_BYTES + V_BYTES : Merge::O_BYTES)
-                 : (K_BYTES + V_BYTES > Merge::BYTES ? K_BYTES + V_BYTES : Merge::BYTES);
+      K_BYTES + V_BYTES > SCRATCH ? K_BYTES + V_BYTES : SCRATCH;
   static constexpr int Q_BYTES = ROWS * D_QK * (int)sizeof(Q);   // one Q slot; STAGES slots, by item ordinal
   static constexpr int RS_OFFSET = STAGES * (STAGE_BYTES + Q_BYTES);   // fp8: per-slot row scales, merge m / l
   static constexpr int SMEM_BYTES = RS_OFFSET + (kFp8 ? STAGES * ROWS * 4 : 0) + (SPLIT_ML ? Merge::ML_BYTES : 0);
@@ -260,13 +260,13 @@ struct DecodeKernel {
     }
   }
 
-  // Issue the producer's tile into the slot consumed at iteration it - 1, move the producer on, and start the
-  // page-id loads of its next tile (used one iteration later). Always commits a group (maybe empty).
   // What a thread keeps of the producer's next tile between iterations: its rows' element offsets, or (IDS_AHEAD)
   // their page ids.
   static constexpr bool IDS_AHEAD = KVATTN_DECODE_IDS_AHEAD < 0 ? D_QK < 256 : KVATTN_DECODE_IDS_AHEAD != 0;
   using RowRef = typename RowRefOf<IDS_AHEAD>::type;
 
+  // Issue the producer's tile into the slot consumed at iteration it - 1, move the producer on, and start the
+  // page-id loads of its next tile (used one iteration later). Always commits a group (maybe empty).
   __device__ __forceinline__ void refill(Cursor& prod, RowRef (&off)[ROWS_PER_THREAD], unsigned char* smem,
                                          int it) const {
     if (prod.valid()) {
@@ -634,11 +634,12 @@ struct DecodeKernel {
 #undef KV_TID
 #undef KV_SYNC
 
-// The packed RoPE builds ask for 3 CTAs per SM where their shared memory allows 3 (168 registers): left to itself
-// ptxas gave the packed rotation at head dim 128 196-223 registers, 2 CTAs. (0: no minimum, as before.)
+// The packed RoPE builds ask for 3 CTAs per SM where their shared memory allows 3 (each CTA also takes 1 KB the
+// system reserves, of 228 KB per SM; then 168 registers): left to itself ptxas gave the packed rotation at head
+// dim 128 196-223 registers, 2 CTAs. (0: no minimum, as before.)
 template <class K>
 constexpr int decode_min_ctas() {
-  return K::Variant::kQK && !KVATTN_ROPE_F32 && 3 * K::SMEM_BYTES <= 227 * 1024 ? 3 : 0;
+  return K::Variant::kQK && !KVATTN_ROPE_F32 && 3 * (K::SMEM_BYTES + 1024) <= 228 * 1024 ? 3 : 0;
 }
 template <class A, int M_TILES, int STAGES, class V>
 __global__ void __launch_bounds__(128, decode_min_ctas<DecodeKernel<A, M_TILES, STAGES, V>>())

@@ -216,6 +216,9 @@ __device__ __forceinline__ void rope_key_run(T* tile, int r0, int lane, const fl
       tcd[e] = 2.f * cd[e];
     }
     constexpr int K = N / RP < KVATTN_ROPE_BATCH ? N / RP : KVATTN_ROPE_BATCH;   // rows loaded together
+    // row r's words: NeoX dims 4q.. (a) and 4q + D/2.. (b); GPT-J chunk q (a, its two halves as one uint4)
+    auto word_a = [&](int r) { return tile + (INTERLEAVE ? swz<D>(r, q) : swz<D>(r, q / 2) + 4 * (q % 2)); };
+    auto word_b = [&](int r) { return tile + swz<D>(r, D / 16 + q / 2) + 4 * (q % 2); };
 #pragma unroll 1
     for (int k0 = 0; k0 < N / RP; k0 += K) {
       uint2 wa[K], wb[K];   // NeoX: dims 4q.. and 4q + D/2..; GPT-J: the two halves of chunk q
@@ -223,12 +226,12 @@ __device__ __forceinline__ void rope_key_run(T* tile, int r0, int lane, const fl
       for (int k = 0; k < K; ++k) {
         const int r = rfirst + (k0 + k) * RP;
         if (INTERLEAVE) {
-          const uint4 w = *reinterpret_cast<const uint4*>(tile + swz<D>(r, q));
+          const uint4 w = *reinterpret_cast<const uint4*>(word_a(r));
           wa[k] = make_uint2(w.x, w.y);
           wb[k] = make_uint2(w.z, w.w);
         } else {
-          wa[k] = *reinterpret_cast<const uint2*>(tile + swz<D>(r, q / 2) + 4 * (q % 2));
-          wb[k] = *reinterpret_cast<const uint2*>(tile + swz<D>(r, D / 16 + q / 2) + 4 * (q % 2));
+          wa[k] = *reinterpret_cast<const uint2*>(word_a(r));
+          wb[k] = *reinterpret_cast<const uint2*>(word_b(r));
         }
       }
 #pragma unroll
@@ -240,12 +243,12 @@ __device__ __forceinline__ void rope_key_run(T* tile, int r0, int lane, const fl
           w.y = rotate_pair_packed<T>(wa[k].y, Mma<T>::pack(cs[1], cs[1]), Mma<T>::pack(-sn[1], sn[1]));
           w.z = rotate_pair_packed<T>(wb[k].x, Mma<T>::pack(cs[2], cs[2]), Mma<T>::pack(-sn[2], sn[2]));
           w.w = rotate_pair_packed<T>(wb[k].y, Mma<T>::pack(cs[3], cs[3]), Mma<T>::pack(-sn[3], sn[3]));
-          *reinterpret_cast<uint4*>(tile + swz<D>(r, q)) = w;
+          *reinterpret_cast<uint4*>(word_a(r)) = w;
         } else {
           rotate_packed<T>(wa[k].x, wb[k].x, Mma<T>::pack(cs[0], cs[1]), Mma<T>::pack(sn[0], sn[1]));
           rotate_packed<T>(wa[k].y, wb[k].y, Mma<T>::pack(cs[2], cs[3]), Mma<T>::pack(sn[2], sn[3]));
-          *reinterpret_cast<uint2*>(tile + swz<D>(r, q / 2) + 4 * (q % 2)) = wa[k];
-          *reinterpret_cast<uint2*>(tile + swz<D>(r, D / 16 + q / 2) + 4 * (q % 2)) = wb[k];
+          *reinterpret_cast<uint2*>(word_a(r)) = wa[k];
+          *reinterpret_cast<uint2*>(word_b(r)) = wb[k];
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {   // the next row's angle

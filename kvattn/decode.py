@@ -144,7 +144,7 @@ def smem_bytes(head_dim: int, mt: int, stages: int | None = None, kv_dtype: str 
     merge_ml = 2 * 4 * 16 * 4                      # WarpMerge's m and l
     if fp8:   # K, V fp8 tiles; Q slots; their row scales; m / l apart
         return stages * (tile * (head_dim + dvo) + rows * head_dim * 2) + stages * rows * 4 + merge_ml
-    if tile == 32:   # 8-token warp tiles: the merge in two phases of dvo / 2 columns, m / l apart
+    if tile == 4 * 8:   # 8-token warp tiles: the merge in two phases of dvo / 2 columns, m / l apart
         stage = max(4 * 16 * (dvo // 2 + 4) * 4, tile * (head_dim + dvo) * 2)
         return stages * (stage + rows * head_dim * 2) + merge_ml
     stage = max(4 * 16 * (dvo + 4) * 4 + merge_ml, tile * (head_dim + dvo) * 2)   # the merge's scratch, or K + V
