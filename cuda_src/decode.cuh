@@ -24,7 +24,7 @@
 #define KVATTN_REFILL_FIRST 0
 #endif
 // Tokens per warp per tile: 0 = the rule below (kvattn.decode.warp_tokens mirrors it), else 8, 16 or 32 (A/B builds;
-// 8: 16-bit caches only, for head dim 256's 2 CTAs per SM).
+// 8: 16-bit caches only).
 #ifndef KVATTN_DECODE_WTOK
 #define KVATTN_DECODE_WTOK 0
 #endif
@@ -33,7 +33,8 @@
 // right after their id loads (a miss stalls that iteration: one id a row at page size 1), the ids of pages under
 // 8 tokens prefetched into L1. Run 28f (scripts/probe_decode_pages.py, b64_L4096): page 1 0.750 -> 0.994 of the
 // copy ceiling, page 2 0.841 -> 1.004, page 16 1.002 -> 1.015; run 28g: +1.1-1.7% on the five anchors, but head
-// dim 256 (one CTA of 4 warps a SM, 16 rows a thread) 11% slower, so -1 (the default) takes it below head dim 256.
+// dim 256 at 16-token warp tiles (one CTA of 4 warps a SM, 16 rows a thread) 11% slower, so -1 (the default) takes
+// it below head dim 256 and with 8-token warp tiles (head dim 256's default since run 29a: +4.6% there).
 #ifndef KVATTN_DECODE_IDS_AHEAD
 #define KVATTN_DECODE_IDS_AHEAD -1
 #endif
@@ -101,9 +102,11 @@ struct DecodeKernel {
   static constexpr int THREADS = WARPS * 32;
   // Tokens per warp per tile: 16, or 32 where a 16-token stage would carry at most half of head dim 128's 32 KB:
   // an fp8 cache at head dims 64 / 128 and a 16-bit one at 64 (twice the work per barrier, one softmax rescale
-  // per 32 tokens; measured 2026-12-01 in BENCHMARKS.md). (At 256 a 128-token stage would not fit twice.)
+  // per 32 tokens; measured 2026-12-01 in BENCHMARKS.md); 8 where a 16-bit 16-token stage is 64 KB (head dim
+  // 256): its 32-token stages fit 2 CTAs (8 warps) per SM, 3.10 -> 3.95 TB/s on b64_L4096 (run 29a).
   static constexpr int WTOK = KVATTN_DECODE_WTOK ? KVATTN_DECODE_WTOK
-                                                 : 64 * (A::K_ROW_BYTES + A::V_ROW_BYTES) <= 16384 ? 32 : 16;
+                              : 64 * (A::K_ROW_BYTES + A::V_ROW_BYTES) <= 16384 ? 32
+                              : !kFp8 && 64 * (A::K_ROW_BYTES + A::V_ROW_BYTES) >= 65536 ? 8 : 16;
   static constexpr int NB = WTOK / 8;                // 8-token n-blocks of a warp's scores
   static constexpr int PB = (NB + 1) / 2;            // 16-token P fragments (WTOK 8: one, its tokens 8-15 zero)
   static_assert(WTOK >= 16 || !kFp8, "8-token warp tiles: 16-bit caches");
@@ -262,7 +265,7 @@ struct DecodeKernel {
 
   // What a thread keeps of the producer's next tile between iterations: its rows' element offsets, or (IDS_AHEAD)
   // their page ids.
-  static constexpr bool IDS_AHEAD = KVATTN_DECODE_IDS_AHEAD < 0 ? D_QK < 256 : KVATTN_DECODE_IDS_AHEAD != 0;
+  static constexpr bool IDS_AHEAD = KVATTN_DECODE_IDS_AHEAD < 0 ? D_QK < 256 || WTOK == 8 : KVATTN_DECODE_IDS_AHEAD != 0;
   using RowRef = typename RowRefOf<IDS_AHEAD>::type;
 
   // Issue the producer's tile into the slot consumed at iteration it - 1, move the producer on, and start the

@@ -68,7 +68,8 @@ DETERMINISTIC_SPLIT_TOKENS = 2048
 #: rope_defines: ((name, value), ...) compile switches of fused RoPE's key rotation (cuda_src/variant.cuh:
 #: KVATTN_ROPE_F32, KVATTN_ROPE_BATCH, KVATTN_ROPE_CHEB; the A/B of scripts/ab_rope_decode.py), RoPE builds only;
 #: ids_ahead: the copies' page ids loaded a tile ahead into registers (KVATTN_DECODE_IDS_AHEAD): None (below head
-#: dim 256, as measured in run 28g), True, or False (the kernel before: the A/B of scripts/probe_decode_pages.py).
+#: dim 256 and with 8-token warp tiles, as measured in runs 28g / 29a), True, or False (the kernel before: the A/B of
+#: scripts/probe_decode_pages.py).
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=None,
                       refill_first=False, fused_merge=None, wtok=None, merge_lanes=None, merge_programmatic=True,
                       rope_defines=(), ids_ahead=None)
@@ -77,12 +78,14 @@ DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas
 def warp_tokens(head_dim: int, kv_dtype: str | None = None, forced: int | None = None,
                 head_dim_vo: int | None = None) -> int:
     """Tokens per warp per tile (mirrors DecodeKernel::WTOK): 32 where 16 would make a stage of at most half head
-    dim 128's 32 KB (an fp8 cache at head dims 64 / 128, a 16-bit one at 64), else 16; `forced` (tuning) wins.
+    dim 128's 32 KB (an fp8 cache at head dims 64 / 128, a 16-bit one at 64), 8 where a 16-bit 16-token stage would
+    be 64 KB (head dim 256: 2 CTAs per SM; run 29a +27%), else 16; `forced` (tuning) wins.
     head_dim_vo: V's head dim where it differs from head_dim (Q / K's)."""
     if forced:
         return forced
-    elt = 1 if _dtypes.is_fp8(kv_dtype) else 2
-    return 32 if 64 * (head_dim + (head_dim_vo or head_dim)) * elt <= 16384 else 16
+    fp8 = _dtypes.is_fp8(kv_dtype)
+    stage16 = 64 * (head_dim + (head_dim_vo or head_dim)) * (1 if fp8 else 2)   # bytes of a 16-token stage
+    return 32 if stage16 <= 16384 else 8 if not fp8 and stage16 >= 65536 else 16
 
 
 def default_stages(head_dim: int, kv_dtype: str | None = None, wtok: int | None = None,
@@ -112,7 +115,7 @@ def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: in
                 wtok: int | None = None, head_dim_vo: int | None = None, rope_defines: tuple = (),
                 ids_ahead: bool | None = None) -> KernelSpec:
     """wtok: tokens per warp per tile forced (8, 16 or 32; None or the rule's value: warp_tokens' rule, no define;
-    8: 16-bit caches, the experiment of head dim 256 at 2 CTAs per SM).
+    8: 16-bit caches only).
     rope_defines: RoPE's compile switches (A/B builds; RoPE instances only); ids_ahead: None (the kernel's rule)
     or KVATTN_DECODE_IDS_AHEAD forced on / off.
     head_dim_vo: V / O's head dim where it differs from head_dim (Q / K's): compile tests only, no op runs it."""

@@ -41,7 +41,8 @@ TUNINGS = {"default": {}, "l2_256B": dict(l2_prefetch=True), "refill1st": dict(r
            "merge_before": dict(merge_lanes=1, merge_programmatic=False), "merge_apart": dict(fused_merge=False),
            # the kernel before run 28f: each tile's page-id loads used right away (ids_ahead: loaded a tile ahead)
            "ids_at_use": dict(ids_ahead=False),
-           # 8-token warp tiles: head dim 256 at 2 CTAs per SM (prepared in session 14, not yet run on a GPU)
+           # 8-token warp tiles (head dim 256's default since run 29a: 2 CTAs per SM); at 256, wtok16 is the kernel
+           # before (one CTA per SM, ids as used)
            "wtok8": dict(wtok=8), "wtok8_ids_ahead": dict(wtok=8, ids_ahead=True),
            # no split-KV merge where the batch fills the slots (as FlashInfer's tensor-core decode: b64_L4096 as 512
            # CTAs in about two waves of 2 per SM)

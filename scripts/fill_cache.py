@@ -29,8 +29,8 @@ def specs():
                 out.append(decode.decode_spec(128, 1, Variant(), "bfloat16", stages, l2, refill))
     out.append(decode.decode_spec(64, 1, Variant(), "bfloat16", wtok=16))   # bench_decode --tune: the A/B of wtok
     out += [decode.decode_spec(d, 1, Variant(), "bfloat16", ids_ahead=False) for d in (64, 128)]   # and ids_at_use
-    out += [decode.decode_spec(d, 1, Variant(), "bfloat16", wtok=8, ids_ahead=a) for d in (128, 256)   # and wtok8
-            for a in (None, True)]
+    out += [decode.decode_spec(128, 1, Variant(), "bfloat16", wtok=8, ids_ahead=a) for a in (None, True)]   # wtok8
+    out.append(decode.decode_spec(256, 1, Variant(), "bfloat16", wtok=16))   # and head dim 256's kernel before it
     from kvattn import prefill as pf
     for defs in ((("KVATTN_PF_FAST64", 1),), (("KVATTN_PF_FOLD", 1),), (("KVATTN_PF_FAST64", 1), ("KVATTN_PF_FOLD", 1))):
         pf.TUNING[128] = defs

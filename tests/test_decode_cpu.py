@@ -72,13 +72,13 @@ def test_graph_mode_refuses_a_later_plan_that_changes_a_baked_value(change):
         plan(**change)
 
 
-@pytest.mark.parametrize("head_dim,kv,expected", [(64, None, 3), (128, None, 3), (256, None, 1),
+@pytest.mark.parametrize("head_dim,kv,expected", [(64, None, 3), (128, None, 3), (256, None, 2),
                                                    (64, "float8_e4m3fn", 3), (128, "float8_e4m3fn", 3),
                                                    (256, "float8_e4m3fn", 2)])
 def test_decode_instances_keep_their_ctas_per_sm(head_dim, expected, kv):
     """The plan sizes its split for the CTAs an SM holds, from the compiled kernel's registers and static shared
     memory: 3 at head dims 64 / 128 (3 x 76.8 KB of stages fill the 228 KB exactly at 128, so one static byte would
-    cost a third of the CTAs), 1 at 256 (2 with an fp8 cache)."""
+    cost a third of the CTAs), 2 at 256 (8-token warp tiles; an fp8 cache: 64-token stages)."""
     from kvattn import decode
     from kvattn.variants import Variant
     spec = decode.decode_spec(head_dim, 1, Variant(), "bfloat16", kv_dtype=kv)
@@ -145,12 +145,13 @@ def test_auto_m_tiles_takes_two_tiles_only_for_large_groups_of_the_plain_kernels
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("build", [dict(ids_ahead=False), dict(ids_ahead=True), dict(rope=1, rope_f32=True),
-                                   dict(rope=1, cheb4=True), dict(rope=2), dict(wtok=8)])
+                                   dict(rope=1, cheb4=True), dict(rope=2), dict(wtok=8), dict(wtok=16)])
 def test_decode_ab_builds_compile_without_spills(head_dim, build):
     """The builds the A/B scripts time against the default (bench_decode's ids_at_use, ids ahead forced at every
-    head dim, 8-token warp tiles; ab_rope_decode's float32 and Chebyshev rotations) stay correct builds: no
-    spills, and the plain kernel's CTAs per SM (3 below head dim 256, 1 at 256; 8-token tiles: 2 at 256, the
-    point of that experiment), their shared memory as Python sizes it (the spec's static_assert)."""
+    head dim, 8-token warp tiles below head dim 256, 16-token ones at 256; ab_rope_decode's float32 and Chebyshev
+    rotations) stay correct builds: no spills, and the plain kernel's CTAs per SM (3 below head dim 256; at 256 2
+    with its default 8-token warp tiles, 1 with 16-token ones), their shared memory as Python sizes it (the spec's
+    static_assert)."""
     from kvattn import decode
     from kvattn.variants import Variant
     rope = build.get("rope", 0)
@@ -162,5 +163,5 @@ def test_decode_ab_builds_compile_without_spills(head_dim, build):
     compiled, _ = spec.compile("sm_90a")
     (res,) = compiled.resources.values()
     assert res.spills == 0 and res.stack_frame == 0, res
-    expected = 3 if head_dim < 256 else 2 if wtok == 8 else 1
+    expected = 3 if head_dim < 256 else 1 if wtok == 16 else 2
     assert res.ctas_per_sm(decode.THREADS, decode.smem_bytes(head_dim, 1, wtok=wtok), limit=3) == expected

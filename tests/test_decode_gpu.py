@@ -279,12 +279,12 @@ def test_large_groups_take_two_mma_tiles_per_cta():
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("tuning", [dict(wtok=8), dict(ids_ahead=True), dict(ids_ahead=False)])
+@pytest.mark.parametrize("tuning", [dict(wtok=8), dict(wtok=16), dict(ids_ahead=True), dict(ids_ahead=False)])
 @pytest.mark.parametrize("page, dtype", [(16, "bfloat16"), (5, "float16"), (1, "bfloat16")])
 def test_decode_ab_builds_match_reference(d, tuning, page, dtype):
-    """The builds the benchmarks time against the default (8-token warp tiles, head dim 256's 2-CTA experiment;
-    page ids loaded a tile ahead or as used) are correct kernels: requests empty, shorter than a tile, split over
-    CTAs, against the float64 reference on a poisoned output, with a soft cap."""
+    """The builds the benchmarks time against the default (8- and 16-token warp tiles: head dim 256's default and
+    the one before it; page ids loaded a tile ahead or as used) are correct kernels: requests empty, shorter than a
+    tile, split over CTAs, against the float64 reference on a poisoned output, with a soft cap."""
     rng = np.random.default_rng(d + page)
     lens = [0, 7, 65, 300, 9000, 1]
     hq, hkv = 8, 2
