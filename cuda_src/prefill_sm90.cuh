@@ -76,6 +76,13 @@
 #define KVATTN_SM90_QBUF 1
 #endif
 
+// K / V tile layout (experiment, scripts/ab_sm90.py --kvil): 1 = 8-row groups, each holding all the row's 64-column
+// blocks (1024 bytes each), so one 5-dim TMA box copies a page's rows across the whole head dim (a page-16 tile:
+// 16 boxes instead of 32); paged tensor maps only (kvattn/tma.py encodes them 5-dim). 0 = 64-column blocks of N rows.
+#ifndef KVATTN_SM90_KVIL
+#define KVATTN_SM90_KVIL 0
+#endif
+
 namespace kvattn {
 
 // A: the element types and head dims (traits.cuh).
@@ -124,6 +131,11 @@ struct PrefillSm90 {
 #endif
   static constexpr int Q_CHUNKS = A::QK_CHUNKS;       // 16-byte chunks per Q / K row
   static constexpr int CHUNKS = A::VO_CHUNKS;         // per V / O row
+  static constexpr int QK_BLOCKS = D_QK / 64, VO_BLOCKS = D_VO / 64;   // 64-column blocks of a K / V row
+  // The K / V tile layout (KVATTN_SM90_KVIL): the bytes between 64-column blocks and between 8-row groups.
+  static constexpr bool KVIL = KVATTN_SM90_KVIL && kTma;
+  static constexpr unsigned K_BLOCK_BYTES = KVIL ? 1024 : N * 128, K_GROUP_BYTES = KVIL ? QK_BLOCKS * 1024 : 1024;
+  static constexpr unsigned V_BLOCK_BYTES = KVIL ? 1024 : N * 128, V_GROUP_BYTES = KVIL ? VO_BLOCKS * 1024 : 1024;
   static constexpr int Q_ELEMS = ROWS * D_QK;
   static constexpr int K_ELEMS = N * D_QK;            // K of a stage (V follows)
   static constexpr int STAGE_ELEMS = K_ELEMS + N * D_VO;
@@ -161,6 +173,11 @@ struct PrefillSm90 {
   template <int R> __device__ __forceinline__ static int sw(int r, int c) {
     return (c >> 3) * (R * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3);
   }
+  // The same in a K (B = QK_BLOCKS) or V (B = VO_BLOCKS) tile: sw<N>, or (KVIL) 8-row groups of B blocks of 8 rows.
+  template <int B> __device__ __forceinline__ static int kvsw(int r, int c) {
+    if constexpr (KVIL) return (r >> 3) * (B * 512) + (c >> 3) * 512 + (r & 7) * 64 + (((c & 7) ^ (r & 7)) << 3);
+    else return sw<N>(r, c);
+  }
 
   // The barriers after the K/V stages: full[STAGES], empty[STAGES], qfree[QBUF], then (KVSPLIT) V's full[STAGES] and
   // empty[STAGES]. Without KVSPLIT, V shares K's: v_full is `full`.
@@ -187,10 +204,10 @@ struct PrefillSm90 {
       const int bytes = t0 + row < ke ? 16 : 0;
 #pragma unroll
       for (int k = 0; k < Q_CHUNKS / LPR; ++k)
-        cp_async16(stage + sw<N>(row, chunk + k * LPR), kg + o + k * LPR * 8, bytes);
+        cp_async16(stage + kvsw<QK_BLOCKS>(row, chunk + k * LPR), kg + o + k * LPR * 8, bytes);
 #pragma unroll
       for (int k = 0; k < CHUNKS / LPR; ++k)
-        cp_async16(stage + K_ELEMS + sw<N>(row, chunk + k * LPR), vg + o + k * LPR * 8, bytes);
+        cp_async16(stage + K_ELEMS + kvsw<VO_BLOCKS>(row, chunk + k * LPR), vg + o + k * LPR * 8, bytes);
     }
   }
 
@@ -219,6 +236,17 @@ struct PrefillSm90 {
     Base::page_slot(p, t0 + r0, pg, in);   // a full tile: its boxes lie in the item
     // ragged: the "page" id is the request's first token, in one page of (many) slots
     const int slot = p.tma_mode == 1 ? id + in : in, page = p.tma_mode == 1 ? 0 : id;
+    if constexpr (KVIL) {
+      // one box of K and one of V: the box's rows across every 64-column block (5-dim maps: column, row in the
+      // 8-row group, block (NHD: of every head), group (HND: of every head), page; kvattn/tma.py)
+      const int g = (p.tma_hnd ? kvh * (p.page_size >> 3) : 0) + (slot >> 3);
+      if constexpr (PART != 2)
+        tma_load_5d(stage + (r0 >> 3) * (QK_BLOCKS * 512), &p.tma_k, 0, 0, p.tma_hnd ? 0 : kvh * QK_BLOCKS, g, page, bar);
+      if constexpr (PART != 1)
+        tma_load_5d(stage + K_ELEMS + (r0 >> 3) * (VO_BLOCKS * 512), &p.tma_v, 0, 0, p.tma_hnd ? 0 : kvh * VO_BLOCKS, g,
+                    page, bar);
+      return;
+    }
     const int c1 = p.tma_hnd ? slot : kvh, c2 = p.tma_hnd ? kvh : slot;
     if constexpr (D_QK == D_VO && PART == 0) {
 #pragma unroll
@@ -274,14 +302,14 @@ struct PrefillSm90 {
 #pragma unroll
         for (int k = 0; k < KN; ++k) {
           dequant16<KV, T>(kw[j][k], ks, lo, hi);
-          *reinterpret_cast<uint4*>(stage + sw<N>(row, 2 * (chunk + k * C8))) = lo;
-          *reinterpret_cast<uint4*>(stage + sw<N>(row, 2 * (chunk + k * C8) + 1)) = hi;
+          *reinterpret_cast<uint4*>(stage + kvsw<QK_BLOCKS>(row, 2 * (chunk + k * C8))) = lo;
+          *reinterpret_cast<uint4*>(stage + kvsw<QK_BLOCKS>(row, 2 * (chunk + k * C8) + 1)) = hi;
         }
 #pragma unroll
         for (int k = 0; k < VN; ++k) {
           dequant16<KV, T>(vw[j][k], vs, lo, hi);
-          *reinterpret_cast<uint4*>(stage + K_ELEMS + sw<N>(row, 2 * (chunk + k * C8))) = lo;
-          *reinterpret_cast<uint4*>(stage + K_ELEMS + sw<N>(row, 2 * (chunk + k * C8) + 1)) = hi;
+          *reinterpret_cast<uint4*>(stage + K_ELEMS + kvsw<VO_BLOCKS>(row, 2 * (chunk + k * C8))) = lo;
+          *reinterpret_cast<uint4*>(stage + K_ELEMS + kvsw<VO_BLOCKS>(row, 2 * (chunk + k * C8) + 1)) = hi;
         }
       }
     }
@@ -293,7 +321,7 @@ struct PrefillSm90 {
     for (int kk = 0; kk < D_QK / 16; ++kk) {
       const unsigned koff = (kk & 3) * 32;   // k16 step inside a 128-byte row
       Wgmma<T, N>::ss(s, sw128_desc(q_addr + (kk >> 2) * (ROWS * 128) + koff, 0),
-                      sw128_desc(k_addr + (kk >> 2) * (N * 128) + koff, 0), kk > 0);
+                      sw128_desc(k_addr + (kk >> 2) * K_BLOCK_BYTES + koff, 0, K_GROUP_BYTES), kk > 0);
     }
     wgmma_commit();
   }
@@ -301,7 +329,8 @@ struct PrefillSm90 {
   // O += P V over the tile's N tokens, 16 at a time (issued and committed).
   __device__ __forceinline__ static void issue_pv(float (&o)[ON], const unsigned (&pa)[N / 16][4], unsigned v_addr) {
 #pragma unroll
-    for (int ks = 0; ks < N / 16; ++ks) Wgmma<T, D_VO>::rs(o, pa[ks], sw128_desc(v_addr + ks * 16 * 128, N * 128), 1);
+    for (int ks = 0; ks < N / 16; ++ks)
+      Wgmma<T, D_VO>::rs(o, pa[ks], sw128_desc(v_addr + ks * 2 * V_GROUP_BYTES, V_BLOCK_BYTES, V_GROUP_BYTES), 1);
     wgmma_commit();
   }
 
@@ -384,7 +413,7 @@ struct PrefillSm90 {
     if (u == 0)
       transform_rows_at<V, D_QK>(p, qk_state, qs, [](int r, int c) { return sw<ROWS>(r, c); }, 0, it.nrows, threadIdx.x,
                               PRODUCERS, it.req, false, [&](int r) { return it.delta + (it.row0 + r) / p.group_size; });
-    transform_rows_at<V, D_QK>(p, qk_state, kvs + ((g + u) % STAGES) * STAGE_ELEMS, [](int r, int c) { return sw<N>(r, c); },
+    transform_rows_at<V, D_QK>(p, qk_state, kvs + ((g + u) % STAGES) * STAGE_ELEMS, [](int r, int c) { return kvsw<QK_BLOCKS>(r, c); },
                             0, min(N, it.ke - t0), threadIdx.x, PRODUCERS, it.req, true, [&](int r) { return t0 + r; });
     fence_proxy_async();
     mbar_arrive(&full[(g + u) % STAGES]);

@@ -28,6 +28,14 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const void* tmap, int c0,
       ::"r"(smem_addr(dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar)) : "memory");
 }
 
+// The same for a 5-dim tensor map.
+__device__ __forceinline__ void tma_load_5d(void* dst, const void* tmap, int c0, int c1, int c2, int c3, int c4,
+                                            unsigned long long* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n"
+      ::"r"(smem_addr(dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(smem_addr(bar)) : "memory");
+}
+
 // Blocks until the phase of parity `parity` of the barrier has completed (phases alternate 0, 1, 0, ...).
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
   asm volatile(

@@ -119,6 +119,11 @@ def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None 
                               (f"{traits}::THREADS", SM90_THREADS), (f"{traits}::ROWS", 128)))
 
 
+def sm90_interleaved(spec: KernelSpec) -> bool:
+    """Whether this sm90 instance lays its K / V tiles out interleaved (KVATTN_SM90_KVIL: paged tensor maps only)."""
+    return ("KVATTN_SM90_KVIL", 1) in spec.defines
+
+
 def stages(head_dim: int, cta_rows: int, head_dim_vo: int | None = None) -> int:
     return 3 if CONFIGS[cta_rows][0] == 1 and head_dim + (head_dim_vo or head_dim) <= 256 else 2
 
@@ -436,7 +441,8 @@ class _BatchPrefill(AttentionOp):
         else:
             kv = RaggedKV(self.kv_layout, int(kv_lens.sum()), hkv, head_dim, npdtype)
         grid = launch_grid(cfg, cap_w, hkv, self.num_sms)
-        maps = (tma.attach(kv, [p], sm90_tile(head_dim)[0], contiguous=not self._paged and make_kv is None)
+        maps = (tma.attach(kv, [p], sm90_tile(head_dim)[0], contiguous=not self._paged and make_kv is None,
+                           interleaved=sm90_interleaved(cfg.spec))
                 if cfg.backend == "sm90" and not variant.rope else None)
         return self._finish_plan(
             rows=total_qo, max_rows=self.max_total_qo if self.use_cuda_graph else total_qo, hq=hq, d=head_dim,

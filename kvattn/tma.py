@@ -79,15 +79,33 @@ def _dims(kv, a, rows: int):
     return (d, ps, h, p), (s[2], s[1], s[0]), (64, rows, 1, 1)
 
 
-def encode(kv, a, rows: int) -> bytes:
-    """The 128-byte tensor map of cache array a."""
+def _dims_interleaved(kv, a, rows: int):
+    """(global dims, byte strides of dims 1..4, box dims) of a paged cache array for the kernel's interleaved K / V
+    tiles (KVATTN_SM90_KVIL): 5 dims, innermost first: column of a 64-column block, row in an 8-row group, block
+    (NHD: of every head, whose rows must be contiguous), group (HND: of every head, whose pages must be contiguous),
+    page; a box = a page's `rows` rows across every block of one head."""
+    d, s, e = kv.head_dim, a.strides, a.itemsize
+    blocks = d // 64
+    if kv.layout == "NHD":         # [P, ps, H, D]
+        p, ps, h = a.shape[0], a.shape[1], a.shape[2]
+        if s[2] != d * e or s[3] != e:
+            raise ValueError(f"k / v: interleaved tensor maps need each token's heads contiguous (strides {s})")
+        return (64, 8, h * blocks, ps // 8, p), (s[1], 64 * e, 8 * s[1], s[0]), (64, 8, blocks, rows // 8, 1)
+    p, h, ps = a.shape[0], a.shape[1], a.shape[2]   # HND [P, H, ps, D]
+    if s[1] != ps * s[2] or s[3] != e:
+        raise ValueError(f"k / v: interleaved tensor maps need each page's heads contiguous (strides {s})")
+    return (64, 8, blocks, h * ps // 8, p), (s[2], 64 * e, 8 * s[2], s[0]), (64, 8, blocks, rows // 8, 1)
+
+
+def encode(kv, a, rows: int, interleaved: bool = False) -> bytes:
+    """The 128-byte tensor map of cache array a (interleaved: the 5-dim map of _dims_interleaved)."""
     drv = _driver.driver()
-    dims, strides, box = _dims(kv, a, rows)
+    dims, strides, box = _dims_interleaved(kv, a, rows) if interleaved else _dims(kv, a, rows)
     dt = (drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if kv.dtype.name == "bfloat16" else
           drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
     u64, u32 = drv.cuuint64_t, drv.cuuint32_t
-    tmap = _driver.call("cuTensorMapEncodeTiled", dt, 4, a.ptr, [u64(x) for x in dims], [u64(x) for x in strides],
-                        [u32(x) for x in box], [u32(1)] * 4,
+    tmap = _driver.call("cuTensorMapEncodeTiled", dt, len(dims), a.ptr, [u64(x) for x in dims],
+                        [u64(x) for x in strides], [u32(x) for x in box], [u32(1)] * len(dims),
                         drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
                         drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
                         drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -98,10 +116,11 @@ def encode(kv, a, rows: int) -> bytes:
 class KVTensorMaps:
     """run()'s binder: writes the tensor maps of (k, v) into the parameters of the launches that read them."""
 
-    __slots__ = ("kv", "rows", "params", "offset", "_cache", "_bound")
+    __slots__ = ("kv", "rows", "params", "offset", "interleaved", "_cache", "_bound")
 
-    def __init__(self, kv, rows: int, params, offset: int):
+    def __init__(self, kv, rows: int, params, offset: int, interleaved: bool = False):
         self.kv, self.rows, self.params, self.offset = kv, rows, tuple(params), offset
+        self.interleaved = interleaved
         self._cache = {}
         self._bound = None   # the key whose maps the parameters hold now (the usual run(): the same arrays again)
 
@@ -113,18 +132,20 @@ class KVTensorMaps:
         if blob is None:
             if len(self._cache) >= _CACHE_LIMIT:
                 self._cache.clear()
-            blob = self._cache[key] = encode(self.kv, k, self.rows) + encode(self.kv, v, self.rows)
+            blob = self._cache[key] = (encode(self.kv, k, self.rows, self.interleaved)
+                                       + encode(self.kv, v, self.rows, self.interleaved))
         for p in self.params:
             p.set_bytes(self.offset, blob)
         self._bound = key
 
 
-def attach(kv, params, tile: int, contiguous: bool = False) -> KVTensorMaps | None:
+def attach(kv, params, tile: int, contiguous: bool = False, interleaved: bool = False) -> KVTensorMaps | None:
     """Switch the sm90 launches of these ParamBuffers to TMA tiles where the accessor allows it (tma_mode) and
-    return run()'s binder, or None (the launches keep their per-thread copies)."""
+    return run()'s binder, or None (the launches keep their per-thread copies). interleaved: the launches' kernel
+    has interleaved K / V tiles (KVATTN_SM90_KVIL), which take paged maps only."""
     mode, rows = tma_mode(kv, tile, contiguous)
-    if mode == MODE_OFF or not params:
+    if mode == MODE_OFF or not params or (interleaved and not (mode == MODE_PAGED and isinstance(kv, PagedKV))):
         return None
     for p in params:
         p.set(tma_mode=mode, tma_rows=rows, tma_hnd=int(kv.layout == "HND"))
-    return KVTensorMaps(kv, rows, params, params[0].dtype.fields["tma_k"][1])
+    return KVTensorMaps(kv, rows, params, params[0].dtype.fields["tma_k"][1], interleaved)

@@ -1,7 +1,7 @@
 """A/B experiments on the sm90 prefill kernel, each in one process (bf16 unless named, Hq32/Hkv8, ragged):
 
     PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order]
-                                            [--stream] [--early] [--shapes] [--kvsplit] [--pages]
+                                            [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -29,6 +29,7 @@
   unit's Q copied while the unit before it runs), the --stream shapes and non-causal b32_S1024.
 --shapes: the default kernel on unit shapes that separate a unit's fixed cost from its tiles (run_shapes).
 --pages: paged prefill at page sizes 16-128, page 16 without TMA boxes, and ragged (run_pages).
+--kvil: the interleaved K / V tiles (KVATTN_SM90_KVIL=1, one 5-dim box a page) against the default, pages 16 / 32.
 --split, --d256, --fold, --persist, --prefetch, --order, --stream, --early, --kvsplit and --pages time their
   options in 3 rounds of alternating order (the GPU's clock drifts under load: BENCHMARKS.md, run 15d); --tanh is a
   single pass.
@@ -76,7 +77,7 @@ def compile_all():
     prefill.SM90_PERSISTENT = True
     prefill.SM90_TUNING = (("KVATTN_SM90_PREFETCH", 0),)
     prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
-    for defs in (STREAM_OFF, EARLY_OFF, QBUF2, STAGES2, KV_APART, JOINT + STAGES2):
+    for defs in (STREAM_OFF, EARLY_OFF, QBUF2, STAGES2, KV_APART, JOINT + STAGES2, KVIL):
         prefill.SM90_TUNING = defs
         prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
     prefill.SM90_TUNING = ()
@@ -271,7 +272,33 @@ def run_pages(bp, rng):
     bp.PS, tma.tma_mode = 16, tma_mode
 
 
-EXPERIMENTS = {"pages": run_pages, "split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold,
+KVIL = (("KVATTN_SM90_KVIL", 1),)
+
+
+def run_kvil(bp, rng):
+    """The interleaved K / V tiles (KVATTN_SM90_KVIL=1: 8-row groups of all 64-column blocks, one 5-dim TMA box a
+    page: 16 boxes a page-16 tile instead of 32) against the default layout, paged at page 16 and 32, ragged beside
+    (the default kernel), causal b1_S8192 / b8_S2048 and non-causal b1_S8192."""
+    mode = {}
+
+    def option(what, ps, defs=(), ragged=False):
+        def apply():
+            bp.PS, prefill.SM90_TUNING = ps, defs
+            mode.update(ragged=ragged)
+        return what, apply
+    options = [option("page 16", 16), option("page 16 KVIL", 16, KVIL), option("page 32", 32),
+               option("page 32 KVIL", 32, KVIL), option("ragged", 16, ragged=True)]
+    for name, b, s, causal in [("causal b1_S8192", 1, 8192, True), ("causal b8_S2048", 8, 2048, True),
+                               ("non-causal b1_S8192", 1, 8192, False)]:
+        def measure():
+            if mode["ragged"]:
+                return bp.ragged_case(rng, name, [s] * b, [s] * b, 128, causal=causal, backend="sm90")[1:]
+            return bp.paged_case(rng, [s] * b, [s] * b, 128, causal=causal, backend="sm90")[1:]
+        compare("kvil", name, flops_of(bp, b, s, causal), options, measure)
+    bp.PS = 16
+
+
+EXPERIMENTS = {"pages": run_pages, "kvil": run_kvil, "split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold,
                "persist": run_persist,
                "prefetch": run_prefetch, "order": run_order, "stream": run_stream,
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit}

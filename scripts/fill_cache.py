@@ -45,6 +45,9 @@ def specs():
                         out.append(pf.prefill_spec(d, rows, v, t))
             for d in pf.SM90_HEAD_DIMS:
                 out.append(pf.sm90_spec(d, v, t))
+    pf.SM90_TUNING = (("KVATTN_SM90_KVIL", 1),)   # the interleaved K / V tiles (GPU tests, ab_sm90.py --kvil)
+    out += [pf.sm90_spec(d, v, "bfloat16") for d in pf.SM90_HEAD_DIMS for v in (Variant(), Variant(True, True, True))]
+    pf.SM90_TUNING = ()
     for d in decode.HEAD_DIMS:   # ALiBi (the GPU tests and scripts/bench_variants.py)
         for v in (Variant(alibi=True), Variant(window=True, alibi=True)):
             out.append(decode.decode_spec(d, 1, v, "bfloat16"))

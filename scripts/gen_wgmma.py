@@ -30,10 +30,10 @@ template <int K> __device__ __forceinline__ void fence_regs(float (&r)[K]) {
 }
 
 // Descriptor of a 128-byte-swizzled operand at shared address `addr` (1024-byte aligned pattern): 8-row
-// groups 1024 bytes apart (SBO); lbo = bytes between 64-element column blocks (used by MN-major operands).
-__device__ __forceinline__ unsigned long long sw128_desc(unsigned addr, unsigned lbo) {
+// groups sbo bytes apart; lbo = bytes between 64-element column blocks (used by MN-major operands).
+__device__ __forceinline__ unsigned long long sw128_desc(unsigned addr, unsigned lbo, unsigned sbo = 1024) {
   return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16) |
-         ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+         ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
 
 template <typename T, int N> struct Wgmma;

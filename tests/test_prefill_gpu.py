@@ -4,7 +4,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import kvattn
-from kvattn import _dtypes, graphs, reference
+from kvattn import _dtypes, graphs, prefill, reference
 from kvattn.formats import PageTable
 from kvattn.prefill import BatchPrefillWithPagedKVCache, BatchPrefillWithRaggedKVCache, single_prefill, sm90_tile
 
@@ -192,6 +192,23 @@ def test_sm90_mainloop(d, dtype, variant):
                  qo_lens=qo, kv_lens=kv, paged=paged, cta_rows=128, backend="sm90", **kw)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_sm90_interleaved_tiles_with_variants(d, layout, monkeypatch):
+    """The interleaved K / V tiles (KVATTN_SM90_KVIL) under every mask and the soft cap, page 16, persistent and
+    one-unit CTAs, TMA and copied tiles against the reference."""
+    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_KVIL", 1),))
+    for variant in ("causal", "plain", "all"):
+        kw = dict(causal=variant != "plain", window_left=77 if variant == "all" else -1,
+                  cap=20.0 if variant == "all" else 0.0, custom=variant == "all")
+        qo, kv = ([130, 33, 1, 200], [130, 700, 1, 4500]) if kw["causal"] else ([130, 33, 1, 200], [300, 0, 129, 4500])
+        for num_sms in (None, 3):
+            w = run_case(np.random.default_rng(hash((d, layout, variant, num_sms)) % 2**32), dtype="bfloat16", d=d,
+                         hkv=2, group=4, qo_lens=qo, kv_lens=kv, paged=True, layout=layout, cta_rows=128,
+                         backend="sm90", num_sms=num_sms, **kw)
+            assert prefill.sm90_interleaved(w.last_plan.info["kernel"].spec) and w.last_plan.info["tma"]
+
+
 @pytest.mark.parametrize("num_sms", [1, 3, 7])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
@@ -214,10 +231,13 @@ def test_sm90_persistent_ctas_walk_many_units(num_sms, d, causal):
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("page_size", [8, 16, 64, 256])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_sm90_tma_tiles_read_only_the_requests_kv(layout, page_size, d):
+@pytest.mark.parametrize("kvil", [False, True])
+def test_sm90_tma_tiles_read_only_the_requests_kv(layout, page_size, d, kvil, monkeypatch):
     """Full KV tiles come as TMA boxes (one per page or per tile), the last partial tile through zero-filling
     copies: NaN in the last pages' tails and in unused pages never reaches a result. Causal and not, KV
-    lengths around the tile and page boundaries, a split KV."""
+    lengths around the tile and page boundaries, a split KV. kvil: the interleaved K / V tiles (one 5-dim box a
+    page across the head dim)."""
+    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_KVIL", 1),) if kvil else ())
     for causal in (True, False):
         qo, kv = ([130, 1, 64, 300], [130, 257, 128 + page_size, 5000]) if causal else ([130, 1, 64, 33],
                                                                                          [129, 256, 1, 4099])
