@@ -27,7 +27,8 @@
 // k_scale / v_scale, rounded once to Q's type) into the same 16-bit tiles, and arrive on `full` once their stores are
 // made visible to the tensor cores; the consumers are unchanged.
 // Shared memory layout of every tile: 128-byte swizzle, i.e. per 64-column block of the head dim, 128-byte rows
-// whose 16-byte chunk c sits at chunk c ^ (row % 8).
+// whose 16-byte chunk c sits at chunk c ^ (row % 8); Q's blocks of 128 rows follow each other, and so do K's and V's
+// blocks of N rows, or (KVATTN_SM90_KVIL) K's and V's 8-row groups of every block.
 #pragma once
 #include "prefill.cuh"
 #include "sm90.cuh"
@@ -76,9 +77,10 @@
 #define KVATTN_SM90_QBUF 1
 #endif
 
-// K / V tile layout (experiment, scripts/ab_sm90.py --kvil): 1 = 8-row groups, each holding all the row's 64-column
-// blocks (1024 bytes each), so one 5-dim TMA box copies a page's rows across the whole head dim (a page-16 tile:
-// 16 boxes instead of 32); paged tensor maps only (kvattn/tma.py encodes them 5-dim). 0 = 64-column blocks of N rows.
+// K / V tile layout: 1 = 8-row groups, each holding all the rows' 64-column blocks (1024 bytes each), so one 5-dim
+// TMA box copies a page's rows across the whole head dim (a page-16 tile at head dim 128: 16 boxes instead of 32;
+// run 29b, causal b1_S8192 563 -> 632 TFLOP/s); the instance of paged caches (kvattn.tma.interleaved_tiles, whose
+// maps are 5-dim). 0 = 64-column blocks of N rows (ragged K / V: its tiles start at any token, not on a group).
 #ifndef KVATTN_SM90_KVIL
 #define KVATTN_SM90_KVIL 0
 #endif

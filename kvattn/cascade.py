@@ -45,8 +45,8 @@ from .merge import MERGE_PARAMS, merge_spec
 from .mixed import DECODE_BYTES_PER_SM, MAX_SUBS, PREFILL_FLOPS_PER_SM, mixed_kernel, mixed_launch, split_sms
 from .opcore import AttentionOp, PagedKV, on_device
 from .prefill import (BACKENDS, DEFAULT_WORKSPACE, DETERMINISTIC_SPLIT_CHUNKS, DETERMINISTIC_SPLIT_TOKENS,
-                      choose_cta_rows, launch_config, level_layout, level_params, sm90_interleaved, sm90_tile, sm90_usable,
-                      write_level, launch_grid)
+                      choose_cta_rows, launch_config, level_layout, level_params, sm90_tile,
+                      sm90_usable, write_level, launch_grid)
 from .variants import Variant, plan_variant
 
 #: The decode level's rate on the whole GPU (run 22b: 134 MB of 256-token suffixes in ~45 us; longer chunks more).
@@ -210,8 +210,9 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
                      [choose_cta_rows(qo.sum() * group / max(int(np.count_nonzero(qo)), 1), d, wide)
                       for qo, _, _ in shapes])
         cfgs = []
+        kvil = tma.interleaved_tiles(PagedKV(self.kv_layout, ps, hkv, d, _dtypes.to_numpy(kv_dtype), 1), sm90_tile(d)[0])
         for rows in tiles:
-            cfg = launch_config(self.backend, d, rows, variant, q_dtype, kv_dtype)
+            cfg = launch_config(self.backend, d, rows, variant, q_dtype, kv_dtype, kvil)
             get_kernel(cfg.spec)._allow_smem(cfg.smem)   # now, not during a graph capture
             cfgs.append(cfg)
         # a decode step's suffix level on the decode kernel, and where it applies, in one launch with level 0
@@ -332,7 +333,7 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
         kv = PagedKV(self.kv_layout, ps, hkv, d, _dtypes.to_numpy(kv_dtype), pages)
         maps = tma.attach(kv, [p for li, (p, cfg) in enumerate(zip(params, cfgs))
                                if cfg.backend == "sm90" and not (dec is not None and li == len(cfgs) - 1)],
-                          sm90_tile(d)[0], interleaved=any(sm90_interleaved(c.spec) for c in cfgs))
+                          sm90_tile(d)[0], interleaved=kvil)
         return self._finish_plan(
             rows=total_qo, max_rows=max_rows, hq=hq, d=d, dtype=q_dtype, kv=kv, launch=launches, params=params,
             merge=merge, merge_params=mp, s=s, copy_done=copy_done, bind_tma=maps,

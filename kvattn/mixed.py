@@ -108,13 +108,13 @@ def mixed_launch(kernel, pre_params: ParamBuffer, pre_ctas: int, pre_smem: int, 
                   ParamPack(pre_params, dec_params, mp))
 
 
-def _default_spec(head_dim: int, dtype: str) -> KernelSpec:
+def _default_spec(head_dim: int, dtype: str, interleaved: bool) -> KernelSpec:
     d_smem = decode_smem_bytes(head_dim, 1, default_stages(head_dim))
-    return mixed_spec(sm90_spec(head_dim, Variant(), dtype, persistent=True),
+    return mixed_spec(sm90_spec(head_dim, Variant(), dtype, persistent=True, interleaved=interleaved),
                       decode_spec(head_dim, 1, Variant(), dtype), min(MAX_SUBS, MAX_SMEM // d_smem))
 
 
-register("mixed", [_default_spec(128, "bfloat16")])
+register("mixed", [_default_spec(128, "bfloat16", il) for il in (False, True)])
 
 
 class BatchMixedWithPagedKVCache:

@@ -86,6 +86,8 @@ TUNING: dict = {}
 SM90_TUNING: tuple = ()
 #: The define that builds the persistent sm90 instance (sm90_persistent decides where).
 SM90_PERSIST_DEFINE = ("KVATTN_SM90_PERSIST", 1)
+#: The define of the sm90 instance with interleaved K / V tiles (paged tensor maps: kvattn.tma.interleaved_tiles).
+SM90_KVIL_DEFINE = ("KVATTN_SM90_KVIL", 1)
 #: Bytes after a custom mask the kernels may read (the sm90 kernel loads each row's bits of a tile as aligned 32-bit
 #: words, up to 20 bytes past the last mask byte; the bits read there belong to no kept pair).
 MASK_PAD = 32
@@ -105,15 +107,21 @@ def prefill_spec(head_dim: int, cta_rows: int, variant: Variant, dtype: str, kv_
 
 
 def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None = None,
-              persistent: bool | None = None, head_dim_vo: int | None = None) -> KernelSpec:
+              persistent: bool | None = None, head_dim_vo: int | None = None,
+              interleaved: bool = False) -> KernelSpec:
     """The wgmma kernel (backend "sm90") of prefill_sm90.cuh: 128-row query tiles, head_dim 64, 128 or 256;
-    persistent (None: sm90_persistent's choice) builds the persistent instance. head_dim_vo: as prefill_spec's."""
+    persistent (None: sm90_persistent's choice) builds the persistent instance. head_dim_vo: as prefill_spec's.
+    interleaved: the instance for paged tensor maps (kvattn.tma.interleaved_tiles: K / V tiles in 8-row groups of
+    every 64-column block, one box a page); a KVATTN_SM90_KVIL in SM90_TUNING overrides it (the A/B)."""
     args = f"{attn_types(head_dim, dtype, kv_dtype, head_dim_vo)}, {variant.prefill_type()}"
     traits = f"kvattn::PrefillSm90<{args}>"
     if persistent is None:
         persistent = sm90_persistent(head_dim, variant, kv_dtype)
+    tuning = dict(SM90_TUNING)
+    kvil = tuning.pop("KVATTN_SM90_KVIL", int(interleaved))
     return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{args}>",
-                      defines=SM90_TUNING + ((SM90_PERSIST_DEFINE,) if persistent else ()),
+                      defines=(tuple(tuning.items()) + ((SM90_KVIL_DEFINE,) if kvil else ())
+                               + ((SM90_PERSIST_DEFINE,) if persistent else ())),
                       prelude=variant.prelude(),
                       checks=((f"{traits}::SMEM_BYTES", sm90_smem_bytes(head_dim, head_dim_vo)),
                               (f"{traits}::THREADS", SM90_THREADS), (f"{traits}::ROWS", 128)))
@@ -121,7 +129,7 @@ def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None 
 
 def sm90_interleaved(spec: KernelSpec) -> bool:
     """Whether this sm90 instance lays its K / V tiles out interleaved (KVATTN_SM90_KVIL: paged tensor maps only)."""
-    return ("KVATTN_SM90_KVIL", 1) in spec.defines
+    return SM90_KVIL_DEFINE in spec.defines
 
 
 def stages(head_dim: int, cta_rows: int, head_dim_vo: int | None = None) -> int:
@@ -201,14 +209,15 @@ class LaunchConfig:
 
 
 def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, dtype: str,
-                  kv_dtype: str | None = None) -> LaunchConfig:
+                  kv_dtype: str | None = None, interleaved: bool = False) -> LaunchConfig:
     """backend "sm90" (the wgmma kernel) takes 128-row tiles of head_dim 64/128/256 on sm_90 GPUs; "auto" takes
-    it there unless its ptxas report shows spills (sm90_choice), else "sm80"."""
+    it there unless its ptxas report shows spills (sm90_choice), else "sm80". interleaved: sm90_spec's (a paged
+    cache that takes tensor maps)."""
     sm90_ok = cta_rows == 128 and head_dim in SM90_HEAD_DIMS and _driver.arch() == "sm_90a"
     if backend == "sm90" and not sm90_ok:
         raise ValueError(f"backend: 'sm90' needs an sm_90 GPU, head_dim in {SM90_HEAD_DIMS} and cta_rows 128 "
                          f"(got {_driver.arch()}, head_dim {head_dim}, cta_rows {cta_rows})")
-    spec = sm90_choice(backend, head_dim, variant, dtype, kv_dtype) if sm90_ok else None
+    spec = sm90_choice(backend, head_dim, variant, dtype, kv_dtype, interleaved) if sm90_ok else None
     if spec is not None:
         return LaunchConfig("sm90", spec, SM90_THREADS, sm90_smem_bytes(head_dim), 1)
     if head_dim == 256 and cta_rows == 128:
@@ -222,19 +231,19 @@ def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, 
 
 
 def sm90_choice(backend: str, head_dim: int, variant: Variant, dtype: str,
-                kv_dtype: str | None = None) -> KernelSpec | None:
+                kv_dtype: str | None = None, interleaved: bool = False) -> KernelSpec | None:
     """The wgmma instance a 128-row tile of this head dim and variant runs on, or None (the mma.sync kernel): on an
     sm_90 GPU and a head dim it covers, with backend "sm90" the persistent instance where sm90_persistent allows
     it, else the one-unit one; with "auto" the first of those two that compiles without spills (a user variant
     with a key transform may spill in the persistent one; at head_dim 256 the custom-mask, ALiBi, RoPE and fp8
-    instances spill and go to the mma.sync kernel)."""
+    instances spill and go to the mma.sync kernel). interleaved: sm90_spec's."""
     if backend == "sm80" or head_dim not in SM90_HEAD_DIMS or _driver.arch() != "sm_90a":
         return None
     persistent = sm90_persistent(head_dim, variant, kv_dtype)
     if backend == "sm90":
-        return sm90_spec(head_dim, variant, dtype, kv_dtype, persistent)
+        return sm90_spec(head_dim, variant, dtype, kv_dtype, persistent, interleaved=interleaved)
     for p in ((True, False) if persistent else (False,)):
-        spec = sm90_spec(head_dim, variant, dtype, kv_dtype, p)
+        spec = sm90_spec(head_dim, variant, dtype, kv_dtype, p, interleaved=interleaved)
         kernel = get_kernel(spec)
         if kernel.resources is None or kernel.resources.spill_stores == 0:
             return spec
@@ -251,7 +260,9 @@ register("prefill", [prefill_spec(128, r, Variant(), "bfloat16") for r in (128, 
             prefill_spec(256, 64, Variant(), "bfloat16"),
             prefill_spec(128, 128, Variant(soft_cap=True, window=True, custom_mask=True), "bfloat16")]
          + [sm90_spec(128, Variant(), t) for t in ("bfloat16", "float16")] + [sm90_spec(64, Variant(), "bfloat16")]
-         + [sm90_spec(128, Variant(custom_mask=True), "bfloat16"), sm90_spec(256, Variant(), "bfloat16")])
+         + [sm90_spec(128, Variant(custom_mask=True), "bfloat16"), sm90_spec(256, Variant(), "bfloat16")]
+         + [sm90_spec(128, v, "bfloat16", interleaved=True)   # paged caches' instances
+            for v in (Variant(), Variant(soft_cap=True, window=True, custom_mask=True))])
 
 
 # -- one prefill launch's share of a plan buffer (the paged / ragged ops have one, cascade one per level) -----
@@ -378,7 +389,15 @@ class _BatchPrefill(AttentionOp):
                    page_size=page_size,
                    sm_scale=scale, causal=causal, window_left=window_left, logits_soft_cap=cap,
                    custom_mask=packed_mask is not None, cta_rows=cta_rows, variant=variant)
-        cfg = launch_config(self.backend, head_dim, cta_rows, variant, q_dtype, kv_dtype)
+        npdtype = _dtypes.to_numpy(kv_dtype)
+        if make_kv is not None:
+            kv = make_kv(hkv, head_dim, npdtype)
+        elif self._paged:
+            kv = PagedKV(self.kv_layout, page_size, hkv, head_dim, npdtype, int(page_indices.max(initial=-1)) + 1)
+        else:
+            kv = RaggedKV(self.kv_layout, int(kv_lens.sum()), hkv, head_dim, npdtype)
+        kvil = tma.interleaved_tiles(kv, sm90_tile(head_dim)[0]) and not variant.rope
+        cfg = launch_config(self.backend, head_dim, cta_rows, variant, q_dtype, kv_dtype, kvil)
         if cfg.backend == "sm80" and variant.rope and auto_rows and cta_rows == 128:
             cta_rows = 64   # the 128-row mma.sync tile has no registers left for the rotation (ptxas spills)
             cfg = launch_config(self.backend, head_dim, cta_rows, variant, q_dtype, kv_dtype)
@@ -433,13 +452,6 @@ class _BatchPrefill(AttentionOp):
         merge, mp = self._merge_launch(merge_rows, dev["tmp_o"], dev["tmp_lse"], base, mi, off["merge_rows"], hq,
                                        head_dim, plan.num_merge, q_dtype, variant, variant_ptr,
                                        None if self.use_cuda_graph else plan.merge_indptr, self.deterministic)
-        npdtype = _dtypes.to_numpy(kv_dtype)
-        if make_kv is not None:
-            kv = make_kv(hkv, head_dim, npdtype)
-        elif self._paged:
-            kv = PagedKV(self.kv_layout, page_size, hkv, head_dim, npdtype, int(page_indices.max(initial=-1)) + 1)
-        else:
-            kv = RaggedKV(self.kv_layout, int(kv_lens.sum()), hkv, head_dim, npdtype)
         grid = launch_grid(cfg, cap_w, hkv, self.num_sms)
         maps = (tma.attach(kv, [p], sm90_tile(head_dim)[0], contiguous=not self._paged and make_kv is None,
                            interleaved=sm90_interleaved(cfg.spec))

@@ -6,7 +6,10 @@ A map views k (or v) as 4 dims, innermost first: (head_dim, head, token slot, pa
 slot, head, page) for "HND" (strides grow outward), boxes of 64 x 1 x R x 1 (NHD) or 64 x R x 1 x 1 (HND),
 with the kernel's 128-byte swizzle. Ragged K / V is one page of total_kv slots (a box is the whole KV tile);
 a paged cache has page_size slots per page (a box is one page, or the tile inside a larger page), and
-block-sparse K / V pages of C slots, one per column block (HND: the page stride is below the head stride). The kernel
+block-sparse K / V pages of C slots, one per column block (HND: the page stride is below the head stride).
+A paged cache (PagedKV) instead takes the kernel instance with interleaved K / V tiles (interleaved_tiles) and
+5-dim maps, (64 columns, row in an 8-row group, 64-column block, 8-row group, page), whose box is a page's rows
+across the whole head dim: half the boxes of a 16-token page at head dim 128. The kernel
 takes the boxes only for full tiles of an item that starts on a box boundary: a tile that ends past the item's
 KV (whose rows must read as zeros, whatever the cache holds there) keeps the zero-filling per-thread copies.
 run() encodes the maps for its k / v (cuTensorMapEncodeTiled; cached per pointer, shape and strides) and writes
@@ -20,6 +23,10 @@ from . import _driver
 from .opcore import PagedKV, RaggedKV
 
 MODE_OFF, MODE_RAGGED, MODE_PAGED = 0, 1, 2
+
+
+class StridesNotMapped(ValueError):
+    """An interleaved tensor map cannot describe these cache strides (the binder falls back to copies)."""
 _CACHE_LIMIT = 16   # distinct (k, v) bindings remembered per plan
 _MAP_BYTES = 128    # sizeof(CUtensorMap)
 
@@ -39,6 +46,15 @@ def tma_mode(kv, tile: int, contiguous: bool) -> tuple[int, int]:
         if ps % 8 == 0 and ps <= 256 and (tile % ps == 0 or ps % tile == 0):
             return MODE_PAGED, min(ps, tile)
     return MODE_OFF, 0
+
+
+def interleaved_tiles(kv, tile: int) -> bool:
+    """Whether a plan over this KV accessor takes the sm90 instance with interleaved K / V tiles (KVATTN_SM90_KVIL):
+    a paged cache whose pages are whole boxes. Its tile layout lets one 5-dim box carry a page's rows across the
+    whole head dim (a page-16 tile of head dim 128: 16 boxes instead of 32; run 29b, causal b1_S8192: 563 -> 632
+    TFLOP/s, 0.97 of ragged). Ragged K / V keeps the other layout: its tiles start at any token, not on 8-row
+    groups."""
+    return isinstance(kv, PagedKV) and tma_mode(kv, tile, False)[0] == MODE_PAGED
 
 
 def _slots(n: int, stride: int) -> int:
@@ -89,11 +105,11 @@ def _dims_interleaved(kv, a, rows: int):
     if kv.layout == "NHD":         # [P, ps, H, D]
         p, ps, h = a.shape[0], a.shape[1], a.shape[2]
         if s[2] != d * e or s[3] != e:
-            raise ValueError(f"k / v: interleaved tensor maps need each token's heads contiguous (strides {s})")
+            raise StridesNotMapped(f"k / v: interleaved tensor maps need each token's heads contiguous (strides {s})")
         return (64, 8, h * blocks, ps // 8, p), (s[1], 64 * e, 8 * s[1], s[0]), (64, 8, blocks, rows // 8, 1)
     p, h, ps = a.shape[0], a.shape[1], a.shape[2]   # HND [P, H, ps, D]
     if s[1] != ps * s[2] or s[3] != e:
-        raise ValueError(f"k / v: interleaved tensor maps need each page's heads contiguous (strides {s})")
+        raise StridesNotMapped(f"k / v: interleaved tensor maps need each page's heads contiguous (strides {s})")
     return (64, 8, blocks, h * ps // 8, p), (s[2], 64 * e, 8 * s[2], s[0]), (64, 8, blocks, rows // 8, 1)
 
 
@@ -114,28 +130,36 @@ def encode(kv, a, rows: int, interleaved: bool = False) -> bytes:
 
 
 class KVTensorMaps:
-    """run()'s binder: writes the tensor maps of (k, v) into the parameters of the launches that read them."""
+    """run()'s binder: writes the tensor maps of (k, v) into the parameters of the launches that read them. Arrays
+    whose strides an interleaved map cannot describe (heads not contiguous in a token / page) switch those launches
+    to their per-thread copies (same tile layout) for as long as they are bound."""
 
-    __slots__ = ("kv", "rows", "params", "offset", "interleaved", "_cache", "_bound")
+    __slots__ = ("kv", "rows", "params", "offset", "mode", "interleaved", "_cache", "_bound")
 
-    def __init__(self, kv, rows: int, params, offset: int, interleaved: bool = False):
+    def __init__(self, kv, rows: int, params, offset: int, mode: int, interleaved: bool = False):
         self.kv, self.rows, self.params, self.offset = kv, rows, tuple(params), offset
-        self.interleaved = interleaved
+        self.mode, self.interleaved = mode, interleaved
         self._cache = {}
         self._bound = None   # the key whose maps the parameters hold now (the usual run(): the same arrays again)
 
     def __call__(self, k, v):
-        key = (k.ptr, v.ptr, k.shape, k.strides)
+        key = (k.ptr, v.ptr, k.shape, k.strides, v.strides)
         if key == self._bound:
             return
         blob = self._cache.get(key)
         if blob is None:
             if len(self._cache) >= _CACHE_LIMIT:
                 self._cache.clear()
-            blob = self._cache[key] = (encode(self.kv, k, self.rows, self.interleaved)
-                                       + encode(self.kv, v, self.rows, self.interleaved))
+            try:
+                blob = (encode(self.kv, k, self.rows, self.interleaved)
+                        + encode(self.kv, v, self.rows, self.interleaved))
+            except StridesNotMapped:
+                blob = b""
+            self._cache[key] = blob
         for p in self.params:
-            p.set_bytes(self.offset, blob)
+            if blob:
+                p.set_bytes(self.offset, blob)
+            p.set(tma_mode=self.mode if blob else MODE_OFF)
         self._bound = key
 
 
@@ -148,4 +172,4 @@ def attach(kv, params, tile: int, contiguous: bool = False, interleaved: bool = 
         return None
     for p in params:
         p.set(tma_mode=mode, tma_rows=rows, tma_hnd=int(kv.layout == "HND"))
-    return KVTensorMaps(kv, rows, params, params[0].dtype.fields["tma_k"][1], interleaved)
+    return KVTensorMaps(kv, rows, params, params[0].dtype.fields["tma_k"][1], mode, interleaved)

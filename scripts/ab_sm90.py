@@ -29,7 +29,8 @@
   unit's Q copied while the unit before it runs), the --stream shapes and non-causal b32_S1024.
 --shapes: the default kernel on unit shapes that separate a unit's fixed cost from its tiles (run_shapes).
 --pages: paged prefill at page sizes 16-128, page 16 without TMA boxes, and ragged (run_pages).
---kvil: the interleaved K / V tiles (KVATTN_SM90_KVIL=1, one 5-dim box a page) against the default, pages 16 / 32.
+--kvil: paged caches' interleaved K / V tiles (KVATTN_SM90_KVIL=1, one 5-dim box a page) against the kernel before
+  (64-column blocks: 2 boxes a page at head_dim 128), pages 16 / 32.
 --split, --d256, --fold, --persist, --prefetch, --order, --stream, --early, --kvsplit and --pages time their
   options in 3 rounds of alternating order (the GPU's clock drifts under load: BENCHMARKS.md, run 15d); --tanh is a
   single pass.
@@ -77,9 +78,12 @@ def compile_all():
     prefill.SM90_PERSISTENT = True
     prefill.SM90_TUNING = (("KVATTN_SM90_PREFETCH", 0),)
     prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
-    for defs in (STREAM_OFF, EARLY_OFF, QBUF2, STAGES2, KV_APART, JOINT + STAGES2, KVIL):
+    for defs in (STREAM_OFF, EARLY_OFF, QBUF2, STAGES2, KV_APART, JOINT + STAGES2):
         prefill.SM90_TUNING = defs
         prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
+    for defs in ((), BLOCKS):   # the paged instances (--kvil, --pages)
+        prefill.SM90_TUNING = defs
+        prefill.sm90_spec(128, Variant(), "bfloat16", interleaved=True).compile("sm_90a")
     prefill.SM90_TUNING = ()
 
 
@@ -272,13 +276,14 @@ def run_pages(bp, rng):
     bp.PS, tma.tma_mode = 16, tma_mode
 
 
-KVIL = (("KVATTN_SM90_KVIL", 1),)
+BLOCKS = (("KVATTN_SM90_KVIL", 0),)
 
 
 def run_kvil(bp, rng):
-    """The interleaved K / V tiles (KVATTN_SM90_KVIL=1: 8-row groups of all 64-column blocks, one 5-dim TMA box a
-    page: 16 boxes a page-16 tile instead of 32) against the default layout, paged at page 16 and 32, ragged beside
-    (the default kernel), causal b1_S8192 / b8_S2048 and non-causal b1_S8192."""
+    """Paged caches' interleaved K / V tiles (KVATTN_SM90_KVIL=1, the default: 8-row groups of all 64-column blocks,
+    one 5-dim TMA box a page: 16 boxes a page-16 tile instead of 32) against the 64-column blocks of the kernel
+    before (KVIL=0), paged at page 16 and 32, ragged beside, causal b1_S8192 / b8_S2048 and non-causal b1_S8192
+    (run 29b, BENCHMARKS.md)."""
     mode = {}
 
     def option(what, ps, defs=(), ragged=False):
@@ -286,8 +291,8 @@ def run_kvil(bp, rng):
             bp.PS, prefill.SM90_TUNING = ps, defs
             mode.update(ragged=ragged)
         return what, apply
-    options = [option("page 16", 16), option("page 16 KVIL", 16, KVIL), option("page 32", 32),
-               option("page 32 KVIL", 32, KVIL), option("ragged", 16, ragged=True)]
+    options = [option("page 16 blocks", 16, BLOCKS), option("page 16 KVIL", 16), option("page 32 blocks", 32, BLOCKS),
+               option("page 32 KVIL", 32), option("ragged", 16, ragged=True)]
     for name, b, s, causal in [("causal b1_S8192", 1, 8192, True), ("causal b8_S2048", 8, 2048, True),
                                ("non-causal b1_S8192", 1, 8192, False)]:
         def measure():

@@ -129,6 +129,8 @@ def main():
     ap.add_argument("--only", default=None, help="comma-separated substrings of the case names to run")
     ap.add_argument("--skip", default=None, help="comma-separated substrings of the case names to leave out")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--peers-on", default=None, help="comma-separated substrings of the extra cases FlashInfer runs "
+                    "too (it builds a module for each shape; GQA32 crashes it)")
     ap.add_argument("--tune", action="store_true", help="also time the tuning alternatives (TB/s columns)")
     ap.add_argument("--tunings", default=None, help="with --tune: a comma-separated subset of " + ",".join(TUNINGS))
     args = ap.parse_args()
@@ -149,7 +151,8 @@ def main():
             continue
         if args.skip and any(o in name for o in args.skip.split(",")):
             continue
-        peer = fi if name in MAIN else None   # FlashInfer JIT-compiles a module per shape: main cases only
+        # FlashInfer JIT-compiles a module per shape: main cases, and those --peers-on names
+        peer = fi if name in MAIN or (args.peers_on and any(o in name for o in args.peers_on.split(","))) else None
         tunings = None
         if args.tune and (name in MAIN or args.tunings):
             tunings = {t: TUNINGS[t] for t in tune_names}

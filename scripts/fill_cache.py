@@ -43,24 +43,22 @@ def specs():
                 for rows in pf.CONFIGS:
                     if not (d == 256 and rows == 128):
                         out.append(pf.prefill_spec(d, rows, v, t))
-            for d in pf.SM90_HEAD_DIMS:
-                out.append(pf.sm90_spec(d, v, t))
-    pf.SM90_TUNING = (("KVATTN_SM90_KVIL", 1),)   # the interleaved K / V tiles (GPU tests, ab_sm90.py --kvil)
-    out += [pf.sm90_spec(d, v, "bfloat16") for d in pf.SM90_HEAD_DIMS for v in (Variant(), Variant(True, True, True))]
-    pf.SM90_TUNING = ()
+            for d in pf.SM90_HEAD_DIMS:   # ragged, and paged (interleaved K / V tiles)
+                out += [pf.sm90_spec(d, v, t), pf.sm90_spec(d, v, t, interleaved=True)]
     for d in decode.HEAD_DIMS:   # ALiBi (the GPU tests and scripts/bench_variants.py)
         for v in (Variant(alibi=True), Variant(window=True, alibi=True)):
             out.append(decode.decode_spec(d, 1, v, "bfloat16"))
     for d in (64, 128):
         out += [pf.prefill_spec(d, rows, Variant(alibi=True), "bfloat16") for rows in pf.CONFIGS]
-        out.append(pf.sm90_spec(d, Variant(alibi=True), "bfloat16"))
+        out += [pf.sm90_spec(d, Variant(alibi=True), "bfloat16", interleaved=il) for il in (False, True)]
     from kvattn import mixed   # the mixed op's one-launch kernels (tests: plain, window, soft cap; both dtypes)
     for t in ("bfloat16", "float16"):
         for v in (Variant(), Variant(True, False), Variant(False, True)):
-            out.append(mixed.mixed_spec(pf.sm90_spec(128, v, t, persistent=True), decode.decode_spec(128, 1, v, t),
-                                        mixed.MAX_SUBS))
+            for il in (False, True):   # pages that are boxes take the interleaved prefill tiles
+                out.append(mixed.mixed_spec(pf.sm90_spec(128, v, t, persistent=True, interleaved=il),
+                                            decode.decode_spec(128, 1, v, t), mixed.MAX_SUBS))
     for stages, subs in ((3, 2), (4, 1)):   # bench_mixed.py --sweep
-        out.append(mixed.mixed_spec(pf.sm90_spec(128, Variant(), "bfloat16", persistent=True),
+        out.append(mixed.mixed_spec(pf.sm90_spec(128, Variant(), "bfloat16", persistent=True, interleaved=True),
                                     decode.decode_spec(128, 1, Variant(), "bfloat16", stages), subs))
     from kvattn.merge import merge_spec
     sinks = (Variant(sink=True), Variant(alibi=True, sink=True))   # attention sinks (tests, bench_variants)
@@ -69,7 +67,8 @@ def specs():
         out.append(merge_spec("float32", "bfloat16", v))
     for d in (64, 128):
         for v in (Variant(sink=True), Variant(window=True, sink=True)):
-            out += [pf.prefill_spec(d, rows, v, "bfloat16") for rows in pf.CONFIGS] + [pf.sm90_spec(d, v, "bfloat16")]
+            out += [pf.prefill_spec(d, rows, v, "bfloat16") for rows in pf.CONFIGS]
+            out += [pf.sm90_spec(d, v, "bfloat16", interleaved=il) for il in (False, True)]
     out.append(decode.decode_spec(64, 1, Variant(sink=True, rope=1), "bfloat16"))   # python -m kvattn
     for rope in (1, 2):   # fused RoPE (tests, bench_variants): decode, and the sm80 prefill tiles it runs on
         v = Variant(rope=rope)
@@ -86,7 +85,8 @@ def specs():
     from _user_variants import EVEN_KEYS, HALF_LOGITS, HEAD_SCALE, SIGMOID   # the GPU tests' user variants
     for v in (HALF_LOGITS, EVEN_KEYS, SIGMOID, HEAD_SCALE):
         out += [decode.decode_spec(d, 1, v, "bfloat16") for d in (64, 128)]
-        out += [pf.prefill_spec(128, rows, v, "bfloat16") for rows in pf.CONFIGS] + [pf.sm90_spec(128, v, "bfloat16")]
+        out += [pf.prefill_spec(128, rows, v, "bfloat16") for rows in pf.CONFIGS]
+        out += [pf.sm90_spec(128, v, "bfloat16", interleaved=il) for il in (False, True)]
         out.append(merge_spec("float32", "bfloat16", v))
     for kv in ("float8_e4m3fn", "float8_e5m2"):   # fp8 caches (tests, scripts/bench_fp8.py and its stage sweep)
         for d in decode.HEAD_DIMS:

@@ -46,8 +46,9 @@ def test_param_struct_size_matches_c_struct():
     compiler.compile_cubin(src, "mixed_asserts.cu", [], [], "sm_90a")
 
 
-def test_mixed_kernel_compiles_without_spills():
-    spec = mixed._default_spec(128, "bfloat16")
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_mixed_kernel_compiles_without_spills(interleaved):
+    spec = mixed._default_spec(128, "bfloat16", interleaved)
     compiled, _ = spec.compile("sm_90a")
     (res,) = compiled.resources.values()
     assert res.spills == 0 and res.registers <= 168, res

@@ -170,8 +170,9 @@ def test_paged_plan_rejects_bad_page_table():
 def test_prefill_specs_are_registered():
     from kvattn import prefill  # noqa: F401
     specs = kernels.REGISTRY["prefill"]
-    assert prefill_spec(128, 128, Variant(), "bfloat16") in specs and len(specs) <= 12
+    assert prefill_spec(128, 128, Variant(), "bfloat16") in specs and len(specs) <= 14
     assert sm90_spec(128, Variant(), "bfloat16") in specs
+    assert sm90_spec(128, Variant(), "bfloat16", interleaved=True) in specs
 
 
 def test_sm90_smem_fits_and_mirrors_the_kernel():

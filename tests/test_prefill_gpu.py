@@ -194,10 +194,9 @@ def test_sm90_mainloop(d, dtype, variant):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_sm90_interleaved_tiles_with_variants(d, layout, monkeypatch):
-    """The interleaved K / V tiles (KVATTN_SM90_KVIL) under every mask and the soft cap, page 16, persistent and
-    one-unit CTAs, TMA and copied tiles against the reference."""
-    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_KVIL", 1),))
+def test_sm90_interleaved_tiles_with_variants(d, layout):
+    """The interleaved K / V tiles (KVATTN_SM90_KVIL, paged caches' default) under every mask and the soft cap,
+    page 16, persistent and one-unit CTAs, TMA and copied tiles against the reference."""
     for variant in ("causal", "plain", "all"):
         kw = dict(causal=variant != "plain", window_left=77 if variant == "all" else -1,
                   cap=20.0 if variant == "all" else 0.0, custom=variant == "all")
@@ -236,8 +235,8 @@ def test_sm90_tma_tiles_read_only_the_requests_kv(layout, page_size, d, kvil, mo
     """Full KV tiles come as TMA boxes (one per page or per tile), the last partial tile through zero-filling
     copies: NaN in the last pages' tails and in unused pages never reaches a result. Causal and not, KV
     lengths around the tile and page boundaries, a split KV. kvil: the interleaved K / V tiles (one 5-dim box a
-    page across the head dim)."""
-    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_KVIL", 1),) if kvil else ())
+    page across the head dim: the default of paged caches), else the 64-column blocks (the A/B build)."""
+    monkeypatch.setattr(prefill, "SM90_TUNING", () if kvil else (("KVATTN_SM90_KVIL", 0),))
     for causal in (True, False):
         qo, kv = ([130, 1, 64, 300], [130, 257, 128 + page_size, 5000]) if causal else ([130, 1, 64, 33],
                                                                                          [129, 256, 1, 4099])
@@ -246,6 +245,7 @@ def test_sm90_tma_tiles_read_only_the_requests_kv(layout, page_size, d, kvil, mo
                      cta_rows=128, backend="sm90", poison_tails=True)
         tile = sm90_tile(d)[0]
         assert w.last_plan.info["tma"] == (tile % page_size == 0 or page_size % tile == 0), (tile, page_size)
+        assert prefill.sm90_interleaved(w.last_plan.info["kernel"].spec) == (kvil and w.last_plan.info["tma"])
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])

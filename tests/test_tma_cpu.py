@@ -44,7 +44,7 @@ def test_tma_mode(kv, tile, contiguous, want):
 def fake(shape, itemsize=2):
     """A contiguous DeviceArray stand-in: shape and byte strides."""
     strides = tuple(int(np.prod(shape[i + 1:])) * itemsize for i in range(len(shape)))
-    return types.SimpleNamespace(shape=shape, strides=strides, ptr=0)
+    return types.SimpleNamespace(shape=shape, strides=strides, ptr=0, itemsize=itemsize)
 
 
 def test_tensor_map_geometry_of_every_layout():
@@ -96,7 +96,7 @@ def test_attach_switches_the_launches_and_binds_both_maps(monkeypatch):
     binder = tma.attach(paged(16, "HND"), params, 128)
     assert all((p["tma_mode"], p["tma_rows"], p["tma_hnd"]) == (tma.MODE_PAGED, 16, 1) for p in params)
     calls = []
-    monkeypatch.setattr(tma, "encode", lambda kv, a, rows: calls.append((a.ptr, rows)) or bytes([a.ptr]) * 128)
+    monkeypatch.setattr(tma, "encode", lambda kv, a, rows, il=False: calls.append((a.ptr, rows)) or bytes([a.ptr]) * 128)
     k, v = types.SimpleNamespace(ptr=7, shape=(4,), strides=(2,)), types.SimpleNamespace(ptr=9, shape=(4,), strides=(2,))
     binder(k, v)
     binder(k, v)   # cached: encoded once
@@ -107,3 +107,61 @@ def test_attach_switches_the_launches_and_binds_both_maps(monkeypatch):
         assert raw[off:off + 128] == bytes([7]) * 128 and raw[off + 128:off + 256] == bytes([9]) * 128
     with pytest.raises(ValueError, match="set_bytes"):
         params[0].set_bytes(PREFILL_PARAMS.itemsize - 8, bytes(16))
+
+
+@pytest.mark.parametrize("kv, tile, want", [
+    (paged(16), 128, True), (paged(8, "HND"), 64, True), (paged(256), 128, True), (paged(16), 80, True),
+    (paged(5), 128, False), (paged(1), 128, False), (paged(16, dtype=F8), 128, False),
+    (RaggedKV("NHD", 1000, 2, 128, BF16, tokens_per_page=64), 128, False),   # block-sparse columns keep 4-dim maps
+    (RaggedKV("NHD", 1000, 2, 128, BF16), 128, False),
+])
+def test_interleaved_tiles_only_for_paged_caches_of_whole_boxes(kv, tile, want):
+    assert tma.interleaved_tiles(kv, tile) == want
+
+
+def test_interleaved_tensor_map_geometry():
+    """5 dims (column of a 64-column block, row in an 8-row group, block, group, page), a box = a page's rows across
+    every block of one head; NHD's blocks run over the heads of a token, HND's groups over the heads of a page."""
+    h, d, p, ps, e = 8, 128, 10, 16, 2
+    row = h * d * e   # NHD token stride
+    assert tma._dims_interleaved(paged(ps), fake((p, ps, h, d)), ps) == (
+        (64, 8, h * 2, ps // 8, p), (row, 128, 8 * row, ps * row), (64, 8, 2, ps // 8, 1))
+    assert tma._dims_interleaved(paged(ps, "HND"), fake((p, h, ps, d)), ps) == (
+        (64, 8, 2, h * ps // 8, p), (d * e, 128, 8 * d * e, h * ps * d * e), (64, 8, 2, ps // 8, 1))
+    # a page larger than the tile: a box is the tile's rows inside it
+    assert tma._dims_interleaved(paged(256), fake((p, 256, h, d)), 128)[2] == (64, 8, 2, 16, 1)
+    # one [P, 2, ps, H, D] cache: k = cache[:, 0] keeps the page stride of both
+    k = types.SimpleNamespace(shape=(p, ps, h, d), strides=(2 * ps * row, row, d * e, e), ptr=0, itemsize=e)
+    assert tma._dims_interleaved(paged(ps), k, ps)[1][3] == 2 * ps * row
+    # heads not contiguous in a token (NHD) or a page (HND): not describable
+    gap = types.SimpleNamespace(shape=(p, ps, h, d), strides=(ps * row * 2, row * 2, d * e * 2, e), ptr=0, itemsize=e)
+    with pytest.raises(tma.StridesNotMapped, match="heads contiguous"):
+        tma._dims_interleaved(paged(ps), gap, ps)
+    gap = types.SimpleNamespace(shape=(p, h, ps, d), strides=(h * ps * d * e * 2, ps * d * e * 2, d * e, e), ptr=0,
+                                itemsize=e)
+    with pytest.raises(tma.StridesNotMapped, match="heads contiguous"):
+        tma._dims_interleaved(paged(ps, "HND"), gap, ps)
+
+
+def test_interleaved_binder_falls_back_to_copies_for_unmapped_strides(monkeypatch):
+    """Arrays an interleaved map cannot describe switch the launches to their per-thread copies (tma_mode 0) while
+    they are bound; mappable arrays switch them back."""
+    params = [kernels.ParamBuffer(PREFILL_PARAMS)]
+    binder = tma.attach(paged(16), params, 128, interleaved=True)
+    assert binder is not None and binder.interleaved and params[0]["tma_mode"] == tma.MODE_PAGED
+
+    def encode(kv, a, rows, interleaved=False):
+        assert interleaved
+        if a.ptr == 1:
+            raise tma.StridesNotMapped("k / v: interleaved tensor maps need each token's heads contiguous")
+        return bytes([a.ptr]) * 128
+    monkeypatch.setattr(tma, "encode", encode)
+    good = [types.SimpleNamespace(ptr=x, shape=(4,), strides=(2,)) for x in (7, 9)]
+    bad = types.SimpleNamespace(ptr=1, shape=(4,), strides=(4,))
+    binder(bad, good[1])
+    assert params[0]["tma_mode"] == tma.MODE_OFF
+    binder(*good)
+    assert params[0]["tma_mode"] == tma.MODE_PAGED
+    assert bytes(params[0].raw)[PREFILL_PARAMS.fields["tma_k"][1]] == 7
+    # block-sparse columns (a RaggedKV of pages) under an interleaved kernel: per-thread copies
+    assert tma.attach(RaggedKV("NHD", 1024, 2, 128, BF16, tokens_per_page=64), params, 128, interleaved=True) is None
