@@ -13,8 +13,9 @@ decode CTAs, so the memory-bound decodes stream their KV while the prefill keeps
 are split by the parts' estimated times (split_sms); the split-KV merges of either part follow the launch.
 
 Where the one launch does not apply (no sm_90 GPU or no persistent wgmma instance for the head dim / variant / cache
-type, an fp8 cache, one part empty, or a mixed instance that would spill), run() launches the two parts one after
-the other: the same plan and results. Causal masks are bottom-right aligned, as in the prefill op; a decode row
+type, an fp8 cache, one part empty, or a mixed instance that would spill), or where the two parts one after the
+other on the whole GPU are predicted faster (fused_pays: a decode part too large for its share of the SMs), run()
+launches the two parts one after the other: the same plan and results. Causal masks are bottom-right aligned, as in the prefill op; a decode row
 sees its whole KV (window / soft cap apply to both parts). Graph mode is not built for this op yet.
 """
 from __future__ import annotations
@@ -41,6 +42,10 @@ MAX_SUBS = 3
 #: (three 2-stage decode warpgroups; the whole GPU's decode is HBM-bound at ~33 GB/s per SM).
 PREFILL_FLOPS_PER_SM = 3.5e12
 DECODE_BYTES_PER_SM = 38e9
+#: The parts launched one after the other, each on the whole GPU (run 29e, the same batch): the prefill ~4.2 TFLOP/s
+#: per SM, the decode ~4.3 TB/s (HBM-bound). fused_pays compares the two ways.
+PREFILL_FLOPS_PER_SM_ALONE = 4.2e12
+DECODE_BYTES_ALONE = 4.3e12
 
 
 def split_requests(qo_lens: np.ndarray) -> tuple[slice, slice]:
@@ -62,6 +67,17 @@ def split_sms(prefill_flops: float, decode_bytes: float, num_sms: int) -> int:
     if tp + td <= 0:
         return num_sms // 2
     return int(min(max(round(num_sms * tp / (tp + td)), 1), num_sms - 1))
+
+
+def fused_pays(prefill_flops: float, decode_bytes: float, num_sms: int, prefill_sms: int) -> bool:
+    """Whether the one launch on this split is predicted at least 3% faster than the two parts one after the other
+    (run 29e: 2 causal prefills of 4096 + 126 decodes of 4096 took 1048.6 us fused against 983.6 apart, as these
+    rates predict: the decode SMs of a split stream ~38 GB/s each, far from HBM's rate, so a large decode part is
+    faster alone on every SM)."""
+    fused = max(prefill_flops / (prefill_sms * PREFILL_FLOPS_PER_SM),
+                decode_bytes / ((num_sms - prefill_sms) * DECODE_BYTES_PER_SM))
+    apart = prefill_flops / (num_sms * PREFILL_FLOPS_PER_SM_ALONE) + decode_bytes / DECODE_BYTES_ALONE
+    return fused < 0.97 * apart
 
 
 def sub_table(pt: PageTable, req: slice) -> PageTable:
@@ -174,14 +190,17 @@ class BatchMixedWithPagedKVCache:
         qp, kp = qo[pre], kv[pre]
         pairs = (qp * kp - (qp * (qp - 1)) // 2 if causal else qp * kp).sum()
         n = self.num_sms
-        if prefill_sms is None:
-            prefill_sms = split_sms(4.0 * pairs * hq * d, float(kv[dec].sum()) * hkv * d * 2 * itemsize, n)
+        flops, nbytes = 4.0 * pairs * hq * d, float(kv[dec].sum()) * hkv * d * 2 * itemsize
+        auto = prefill_sms is None
+        if auto:
+            prefill_sms = split_sms(flops, nbytes, n)
         prefill_sms = _v.as_int(prefill_sms, "prefill_sms", min_value=1)
         if prefill_sms >= n:
             raise ValueError(f"prefill_sms: expected 1..{n - 1} (the rest run the decodes), got {prefill_sms}")
         args = dict(sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, q_dtype=q_dtype,
                     kv_dtype=kv_dtype, stream=stream)
-        both = pre.stop > pre.start and dec.stop > dec.start
+        # one launch where both parts exist and (the split not forced) it is predicted to pay
+        both = pre.stop > pre.start and dec.stop > dec.start and (not auto or fused_pays(flops, nbytes, n, prefill_sms))
         self._pre._num_sms = prefill_sms if both else n
         self._dec._num_sms = n - prefill_sms if both else n
         stages = self.tuning["decode_stages"] or default_stages(d, kv_dtype)

@@ -190,7 +190,7 @@ def main():
     rows = []
     for kv in args.kv.split(","):
         for name, lens in cases.items():
-            if args.only and args.only not in name:
+            if args.only and not any(o in name for o in args.only.split(",")):
                 continue
             cfg = dict(base, d=int(name.split("_D")[1])) if "_D" in name else base
             peer = fi if name in MAIN else None   # FlashInfer JIT-compiles a module per head dim: D128 only
