@@ -55,7 +55,9 @@ struct PrefillParams {
   int tma_mode;                // sm90, 16-bit cache: 0 = per-thread copies only, 1 = ragged, 2 = paged tensor maps
   int tma_rows;                // rows of one box (kvattn/tma.py); an item takes the boxes if kb % tma_rows == 0
   int tma_hnd;                 // the maps' dims are (D, slot, head, page) ("HND"), else (D, head, slot, page)
+  int tma_q;                   // sm90: 1 = each unit's Q tile by tma_qmap (kvattn.tma.QTensorMap), 0 = per-thread copies
   TmaMap tma_k, tma_v;         // cuTensorMapEncodeTiled descriptors of k and v, written by run()
+  TmaMap tma_qmap;             // of q: (D_QK, group, Hkv, tokens), boxes of (64, group, 1, 128 / group), written by run()
 };
 
 // A: the element types and head dims (traits.cuh).

@@ -85,7 +85,51 @@
 #define KVATTN_SM90_KVIL 0
 #endif
 
+// Timing experiment only (scripts/trace_sm90.py; never set by the library): 1 = persistent CTAs stamp clock64()
+// at each unit's boundary events (KVATTN_TRACE_* below) into kvattn_sm90_trace, read back by the script through
+// cuModuleGetGlobal. Off, the stamps compile to nothing.
+#ifndef KVATTN_SM90_TRACE
+#define KVATTN_SM90_TRACE 0
+#endif
+#if KVATTN_SM90_TRACE
+#define KVATTN_TRACE_CTAS 132
+#define KVATTN_TRACE_UNITS 128
+#define KVATTN_TRACE_EVENTS 16
+extern "C" {
+__device__ unsigned long long kvattn_sm90_trace[KVATTN_TRACE_CTAS * KVATTN_TRACE_UNITS * KVATTN_TRACE_EVENTS];
+}
+#endif
+
 namespace kvattn {
+
+// Event e of the CTA's unit `slot` (KVATTN_SM90_TRACE): the SM's cycle count, or `value` where given.
+enum TraceEvent {
+  kTraceQCopy = 0,     // producer thread 0: qfree passed, the Q copy about to be issued
+  kTraceTile0 = 1,     // producer thread 0: tile 0 issued
+  kTraceStart0 = 2,    // consumer 0 (thread 128): the unit's Q and tile 0 have landed
+  kTraceTurn0 = 3,     //   its first turn
+  kTraceQk0 = 4,       //   its first Q K^T done
+  kTraceSoft0 = 5,     //   its first softmax done
+  kTraceLastQk0 = 6,   //   its last Q K^T done (qfree)
+  kTraceLastPv0 = 7,   //   its last P V done
+  kTraceEnd0 = 8,      //   its epilogue done
+  kTraceStart1 = 9,    // consumer 1 (thread 256): Q and tile 0 landed
+  kTraceLastPv1 = 10,  //   its last P V done
+  kTraceEnd1 = 11,     //   its epilogue done
+  kTraceQIssued = 12,  // producer thread 0: its Q copies issued
+  kTraceLookup = 13,   //   tile 0's page id / row offset loaded
+  kTraceEmpty = 14,    //   tile 0's stage free
+  kTraceTiles = 15,    // the unit's tiles (a value)
+};
+__device__ __forceinline__ void trace_stamp(int slot, int e, long long value = -1) {
+#if KVATTN_SM90_TRACE
+  if (slot < KVATTN_TRACE_UNITS && blockIdx.x < KVATTN_TRACE_CTAS)
+    kvattn_sm90_trace[(blockIdx.x * KVATTN_TRACE_UNITS + slot) * KVATTN_TRACE_EVENTS + e] =
+        value >= 0 ? (unsigned long long)value : (unsigned long long)clock64();
+#endif
+}
+#define KVATTN_TRACE(thread, slot, e) \
+  do { if (KVATTN_SM90_TRACE && threadIdx.x == (thread)) trace_stamp(slot, e); } while (0)
 
 // A: the element types and head dims (traits.cuh).
 template <class A, class V>
@@ -189,6 +233,24 @@ struct PrefillSm90 {
 
   __device__ __forceinline__ static void load_q(const PrefillParams& p, const Item& it, Q* qs, int kvh) {
     Base::template copy_q<ROWS, PRODUCERS>(p, it, qs, kvh, [](int r, int ch) { return sw<ROWS>(r, ch); });
+  }
+
+  // The Q tile by TMA where run() bound p.tma_qmap (kvattn.tma.QTensorMap) and the item's rows start on a token:
+  // one box (64 columns, group heads, 1 KV head, ROWS / group tokens) per 64-column block, its bytes expected by
+  // tile 0's `full` barrier. Issued by one thread, where the producers' 16 per-thread copies each took ~6200 SM
+  // cycles a unit to issue, 2 tile-times, all of it before tile 0 (scripts/trace_sm90.py, run 30b). Rows past the
+  // item read other requests' queries (zeros past the tensor): padding rows, never stored. Not with a query
+  // transform (fused RoPE rotates the copied rows once they land: its producers wait for their own copies).
+  static constexpr bool kTmaQ = !V::kQK;
+  __device__ __forceinline__ static bool q_by_tma(const PrefillParams& p, const Item& it) {
+    return kTmaQ && p.tma_q != 0 && it.row0 % p.group_size == 0;
+  }
+  __device__ __forceinline__ static void issue_q_tma(const PrefillParams& p, const Item& it, Q* qs, int kvh,
+                                                     unsigned long long* bar) {
+    mbar_expect_tx(bar, Q_ELEMS * (int)sizeof(Q));
+    const int tok = it.qo_start + it.row0 / p.group_size;
+#pragma unroll
+    for (int cb = 0; cb < QK_BLOCKS; ++cb) tma_load_4d(qs + cb * (ROWS * 64), &p.tma_qmap, cb * 64, 0, kvh, tok, bar);
   }
 
   // Producer warp pw's RPW rows of K and V of the tile starting at kv index t0; `off` is the element offset of
@@ -428,7 +490,8 @@ struct PrefillSm90 {
   // the consumers, who need no Q for them, could run two qfree phases ahead and the parity wait would hang).
   // KVSPLIT: full / empty are K's barriers (and Q's, with tile 0), vfull / vempty V's; else they are full / empty.
   __device__ static void produce(const PrefillParams& p, const Item& it, Q* qs, T* kvs, unsigned long long* full,
-                                 unsigned long long* empty, unsigned long long* qfree, int kvh, int g, int nq) {
+                                 unsigned long long* empty, unsigned long long* qfree, int kvh, int g, int nq,
+                                 int slot = 0) {
     unsigned long long* vfull = v_full(full);
     unsigned long long* vempty = KVSPLIT ? vfull + STAGES : empty;
     const int lane = threadIdx.x % 32, pw = threadIdx.x / 32;
@@ -436,16 +499,25 @@ struct PrefillSm90 {
     if (ntiles == 0) return;
     const typename V::QKState qk_state = V::template qk_init<D_QK>(p, qk_dims<D_QK>(threadIdx.x));
     if (nq >= QBUF) mbar_wait(qfree, (nq / QBUF - 1) & 1);   // (qfree, qs: this unit's Q slot's)
-    load_q(p, it, qs, kvh);   // lands before tile 0 is announced (the arrival waits for every earlier copy)
+    KVATTN_TRACE(0, slot, kTraceQCopy);
+    if (q_by_tma(p, it)) {
+      if (threadIdx.x == 0) issue_q_tma(p, it, qs, kvh, &full[g % STAGES]);
+    } else {
+      load_q(p, it, qs, kvh);   // lands before tile 0 is announced (the arrival waits for every earlier copy)
+    }
+    KVATTN_TRACE(0, slot, kTraceQIssued);
     const int my_row = RPW * pw + min(lane, RPW - 1);   // the tile row whose offset this lane holds
     long long off = Base::tok_offset(p, it.pages, min(it.kb + my_row, it.ke - 1));
     // full tiles as TMA boxes (16-bit cache, no key transform, a map bound by run(), item on a box boundary)
     const bool tma = kTma && p.tma_mode != 0 && (p.tma_mode == 1 || it.kb % p.tma_rows == 0);
     // (TMA, warp 0) this lane's box page id of the next tile, loaded a tile ahead (KVATTN_SM90_PREFETCH)
     int box_id = KVATTN_SM90_PREFETCH && tma && pw == 0 ? box_page(p, it, it.kb, lane) : 0;
+    if (KVATTN_SM90_TRACE && threadIdx.x == 0 && (box_id | (int)off) == -12345) trace_stamp(slot, 0);   // (use both)
+    KVATTN_TRACE(0, slot, kTraceLookup);
     for (int t = 0; t < ntiles; ++t) {
       const int u = g + t, st = u % STAGES;
       if (u >= STAGES) mbar_wait(&empty[st], (u / STAGES - 1) & 1);
+      if (t == 0) KVATTN_TRACE(0, slot, kTraceEmpty);
       if constexpr (KVSPLIT) {   // a copied tile's K and V are copied together
         if (u >= STAGES && !(tma && it.kb + (t + 1) * N <= it.ke)) mbar_wait(&vempty[st], (u / STAGES - 1) & 1);
       }
@@ -465,6 +537,7 @@ struct PrefillSm90 {
                          kvh, &full[st]);
           cp_async_mbar_arrive(&full[st]);   // after this thread's earlier copies (the Q rows before tile 0)
         }
+        if (t == 0) KVATTN_TRACE(0, slot, kTraceTile0);
         if (t + 1 < ntiles) {
           if (KVATTN_SM90_PREFETCH && pw == 0) box_id = box_page(p, it, t0 + N, lane);
           // the copies' row offsets only where the next tile is copied (the item's last, partial tile)
@@ -518,7 +591,7 @@ struct PrefillSm90 {
   template <bool STREAM>
   __device__ static void consume(const PrefillParams& p, const Item& it, const Q* qs, const T* kvs,
                                  unsigned long long* full, unsigned long long* empty, unsigned long long* qfree,
-                                 int kvh, int w, int g, bool open, int w_next, Item& next) {
+                                 int kvh, int w, int g, bool open, int w_next, Item& next, int slot = 0) {
     unsigned long long* vfull = v_full(full);
     unsigned long long* vempty = KVSPLIT ? vfull + STAGES : empty;
     constexpr bool EARLY = KVATTN_SM90_EARLY;
@@ -548,16 +621,23 @@ struct PrefillSm90 {
       float sc[2];
       if (cwg == 1 && (!STREAM || open)) their_turn(cwg);
       mbar_wait(&full[g % STAGES], (g / STAGES) & 1);
+      KVATTN_TRACE(128, slot, kTraceStart0);
+      KVATTN_TRACE(256, slot, kTraceStart1);
       fence_proxy_async();   // the copies were generic-proxy writes; wgmma reads through the async proxy
       my_turn(cwg);
+      KVATTN_TRACE(128, slot, kTraceTurn0);
       wgmma_fence();
       issue_qk(s, q_addr, kv_addr + (g % STAGES) * STAGE_BYTES);
       their_turn(cwg);
       wgmma_wait<0>();
       fence_regs(s);
+      KVATTN_TRACE(128, slot, kTraceQk0);
       if (ntiles == 1 && lane == 0) mbar_arrive(qfree);
+      if (ntiles == 1) KVATTN_TRACE(128, slot, kTraceLastQk0);
       if (KVSPLIT && lane == 0) mbar_arrive(&empty[g % STAGES]);   // the tile's K is done with
       softmax_tile(p, it, s, it.kb, tok, rc[0], lane, m, l, sc);
+      KVATTN_TRACE(128, slot, kTraceSoft0);
+      if (KVATTN_SM90_TRACE && threadIdx.x == 128) trace_stamp(slot, kTraceTiles, ntiles);
 
       for (int ti = 0; ti + 1 < ntiles; ++ti) {
         const int nxt = ti + 1, cur_st = (g + ti) % STAGES, nxt_st = (g + nxt) % STAGES;
@@ -574,6 +654,7 @@ struct PrefillSm90 {
         wgmma_wait<1>();
         fence_regs(s);
         if (nxt == ntiles - 1 && lane == 0) mbar_arrive(qfree);   // the unit's last Q K^T has completed
+        if (nxt == ntiles - 1) KVATTN_TRACE(128, slot, kTraceLastQk0);
         if (KVSPLIT && lane == 0) mbar_arrive(&empty[nxt_st]);     // and this tile's K
         softmax_tile(p, it, s, it.kb + nxt * N, tok, rc[0], lane, m, l, sc);
         wgmma_wait<0>();
@@ -602,6 +683,8 @@ struct PrefillSm90 {
       if constexpr (EARLY) load_early();   // in flight while the last P V runs
       wgmma_wait<0>();
       fence_regs(acc);
+      KVATTN_TRACE(128, slot, kTraceLastPv0);
+      KVATTN_TRACE(256, slot, kTraceLastPv1);
       if (lane == 0) mbar_arrive(&vempty[last_st]);
     } else if constexpr (EARLY) {
       load_early();
@@ -612,6 +695,8 @@ struct PrefillSm90 {
       Base::store_rows(p, Base::load_item(p, static_cast<const volatile int*>(p.plan), w), kvh, cw, lane, o, m, l);
       if (w_next >= 0) next = Base::load_item(p, p.plan, w_next);
     }
+    KVATTN_TRACE(128, slot, kTraceEnd0);
+    KVATTN_TRACE(256, slot, kTraceEnd1);
   }
 
   // Unit f of the launch: plan item f / Hkv (items sorted longest first within L2 windows: kvattn/scheduler.py),
@@ -672,7 +757,7 @@ struct PrefillSm90 {
       int nq = 0;   // of them, units with tiles
       for (int r = 0, f = unit<MIXED>(0, ctas); f < units; f = unit<MIXED>(++r, ctas)) {
         const Item it = Base::load_item(p, p.plan, f / hkv);
-        produce(p, it, qs + (nq % QBUF) * Q_ELEMS, kvs, full, empty, &qfree[nq % QBUF], f % hkv, g, nq);
+        produce(p, it, qs + (nq % QBUF) * Q_ELEMS, kvs, full, empty, &qfree[nq % QBUF], f % hkv, g, nq, r);
         const int ntiles = (it.ke - it.kb + N - 1) / N;
         g += ntiles;
         nq += ntiles > 0;
@@ -687,7 +772,7 @@ struct PrefillSm90 {
         const int fn = unit<MIXED>(r + 1, ctas);
         Item next;
         consume<STREAM_TURNS>(p, it, qs + (nq % QBUF) * Q_ELEMS, kvs, full, empty, &qfree[nq % QBUF], f % hkv,
-                              f / hkv, g, !opened, fn < units ? fn / hkv : -1, next);
+                              f / hkv, g, !opened, fn < units ? fn / hkv : -1, next, r);
         const int ntiles = (it.ke - it.kb + N - 1) / N;
         g += ntiles;
         nq += ntiles > 0;

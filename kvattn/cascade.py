@@ -336,7 +336,7 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
                           sm90_tile(d)[0], interleaved=kvil)
         return self._finish_plan(
             rows=total_qo, max_rows=max_rows, hq=hq, d=d, dtype=q_dtype, kv=kv, launch=launches, params=params,
-            merge=merge, merge_params=mp, s=s, copy_done=copy_done, bind_tma=maps,
+            merge=merge, merge_params=mp, s=s, copy_done=copy_done, bind_tma=tma.binder(None, maps),
             levels=tuple(dict(cta_rows=rows, chunks=n, backend=cfg.backend, items=it.shape[0])
                          if not (dec is not None and li == len(tiles) - 1) else
                          dict(cta_rows=16 * dec.m_tiles, chunks=dec.pieces, backend="decode", items=dec.work_req.size,

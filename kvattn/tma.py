@@ -14,6 +14,10 @@ takes the boxes only for full tiles of an item that starts on a box boundary: a 
 KV (whose rows must read as zeros, whatever the cache holds there) keeps the zero-filling per-thread copies.
 run() encodes the maps for its k / v (cuTensorMapEncodeTiled; cached per pointer, shape and strides) and writes
 them into the launches' parameters.
+
+The query tile has a map too (QTensorMap): q [tokens, Hq, D] as (head_dim, group, KV head, token), a box (64,
+group, 1, rows / group) being one 64-column block of a CTA's packed rows, so one producer thread copies a unit's
+Q with head_dim / 64 boxes instead of 128 threads' per-thread copies (which took 2 tile-times a unit to issue).
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ from . import _driver
 from .opcore import PagedKV, RaggedKV
 
 MODE_OFF, MODE_RAGGED, MODE_PAGED = 0, 1, 2
+#: False: sm90 plans copy each unit's Q tile per thread, not by its tensor map (the A/B of scripts/ab_sm90.py --qtma)
+QUERY_MAPS = True
 
 
 class StridesNotMapped(ValueError):
@@ -46,6 +52,21 @@ def tma_mode(kv, tile: int, contiguous: bool) -> tuple[int, int]:
         if ps % 8 == 0 and ps <= 256 and (tile % ps == 0 or ps % tile == 0):
             return MODE_PAGED, min(ps, tile)
     return MODE_OFF, 0
+
+
+def _encode(dtype, a, dims, strides, box) -> bytes:
+    """cuTensorMapEncodeTiled of array a (16-bit dtype, 128-byte swizzle) as the 128-byte map."""
+    drv = _driver.driver()
+    dt = (drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if dtype.name == "bfloat16" else
+          drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
+    u64, u32 = drv.cuuint64_t, drv.cuuint32_t
+    tmap = _driver.call("cuTensorMapEncodeTiled", dt, len(dims), a.ptr, [u64(x) for x in dims],
+                        [u64(x) for x in strides], [u32(x) for x in box], [u32(1)] * len(dims),
+                        drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+                        drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    return ctypes.string_at(tmap.getPtr(), _MAP_BYTES)
 
 
 def interleaved_tiles(kv, tile: int) -> bool:
@@ -115,18 +136,8 @@ def _dims_interleaved(kv, a, rows: int):
 
 def encode(kv, a, rows: int, interleaved: bool = False) -> bytes:
     """The 128-byte tensor map of cache array a (interleaved: the 5-dim map of _dims_interleaved)."""
-    drv = _driver.driver()
     dims, strides, box = _dims_interleaved(kv, a, rows) if interleaved else _dims(kv, a, rows)
-    dt = (drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if kv.dtype.name == "bfloat16" else
-          drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
-    u64, u32 = drv.cuuint64_t, drv.cuuint32_t
-    tmap = _driver.call("cuTensorMapEncodeTiled", dt, len(dims), a.ptr, [u64(x) for x in dims],
-                        [u64(x) for x in strides], [u32(x) for x in box], [u32(1)] * len(dims),
-                        drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-                        drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-                        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-    return ctypes.string_at(tmap.getPtr(), _MAP_BYTES)
+    return _encode(kv.dtype, a, dims, strides, box)
 
 
 class KVTensorMaps:
@@ -173,3 +184,66 @@ def attach(kv, params, tile: int, contiguous: bool = False, interleaved: bool = 
     for p in params:
         p.set(tma_mode=mode, tma_rows=rows, tma_hnd=int(kv.layout == "HND"))
     return KVTensorMaps(kv, rows, params, params[0].dtype.fields["tma_k"][1], mode, interleaved)
+
+
+def q_dims(q, group: int, rows: int, tokens: int = 0):
+    """(global dims, byte strides of dims 1..3, box dims) of the query map of q [tokens, Hq, D] (any row / head
+    strides, D contiguous): (D, group, Hkv, tokens), a box = one 64-column block of `rows` packed rows. tokens:
+    at least this many rows (graph mode: a later plan may read up to the bound's rows of the captured array)."""
+    n, hq, d = q.shape
+    n = max(n, tokens)
+    s, e = q.strides, q.itemsize
+    if s[2] != e or s[0] % 16 or s[1] % 16 or q.ptr % 16:
+        raise StridesNotMapped(f"q: a tensor map needs head_dim contiguous and 16-byte aligned rows / heads "
+                               f"(strides {s})")
+    return (d, group, hq // group, n), (s[1], group * s[1], s[0]), (64, group, 1, rows // group)
+
+
+def q_mappable(group: int, rows: int, head_dim: int) -> bool:
+    """Whether a CTA's packed query rows are whole boxes: group heads of rows / group tokens."""
+    return QUERY_MAPS and rows % group == 0 and group <= 256 and rows // group <= 256 and head_dim % 64 == 0
+
+
+class QTensorMap:
+    """run()'s binder of the query map (q_dims) into the sm90 launches' parameters (tma_qmap, tma_q = 1); q arrays
+    a map cannot describe switch those launches to the per-thread Q copies while they are bound."""
+
+    __slots__ = ("group", "rows", "tokens", "params", "offset", "_cache", "_bound")
+
+    def __init__(self, params, group: int, rows: int, tokens: int = 0):
+        self.group, self.rows, self.tokens, self.params = group, rows, tokens, tuple(params)
+        self.offset = self.params[0].dtype.fields["tma_qmap"][1]
+        self._cache = {}
+        self._bound = None
+
+    def __call__(self, q):
+        key = (q.ptr, q.shape, q.strides)
+        if key == self._bound:
+            return
+        blob = self._cache.get(key)
+        if blob is None:
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.clear()
+            try:
+                blob = _encode(q.dtype, q, *q_dims(q, self.group, self.rows, self.tokens))
+            except StridesNotMapped:
+                blob = b""
+            self._cache[key] = blob
+        for p in self.params:
+            if blob:
+                p.set_bytes(self.offset, blob)
+            p.set(tma_q=int(bool(blob)))
+        self._bound = key
+
+
+def binder(q_map: QTensorMap | None, kv_maps: KVTensorMaps | None):
+    """run()'s (q, k, v) binder of a plan's tensor maps (the query map, the K / V maps), or None without either."""
+    if q_map is None:
+        return None if kv_maps is None else (lambda q, k, v: kv_maps(k, v))
+    if kv_maps is None:
+        return lambda q, k, v: q_map(q)
+
+    def bind(q, k, v):
+        q_map(q)
+        kv_maps(k, v)
+    return bind

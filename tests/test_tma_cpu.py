@@ -84,7 +84,7 @@ def test_tensor_map_geometry_of_every_layout():
 def test_tensor_maps_sit_64_byte_aligned_in_the_parameters():
     off = PREFILL_PARAMS.fields["tma_k"][1]
     assert off % 64 == 0 and PREFILL_PARAMS.fields["tma_v"][1] == off + 128
-    assert PREFILL_PARAMS.itemsize == off + 256
+    assert PREFILL_PARAMS.fields["tma_qmap"][1] == off + 256 and PREFILL_PARAMS.itemsize == off + 384
     src = '#include "prefill.cuh"\n' + kernels.size_assert("kvattn::PrefillParams", PREFILL_PARAMS)
     compiler.compile_cubin(src, "tma_params.cu", [], [], "sm_90a")
 
@@ -165,3 +165,65 @@ def test_interleaved_binder_falls_back_to_copies_for_unmapped_strides(monkeypatc
     assert bytes(params[0].raw)[PREFILL_PARAMS.fields["tma_k"][1]] == 7
     # block-sparse columns (a RaggedKV of pages) under an interleaved kernel: per-thread copies
     assert tma.attach(RaggedKV("NHD", 1024, 2, 128, BF16, tokens_per_page=64), params, 128, interleaved=True) is None
+
+
+def test_query_tensor_map_geometry():
+    """q [tokens, Hq, D] as (D, group, KV head, token); a box = one 64-column block of a CTA's packed rows (group
+    heads of rows / group tokens), so the box's row order is the kernel's packed row order."""
+    n, hq, d, e = 1000, 32, 128, 2
+    q = types.SimpleNamespace(shape=(n, hq, d), strides=(hq * d * e, d * e, e), ptr=256, itemsize=e)
+    assert tma.q_dims(q, 4, 128) == ((d, 4, 8, n), (d * e, 4 * d * e, hq * d * e), (64, 4, 1, 32))
+    assert tma.q_dims(q, 1, 128)[2] == (64, 1, 1, 128)
+    # graph mode: a later plan may read up to the bound's rows of the array captured with fewer
+    assert tma.q_dims(q, 4, 128, tokens=4096)[0] == (d, 4, 8, 4096) and tma.q_dims(q, 4, 128, 10)[0][3] == n
+    # a q slice of a fused qkv projection: rows strided past Hq * D, still mapped
+    qkv = types.SimpleNamespace(shape=(n, hq, d), strides=(48 * d * e, d * e, e), ptr=256, itemsize=e)
+    assert tma.q_dims(qkv, 4, 128)[1] == (d * e, 4 * d * e, 48 * d * e)
+    for bad in (types.SimpleNamespace(shape=(n, hq, d), strides=(hq * d * e, d * e, 2 * e), ptr=256, itemsize=e),
+                types.SimpleNamespace(shape=(n, hq, d), strides=(hq * d * e + 2, d * e, e), ptr=256, itemsize=e),
+                types.SimpleNamespace(shape=(n, hq, d), strides=(hq * d * e, d * e, e), ptr=258, itemsize=e)):
+        with pytest.raises(tma.StridesNotMapped, match="q: a tensor map"):
+            tma.q_dims(bad, 4, 128)
+
+
+@pytest.mark.parametrize("group, rows, d, want", [
+    (4, 128, 128, True), (1, 128, 64, True), (8, 128, 256, True), (128, 128, 128, True),
+    (3, 128, 128, False), (256, 128, 128, False), (4, 128, 96, False)])
+def test_query_map_only_where_packed_rows_are_whole_boxes(group, rows, d, want):
+    assert tma.q_mappable(group, rows, d) == want
+
+
+def test_query_binder_sets_the_map_and_falls_back_for_unmapped_strides(monkeypatch):
+    params = [kernels.ParamBuffer(PREFILL_PARAMS) for _ in range(2)]
+    binder = tma.QTensorMap(params, 4, 128)
+    calls = []
+
+    def encode(dtype, a, dims, strides, box):
+        calls.append(a.ptr)
+        return bytes([a.ptr % 251]) * 128
+    monkeypatch.setattr(tma, "_encode", encode)
+    e = 2
+    q = types.SimpleNamespace(shape=(64, 32, 128), strides=(32 * 128 * e, 128 * e, e), ptr=512, itemsize=e,
+                              dtype=np.dtype("uint16"))
+    binder(q)
+    binder(q)   # the same array again: nothing encoded, nothing written
+    assert calls == [512]
+    off = PREFILL_PARAMS.fields["tma_qmap"][1]
+    for p in params:
+        assert p["tma_q"] == 1 and bytes(p.raw)[off:off + 128] == bytes([512 % 251]) * 128
+    odd = types.SimpleNamespace(shape=(64, 32, 128), strides=(32 * 128 * e, 128 * e, 2 * e), ptr=1024, itemsize=e,
+                                dtype=np.dtype("uint16"))
+    binder(odd)
+    assert calls == [512] and all(p["tma_q"] == 0 for p in params)
+    binder(q)   # cached: mapped again without encoding
+    assert calls == [512] and all(p["tma_q"] == 1 for p in params)
+
+
+def test_plan_binder_calls_both_maps():
+    seen = []
+    q_map, kv_maps = (lambda q: seen.append(("q", q))), (lambda k, v: seen.append(("kv", k, v)))
+    assert tma.binder(None, None) is None
+    tma.binder(q_map, kv_maps)(1, 2, 3)
+    tma.binder(None, kv_maps)(4, 5, 6)
+    tma.binder(q_map, None)(7, 8, 9)
+    assert seen == [("q", 1), ("kv", 2, 3), ("kv", 5, 6), ("q", 7)]
