@@ -55,9 +55,11 @@ struct PrefillParams {
   int tma_mode;                // sm90, 16-bit cache: 0 = per-thread copies only, 1 = ragged, 2 = paged tensor maps
   int tma_rows;                // rows of one box (kvattn/tma.py); an item takes the boxes if kb % tma_rows == 0
   int tma_hnd;                 // the maps' dims are (D, slot, head, page) ("HND"), else (D, head, slot, page)
-  int tma_q;                   // sm90: 1 = each unit's Q tile by tma_qmap (kvattn.tma.QTensorMap), 0 = per-thread copies
+  int tma_q;                   // sm90: 1 = each unit's Q tile by tma_qmap (kvattn.tma.RowsTensorMap), 0 = per-thread copies
+  int tma_o;                   // sm90: 1 = whole units' O by tma_omap (stored from shared memory), 0 = per-thread stores
   TmaMap tma_k, tma_v;         // cuTensorMapEncodeTiled descriptors of k and v, written by run()
   TmaMap tma_qmap;             // of q: (D_QK, group, Hkv, tokens), boxes of (64, group, 1, 128 / group), written by run()
+  TmaMap tma_omap;             // of o: (D_VO, group, Hkv, tokens), boxes of (64, group, 1, 64 / group), written by run()
 };
 
 // A: the element types and head dims (traits.cuh).
@@ -401,10 +403,13 @@ struct PrefillKernel {
 
   // Epilogue of warps that own whole rows: MTX 16-row tiles from row 16 * MTX * warp_m, accumulators in the
   // mma.sync C layout (o[mt][n8 block][4]; rows lane / 4 and lane / 4 + 8). l is this thread's partial sum.
-  template <int MTX>
+  // SMEM (sm90, whole units of one request): the O rows go to shared memory, element (row, col) at so + place(row,
+  // col), for the caller's bulk tensor store; the LSE still goes to global memory from here.
+  template <int MTX, bool SMEM = false, class Place = int>
   __device__ __forceinline__ static void store_rows(const PrefillParams& p, const Item& it, int kvh, int warp_m,
                                                     int lane, const float (&o)[MTX][CHUNKS][4],
-                                                    const float (&m)[MTX][2], const float (&l)[MTX][2]) {
+                                                    const float (&m)[MTX][2], const float (&l)[MTX][2],
+                                                    O* so = nullptr, Place place = 0) {
 #pragma unroll
     for (int mt = 0; mt < MTX; ++mt)
 #pragma unroll
@@ -423,10 +428,17 @@ struct PrefillKernel {
           const int col = 2 * (lane % 4);
           if (it.partial < 0) {
             if constexpr (V::kOutput) inv *= V::output(p, head, lse);
-            O* dst = static_cast<O*>(p.o) + (long long)(it.qo_start + tq) * p.o_stride_n + (long long)head * p.o_stride_h + col;
+            if constexpr (SMEM) {
 #pragma unroll
-            for (int dn = 0; dn < CHUNKS; ++dn)   // (to O, a 16-bit type: two columns per 32-bit store)
-              *reinterpret_cast<unsigned*>(dst + dn * 8) = Mma<O>::pack(o[mt][dn][2 * r] * inv, o[mt][dn][2 * r + 1] * inv);
+              for (int dn = 0; dn < CHUNKS; ++dn)
+                *reinterpret_cast<unsigned*>(so + place(row, dn * 8 + col)) =
+                    Mma<O>::pack(o[mt][dn][2 * r] * inv, o[mt][dn][2 * r + 1] * inv);
+            } else {
+              O* dst = static_cast<O*>(p.o) + (long long)(it.qo_start + tq) * p.o_stride_n + (long long)head * p.o_stride_h + col;
+#pragma unroll
+              for (int dn = 0; dn < CHUNKS; ++dn)   // (to O, a 16-bit type: two columns per 32-bit store)
+                *reinterpret_cast<unsigned*>(dst + dn * 8) = Mma<O>::pack(o[mt][dn][2 * r] * inv, o[mt][dn][2 * r + 1] * inv);
+            }
             if (p.lse && lane % 4 == 0) p.lse[(long long)(it.qo_start + tq) * p.lse_stride_n + head] = lse;
           } else {
             const long long prow = it.partial + (long long)(tq - it.tok_lo) * it.pstride;

@@ -14,7 +14,8 @@
 //     `empty` mbarriers: KVSPLIT). Otherwise (the last, partial tile of an item, block-sparse columns, odd page sizes, RoPE) each
 //     warp looks up the page offsets of N / 4 rows (one per lane) and copies them with cp.async, coalesced
 //     16-byte chunks, zero-filled past the item's KV. Every producer thread arrives on `full` once its own
-//     copies land (cp.async.mbarrier.arrive; the Q rows go with tile 0): the producers never wait for them;
+//     copies land (cp.async.mbarrier.arrive; the Q rows go with tile 0): the producers never wait for them. The Q
+//     tile itself is a few TMA boxes of one thread where run() bound a map of q (kvattn.tma.RowsTensorMap);
 //   - two consumer warpgroups (240 registers) own 64 query rows each (wgmma's M). They wait on `full`, fence
 //     the landed copies (generic proxy) against the tensor cores' reads (async proxy), run
 //     S = Q K^T (Q and K from shared memory, K-major), the online softmax, and O += P V (P from registers:
@@ -22,7 +23,8 @@
 //     the stage on its `empty` mbarrier. S(i+1) is issued together with P(i) V(i), and the softmax of S(i+1)
 //     runs while P(i) V(i) is on the tensor cores. The two consumers are not tied to each other by CTA
 //     barriers; they take turns issuing their products (ping-pong on two named barriers), so one's softmax
-//     overlaps the other's matrix products.
+//     overlaps the other's matrix products. A whole unit's O goes out as TMA boxes of one thread per warpgroup, its
+//     rows staged in the K half of the unit's last stage (store_o_tma), where run() bound a map of o.
 // An fp8 cache (KV = __nv_fp8_e4m3 / e5m2): the producers load its rows into registers, expand them (times
 // k_scale / v_scale, rounded once to Q's type) into the same 16-bit tiles, and arrive on `full` once their stores are
 // made visible to the tensor cores; the consumers are unchanged.
@@ -235,13 +237,25 @@ struct PrefillSm90 {
     Base::template copy_q<ROWS, PRODUCERS>(p, it, qs, kvh, [](int r, int ch) { return sw<ROWS>(r, ch); });
   }
 
-  // The Q tile by TMA where run() bound p.tma_qmap (kvattn.tma.QTensorMap) and the item's rows start on a token:
+  // The Q tile by TMA where run() bound p.tma_qmap (kvattn.tma.RowsTensorMap) and the item's rows start on a token:
   // one box (64 columns, group heads, 1 KV head, ROWS / group tokens) per 64-column block, its bytes expected by
   // tile 0's `full` barrier. Issued by one thread, where the producers' 16 per-thread copies each took ~6200 SM
   // cycles a unit to issue, 2 tile-times, all of it before tile 0 (scripts/trace_sm90.py, run 30b). Rows past the
   // item read other requests' queries (zeros past the tensor): padding rows, never stored. Not with a query
   // transform (fused RoPE rotates the copied rows once they land: its producers wait for their own copies).
   static constexpr bool kTmaQ = !V::kQK;
+  // The O tile by TMA (kvattn.tma.RowsTensorMap of o): each consumer warpgroup writes its 64 normalised rows into
+  // the K half of the unit's last stage (dead once every consumer's last Q K^T has completed: qfree; the stage is
+  // released only after the store has read it) and one thread stores them as D_VO / 64 boxes (64 columns, group
+  // heads, 64 / group tokens), where the per-thread global stores took ~3400 SM cycles a unit (run 30a). Whole units
+  // of one request only (a box writes all its rows: a unit short of 128 rows, or a split's float partial rows, keep
+  // the per-thread stores); not where K and V of a stage are released apart (KVSPLIT: the K half is reloaded early),
+  // nor in the head_dim 64 custom-mask instance (its persistent build spills 4 bytes with the store's code).
+  static constexpr bool kTmaO = !KVSPLIT && ROWS * D_VO <= K_ELEMS && sizeof(typename A::O) == 2 &&
+                                !(V::kCustomMask && D_VO == 64);
+  __device__ __forceinline__ static bool o_by_tma(const PrefillParams& p, const Item& it) {
+    return kTmaO && p.tma_o != 0 && it.partial < 0 && it.nrows == ROWS && it.row0 % p.group_size == 0;
+  }
   __device__ __forceinline__ static bool q_by_tma(const PrefillParams& p, const Item& it) {
     return kTmaQ && p.tma_q != 0 && it.row0 % p.group_size == 0;
   }
@@ -583,6 +597,35 @@ struct PrefillSm90 {
   __device__ __forceinline__ static void my_turn(int cwg) { named_sync(1 + cwg, 256); }
   __device__ __forceinline__ static void their_turn(int cwg) { named_arrive(2 - cwg, 256); }
 
+  // (kTmaO) This consumer warpgroup's 64 rows of O (normalised, the LSE to global memory by store_rows) into the K
+  // half `so` of the unit's last stage, then one thread's bulk tensor store of them; that thread releases the
+  // stage for the warpgroup's 4 warps (vempty) once the store has read it. qfree / qpar: the unit's Q barrier and
+  // the parity of its phase (every consumer's last Q K^T has completed: nothing reads the K half any more).
+  __device__ __forceinline__ static void store_o_tma(const PrefillParams& p, const Item& it, int kvh, int cw, int lane,
+                                                     const float (&o)[1][CHUNKS][4], const float (&m)[1][2],
+                                                     const float (&l)[1][2], T* so, unsigned long long* vempty,
+                                                     unsigned long long* qfree, int qpar) {
+    using O = typename A::O;
+    const int cwg = cw / 4;
+    O* mine = reinterpret_cast<O*>(so) + cwg * (64 * D_VO);
+    mbar_wait(qfree, qpar);
+    // row (0..127) of the tile, column: this warpgroup's rows as D_VO / 64 boxes of 64 rows of 128 swizzled bytes
+    Base::template store_rows<1, true>(p, it, kvh, cw, lane, o, m, l, mine, [](int row, int col) {
+      const int r = row & 63;
+      return (col >> 6) * 4096 + r * 64 + ((((col & 63) >> 3) ^ (r & 7)) << 3) + (col & 7);
+    });
+    fence_proxy_async();   // the stores (generic proxy) before the bulk store's reads (async proxy)
+    named_sync(4 + cwg, 128);
+    if (threadIdx.x % 128 == 0) {
+      const int tok = it.qo_start + (it.row0 + cwg * 64) / p.group_size;
+#pragma unroll
+      for (int cb = 0; cb < VO_BLOCKS; ++cb) tma_store_4d(&p.tma_omap, mine + cb * 4096, cb * 64, 0, kvh, tok);
+      tma_store_commit();
+      tma_store_wait_read<0>();
+      mbar_arrive_n(vempty, 4);
+    }
+  }
+
   // One unit's tiles (ring positions g ...): every tile's stage is released on `empty` once this warp is done
   // with it, the Q tile on `qfree` after the unit's last Q K^T. STREAM (KVATTN_SM90_STREAM): the unit's turns are
   // part of the CTA's one stream; consumer 1 opens it where `open` (the CTA's first unit with tiles), and the
@@ -591,7 +634,8 @@ struct PrefillSm90 {
   template <bool STREAM>
   __device__ static void consume(const PrefillParams& p, const Item& it, const Q* qs, const T* kvs,
                                  unsigned long long* full, unsigned long long* empty, unsigned long long* qfree,
-                                 int kvh, int w, int g, bool open, int w_next, Item& next, int slot = 0) {
+                                 int kvh, int w, int g, bool open, int w_next, Item& next, int qpar = 0,
+                                 int slot = 0) {
     unsigned long long* vfull = v_full(full);
     unsigned long long* vempty = KVSPLIT ? vfull + STAGES : empty;
     constexpr bool EARLY = KVATTN_SM90_EARLY;
@@ -685,6 +729,13 @@ struct PrefillSm90 {
       fence_regs(acc);
       KVATTN_TRACE(128, slot, kTraceLastPv0);
       KVATTN_TRACE(256, slot, kTraceLastPv1);
+      if (EARLY && o_by_tma(p, again)) {   // the stage is released after the bulk store has read it
+        store_o_tma(p, again, kvh, cw, lane, o, m, l, const_cast<T*>(kvs) + last_st * STAGE_ELEMS, &vempty[last_st],
+                    qfree, qpar);
+        KVATTN_TRACE(128, slot, kTraceEnd0);
+        KVATTN_TRACE(256, slot, kTraceEnd1);
+        return;
+      }
       if (lane == 0) mbar_arrive(&vempty[last_st]);
     } else if constexpr (EARLY) {
       load_early();
@@ -747,6 +798,7 @@ struct PrefillSm90 {
         Item none;
         consume<STREAM_TURNS>(p, it, qs, kvs, full, empty, qfree, blockIdx.y, blockIdx.x, 0, true, -1, none);
         close_turns(it.ke > it.kb);
+        if (kTmaO && threadIdx.x % 128 == 0) tma_store_wait<0>();
       }
       return;
     }
@@ -772,7 +824,7 @@ struct PrefillSm90 {
         const int fn = unit<MIXED>(r + 1, ctas);
         Item next;
         consume<STREAM_TURNS>(p, it, qs + (nq % QBUF) * Q_ELEMS, kvs, full, empty, &qfree[nq % QBUF], f % hkv,
-                              f / hkv, g, !opened, fn < units ? fn / hkv : -1, next, r);
+                              f / hkv, g, !opened, fn < units ? fn / hkv : -1, next, (nq / QBUF) & 1, r);
         const int ntiles = (it.ke - it.kb + N - 1) / N;
         g += ntiles;
         nq += ntiles > 0;
@@ -780,6 +832,7 @@ struct PrefillSm90 {
         it = next;
       }
       close_turns(opened);
+      if (kTmaO && threadIdx.x % 128 == 0) tma_store_wait<0>();   // (the O stores of the last units)
     }
   }
 };

@@ -36,6 +36,26 @@ __device__ __forceinline__ void tma_load_5d(void* dst, const void* tmap, int c0,
       ::"r"(smem_addr(dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(smem_addr(bar)) : "memory");
 }
 
+// Arrives `count` times at once (one thread standing for `count` warps).
+__device__ __forceinline__ void mbar_arrive_n(unsigned long long* bar, int count) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(smem_addr(bar)), "r"(count)
+               : "memory");
+}
+// Bulk tensor store (TMA) of one box of shared memory to a 4-dim tensor map at (c0..c3), in this thread's bulk
+// group; tma_store_commit closes the group, tma_store_wait_read<0> waits until its shared memory has been read
+// (it may be reused), tma_store_wait<0> until its writes are done.
+__device__ __forceinline__ void tma_store_4d(const void* tmap, const void* src, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n"
+               ::"l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(src)) : "memory");
+}
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void tma_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N> __device__ __forceinline__ void tma_store_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Blocks until the phase of parity `parity` of the barrier has completed (phases alternate 0, 1, 0, ...).
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
   asm volatile(

@@ -180,7 +180,7 @@ class AttentionPlan:
     set_ptrs: object             # (q, k, v, o, lse) -> packs every attention launch's pointer fields
     set_strides: object          # (q_n, q_h, o_n, o_h, lse_n, kv_page, kv_token, kv_head) -> packs their strides
     set_scales: object           # fp8 cache: (k_scale_ptr, v_scale_ptr, k_scale, v_scale); None for a 16-bit cache
-    bind_tma: object             # (q, k, v) -> writes their tensor maps into the TMA launches (kvattn.tma); or None
+    bind_tma: object             # (q, k, v, out) -> writes their tensor maps into the TMA launches (kvattn.tma); or None
     merge_set_ptrs: object       # (o, lse)
     merge_set_strides: object    # (o_n, o_h, lse_n, lse_h)
     plan_stream: int             # the stream of the plan's copy
@@ -390,7 +390,7 @@ class AttentionOp:
         p.set_ptrs(q.ptr, k.ptr, v.ptr, out.ptr, lse_ptr)
         p.set_strides(qs[0] // it, qs[1] // it, os_[0] // it, os_[1] // it, lse_row, *kv_strides)
         if p.bind_tma is not None:
-            p.bind_tma(q, k, v)
+            p.bind_tma(q, k, v, out)
 
     @staticmethod
     def _issue(p: AttentionPlan, handle, out: DeviceArray, lse, attention: bool = True):

@@ -54,15 +54,15 @@ _PREFILL_SCALARS = np.dtype([
     ("window_left", "i4"),
     ("score_scale", "f4"), ("cap_log2", "f4"), ("variant_data", "u8"),
     ("k_scale_ptr", "u8"), ("v_scale_ptr", "u8"), ("k_scale", "f4"), ("v_scale", "f4"),
-    ("tma_mode", "i4"), ("tma_rows", "i4"), ("tma_hnd", "i4"), ("tma_q", "i4"),
+    ("tma_mode", "i4"), ("tma_rows", "i4"), ("tma_hnd", "i4"), ("tma_q", "i4"), ("tma_o", "i4"),
 ], align=True)
 _TMA_OFFSET = -(-_PREFILL_SCALARS.itemsize // 64) * 64   # the tensor maps are 64-byte aligned (alignas(64) in C)
 PREFILL_PARAMS = np.dtype({
-    "names": list(_PREFILL_SCALARS.names) + ["tma_k", "tma_v", "tma_qmap"],
-    "formats": [_PREFILL_SCALARS.fields[n][0] for n in _PREFILL_SCALARS.names] + ["V128", "V128", "V128"],
+    "names": list(_PREFILL_SCALARS.names) + ["tma_k", "tma_v", "tma_qmap", "tma_omap"],
+    "formats": [_PREFILL_SCALARS.fields[n][0] for n in _PREFILL_SCALARS.names] + ["V128"] * 4,
     "offsets": [_PREFILL_SCALARS.fields[n][1] for n in _PREFILL_SCALARS.names] + [_TMA_OFFSET + 128 * i
-                                                                                   for i in range(3)],
-    "itemsize": _TMA_OFFSET + 384})
+                                                                                   for i in range(4)],
+    "itemsize": _TMA_OFFSET + 512})
 
 DEFAULT_WORKSPACE = 256 << 20
 RAGGED_PAGE_SHIFT = 30
@@ -458,15 +458,15 @@ class _BatchPrefill(AttentionOp):
         maps = (tma.attach(kv, [p], sm90_tile(head_dim)[0], contiguous=not self._paged and make_kv is None,
                            interleaved=sm90_interleaved(cfg.spec))
                 if sm90_maps else None)
-        q_map = (tma.QTensorMap([p], group, cta_rows, self.max_total_qo if self.use_cuda_graph else 0)
-                 if sm90_maps and tma.q_mappable(group, cta_rows, head_dim) else None)
+        q_map, o_map = (tma.attach_rows([p], group, head_dim, tokens=self.max_total_qo if self.use_cuda_graph else 0)
+                        if sm90_maps else (None, None))
         return self._finish_plan(
             rows=total_qo, max_rows=self.max_total_qo if self.use_cuda_graph else total_qo, hq=hq, d=head_dim,
             dtype=q_dtype, kv=kv, launch=Launch(kernel, grid, cfg.threads, cfg.smem, p) if cap_w > 0 else None,
-            params=p, merge=merge, merge_params=mp, s=s, copy_done=copy_done, bind_tma=tma.binder(q_map, maps),
+            params=p, merge=merge, merge_params=mp, s=s, copy_done=copy_done, bind_tma=tma.binder(q_map, maps, o_map),
             schedule=plan, backend=cfg.backend, cta_rows=cta_rows, variant=variant, kernel=kernel,
             grid=grid, smem=cfg.smem, threads=cfg.threads, num_kv_heads=hkv, tma=maps is not None,
-            tma_q=q_map is not None)
+            tma_q=q_map is not None, tma_o=o_map is not None)
 
     @staticmethod
     def _mask(custom_mask, mask_indptr, qo_lens, kv_lens):

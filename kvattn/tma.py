@@ -15,9 +15,10 @@ KV (whose rows must read as zeros, whatever the cache holds there) keeps the zer
 run() encodes the maps for its k / v (cuTensorMapEncodeTiled; cached per pointer, shape and strides) and writes
 them into the launches' parameters.
 
-The query tile has a map too (QTensorMap): q [tokens, Hq, D] as (head_dim, group, KV head, token), a box (64,
-group, 1, rows / group) being one 64-column block of a CTA's packed rows, so one producer thread copies a unit's
-Q with head_dim / 64 boxes instead of 128 threads' per-thread copies (which took 2 tile-times a unit to issue).
+The query and output tiles have maps too (RowsTensorMap): q or o [tokens, Hq, D] as (head_dim, group, KV head,
+token), a box (64, group, 1, rows / group) being one 64-column block of packed rows (a CTA's 128 of q, a consumer
+warpgroup's 64 of o), so one thread copies a unit's Q, and one stores a warpgroup's O, with head_dim / 64 boxes
+instead of 128 threads' per-thread copies (which took 2 tile-times a unit to issue) and stores (1 tile-time).
 """
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ from .opcore import PagedKV, RaggedKV
 MODE_OFF, MODE_RAGGED, MODE_PAGED = 0, 1, 2
 #: False: sm90 plans copy each unit's Q tile per thread, not by its tensor map (the A/B of scripts/ab_sm90.py --qtma)
 QUERY_MAPS = True
+#: False: sm90 plans store O per thread, not by its tensor map (the A/B of scripts/ab_sm90.py --otma)
+OUTPUT_MAPS = True
+#: The packed rows of one box: the sm90 CTA's query tile, a consumer warpgroup's output rows
+Q_BOX_ROWS, O_BOX_ROWS = 128, 64
 
 
 class StridesNotMapped(ValueError):
@@ -186,33 +191,33 @@ def attach(kv, params, tile: int, contiguous: bool = False, interleaved: bool = 
     return KVTensorMaps(kv, rows, params, params[0].dtype.fields["tma_k"][1], mode, interleaved)
 
 
-def q_dims(q, group: int, rows: int, tokens: int = 0):
-    """(global dims, byte strides of dims 1..3, box dims) of the query map of q [tokens, Hq, D] (any row / head
+def rows_dims(a, group: int, rows: int, tokens: int = 0):
+    """(global dims, byte strides of dims 1..3, box dims) of the map of q or o [tokens, Hq, D] (any row / head
     strides, D contiguous): (D, group, Hkv, tokens), a box = one 64-column block of `rows` packed rows. tokens:
-    at least this many rows (graph mode: a later plan may read up to the bound's rows of the captured array)."""
-    n, hq, d = q.shape
+    at least this many rows (graph mode: a later plan may use up to the bound's rows of the captured array)."""
+    n, hq, d = a.shape
     n = max(n, tokens)
-    s, e = q.strides, q.itemsize
-    if s[2] != e or s[0] % 16 or s[1] % 16 or q.ptr % 16:
-        raise StridesNotMapped(f"q: a tensor map needs head_dim contiguous and 16-byte aligned rows / heads "
+    s, e = a.strides, a.itemsize
+    if s[2] != e or s[0] % 16 or s[1] % 16 or a.ptr % 16:
+        raise StridesNotMapped(f"q / out: a tensor map needs head_dim contiguous and 16-byte aligned rows / heads "
                                f"(strides {s})")
     return (d, group, hq // group, n), (s[1], group * s[1], s[0]), (64, group, 1, rows // group)
 
 
-def q_mappable(group: int, rows: int, head_dim: int) -> bool:
-    """Whether a CTA's packed query rows are whole boxes: group heads of rows / group tokens."""
-    return QUERY_MAPS and rows % group == 0 and group <= 256 and rows // group <= 256 and head_dim % 64 == 0
+def rows_mappable(group: int, rows: int, head_dim: int) -> bool:
+    """Whether `rows` packed rows are whole boxes: group heads of rows / group tokens."""
+    return rows % group == 0 and group <= 256 and rows // group <= 256 and head_dim % 64 == 0
 
 
-class QTensorMap:
-    """run()'s binder of the query map (q_dims) into the sm90 launches' parameters (tma_qmap, tma_q = 1); q arrays
-    a map cannot describe switch those launches to the per-thread Q copies while they are bound."""
+class RowsTensorMap:
+    """run()'s binder of a q or o map (rows_dims) into the sm90 launches' parameters (`field`, and `flag` = 1);
+    arrays a map cannot describe switch those launches to their per-thread copies / stores while bound."""
 
-    __slots__ = ("group", "rows", "tokens", "params", "offset", "_cache", "_bound")
+    __slots__ = ("group", "rows", "tokens", "params", "offset", "flag", "_cache", "_bound")
 
-    def __init__(self, params, group: int, rows: int, tokens: int = 0):
-        self.group, self.rows, self.tokens, self.params = group, rows, tokens, tuple(params)
-        self.offset = self.params[0].dtype.fields["tma_qmap"][1]
+    def __init__(self, params, group: int, rows: int, field: str, flag: str, tokens: int = 0):
+        self.group, self.rows, self.tokens, self.params, self.flag = group, rows, tokens, tuple(params), flag
+        self.offset = self.params[0].dtype.fields[field][1]
         self._cache = {}
         self._bound = None
 
@@ -225,25 +230,38 @@ class QTensorMap:
             if len(self._cache) >= _CACHE_LIMIT:
                 self._cache.clear()
             try:
-                blob = _encode(q.dtype, q, *q_dims(q, self.group, self.rows, self.tokens))
+                blob = _encode(q.dtype, q, *rows_dims(q, self.group, self.rows, self.tokens))
             except StridesNotMapped:
                 blob = b""
             self._cache[key] = blob
         for p in self.params:
             if blob:
                 p.set_bytes(self.offset, blob)
-            p.set(tma_q=int(bool(blob)))
+            p.set(**{self.flag: int(bool(blob))})
         self._bound = key
 
 
-def binder(q_map: QTensorMap | None, kv_maps: KVTensorMaps | None):
-    """run()'s (q, k, v) binder of a plan's tensor maps (the query map, the K / V maps), or None without either."""
-    if q_map is None:
-        return None if kv_maps is None else (lambda q, k, v: kv_maps(k, v))
-    if kv_maps is None:
-        return lambda q, k, v: q_map(q)
+def attach_rows(params, group: int, head_dim: int, head_dim_vo: int | None = None, tokens: int = 0):
+    """(query binder, output binder) of the sm90 launches of these ParamBuffers, each None where its packed rows
+    are not whole boxes (or the A/B switch is off). tokens: rows_dims'."""
+    q = (RowsTensorMap(params, group, Q_BOX_ROWS, "tma_qmap", "tma_q", tokens)
+         if QUERY_MAPS and rows_mappable(group, Q_BOX_ROWS, head_dim) else None)
+    o = (RowsTensorMap(params, group, O_BOX_ROWS, "tma_omap", "tma_o", tokens)
+         if OUTPUT_MAPS and rows_mappable(group, O_BOX_ROWS, head_dim_vo or head_dim) else None)
+    return q, o
 
-    def bind(q, k, v):
-        q_map(q)
-        kv_maps(k, v)
+
+def binder(q_map: RowsTensorMap | None, kv_maps: KVTensorMaps | None, o_map: RowsTensorMap | None = None):
+    """run()'s (q, k, v, out) binder of a plan's tensor maps (query, K / V, output), or None without any."""
+    maps = [m for m in (q_map, kv_maps, o_map) if m is not None]
+    if not maps:
+        return None
+
+    def bind(q, k, v, out):
+        if q_map is not None:
+            q_map(q)
+        if kv_maps is not None:
+            kv_maps(k, v)
+        if o_map is not None:
+            o_map(out)
     return bind

@@ -1,7 +1,7 @@
 """A/B experiments on the sm90 prefill kernel, each in one process (bf16 unless named, Hq32/Hkv8, ragged):
 
     PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order]
-                                            [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma]
+                                            [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -30,6 +30,7 @@
 --shapes: the default kernel on unit shapes that separate a unit's fixed cost from its tiles (run_shapes).
 --pages: paged prefill at page sizes 16-128, page 16 without TMA boxes, and ragged (run_pages).
 --qtma: each unit's Q tile by one tensor map (the default) against per-thread copies (run 30c, BENCHMARKS.md).
+--otma: whole units' O stored by one tensor map per consumer warpgroup (the default) against per-thread stores.
 --kvil: paged caches' interleaved K / V tiles (KVATTN_SM90_KVIL=1, one 5-dim box a page) against the kernel before
   (64-column blocks: 2 boxes a page at head_dim 128), pages 16 / 32.
 --split, --d256, --fold, --persist, --prefetch, --order, --stream, --early, --kvsplit and --pages time their
@@ -305,7 +306,7 @@ def run_kvil(bp, rng):
 
 
 def run_qtma(bp, rng):
-    """Each unit's Q tile by its tensor map (kvattn.tma.QTensorMap, one thread, head_dim / 64 boxes: the default)
+    """Each unit's Q tile by its tensor map (kvattn.tma.RowsTensorMap, one thread, head_dim / 64 boxes: the default)
     against the producers' per-thread copies (tma.QUERY_MAPS = False), the --stream shapes, non-causal b32_S1024
     and paged page 16 (the same kernel binary: tma_q is a launch parameter)."""
     from kvattn import tma
@@ -319,7 +320,21 @@ def run_qtma(bp, rng):
     tma.QUERY_MAPS = True
 
 
-EXPERIMENTS = {"qtma": run_qtma, "pages": run_pages, "kvil": run_kvil, "split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold,
+def run_otma(bp, rng):
+    """Whole units' O by its tensor map (each consumer warpgroup's rows staged in the last stage's K half, one bulk
+    store: the default) against per-thread global stores (tma.OUTPUT_MAPS = False); the same kernel binary."""
+    from kvattn import tma
+
+    def maps(on):
+        return lambda: setattr(tma, "OUTPUT_MAPS", on)
+    for name, b, s, causal in BOUNDARY_CASES[1:] + [("non-causal b32_S1024", 32, 1024, False)]:
+        compare("otma", name, flops_of(bp, b, s, causal),
+                [("per-thread O", maps(False)), ("TMA O", maps(True))],
+                case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
+    tma.OUTPUT_MAPS = True
+
+
+EXPERIMENTS = {"qtma": run_qtma, "otma": run_otma, "pages": run_pages, "kvil": run_kvil, "split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold,
                "persist": run_persist,
                "prefetch": run_prefetch, "order": run_order, "stream": run_stream,
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit}

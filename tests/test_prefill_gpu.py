@@ -4,7 +4,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import kvattn
-from kvattn import _dtypes, graphs, prefill, reference
+from kvattn import _dtypes, graphs, prefill, reference, tma
 from kvattn.formats import PageTable
 from kvattn.prefill import BatchPrefillWithPagedKVCache, BatchPrefillWithRaggedKVCache, single_prefill, sm90_tile
 
@@ -276,6 +276,51 @@ def test_ragged_tiles_never_read_another_requests_kv(layout):
                 ro, _ = request_ref(q[qi[i]:qi[i + 1]], k[ki[i]:ki[i + 1]], v[ki[i]:ki[i + 1]], rows, causal, -1,
                                     0.0, 1 / np.sqrt(d), None)
                 assert rel_l2(out[qi[i] + rows], ro) <= TOL["bfloat16"], (backend, causal, i)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_sm90_query_and_output_tiles_by_tensor_maps(group):
+    """The sm90 kernel copies each unit's Q tile and stores each whole unit's O by tensor maps (kvattn.tma
+    RowsTensorMap): q a slice of a fused qkv buffer and out a slice of a wider poisoned buffer (row strides past
+    Hq * D), units of 128 packed rows and shorter ones; every request matches the reference and nothing outside the
+    out slice is written. The per-thread copies and stores (the maps switched off) give the same results."""
+    rng = np.random.default_rng(12 + group)
+    hkv, d = 2, 128
+    hq = hkv * group
+    qo, kv = np.array([256, 100, 33, 128]), np.array([300, 1000, 50, 128])
+    qi = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    ki = np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)
+    n, nk = int(qi[-1]), int(ki[-1])
+    bf = _dtypes.to_numpy("bfloat16")
+    qkv = rng.standard_normal((n, hq + 2 * hkv, d)).astype(bf)
+    k = rng.standard_normal((nk, hkv, d)).astype(bf)
+    v = rng.standard_normal((nk, hkv, d)).astype(bf)
+    q = qkv[:, :hq]
+    kd, vd = kvattn.from_numpy(k), kvattn.from_numpy(v)
+    qd = kvattn.from_numpy(qkv)[:, :hq]
+    results = {}
+    for maps in (True, False):
+        saved = tma.QUERY_MAPS, tma.OUTPUT_MAPS
+        tma.QUERY_MAPS = tma.OUTPUT_MAPS = maps
+        try:
+            w = BatchPrefillWithRaggedKVCache(backend="sm90")
+            w.plan(qi, ki, hq, hkv, d, causal=True, cta_rows=128)
+        finally:
+            tma.QUERY_MAPS, tma.OUTPUT_MAPS = saved
+        assert (w.last_plan.info["tma_q"], w.last_plan.info["tma_o"]) == (maps, maps)
+        wide = poisoned((n, hq + 3, d), "bfloat16")
+        w.run(qd, kd, vd, out=wide[:, :hq])
+        got = wide.numpy()
+        assert np.array_equal(got[:, hq:].view(np.uint16), poisoned((n, 3, d), "bfloat16").numpy().view(np.uint16))
+        out = got[:, :hq].astype(np.float64)
+        for i in range(len(qo)):
+            rows = sample_rows(int(qo[i]), SAMPLE_ROWS, rng)
+            ro, _ = request_ref(q[qi[i]:qi[i + 1]], k[ki[i]:ki[i + 1]], v[ki[i]:ki[i + 1]], rows, True, -1, 0.0,
+                                1 / np.sqrt(d), None)
+            assert rel_l2(out[qi[i] + rows], ro) <= TOL["bfloat16"], (maps, i)
+        results[maps] = out
+    # the same products in the same order: the two paths differ only in how Q arrives and O leaves
+    assert np.array_equal(results[True], results[False])
 
 
 def test_speculative_verify_shape():

@@ -84,7 +84,8 @@ def test_tensor_map_geometry_of_every_layout():
 def test_tensor_maps_sit_64_byte_aligned_in_the_parameters():
     off = PREFILL_PARAMS.fields["tma_k"][1]
     assert off % 64 == 0 and PREFILL_PARAMS.fields["tma_v"][1] == off + 128
-    assert PREFILL_PARAMS.fields["tma_qmap"][1] == off + 256 and PREFILL_PARAMS.itemsize == off + 384
+    assert PREFILL_PARAMS.fields["tma_qmap"][1] == off + 256 and PREFILL_PARAMS.fields["tma_omap"][1] == off + 384
+    assert PREFILL_PARAMS.itemsize == off + 512
     src = '#include "prefill.cuh"\n' + kernels.size_assert("kvattn::PrefillParams", PREFILL_PARAMS)
     compiler.compile_cubin(src, "tma_params.cu", [], [], "sm_90a")
 
@@ -172,30 +173,41 @@ def test_query_tensor_map_geometry():
     heads of rows / group tokens), so the box's row order is the kernel's packed row order."""
     n, hq, d, e = 1000, 32, 128, 2
     q = types.SimpleNamespace(shape=(n, hq, d), strides=(hq * d * e, d * e, e), ptr=256, itemsize=e)
-    assert tma.q_dims(q, 4, 128) == ((d, 4, 8, n), (d * e, 4 * d * e, hq * d * e), (64, 4, 1, 32))
-    assert tma.q_dims(q, 1, 128)[2] == (64, 1, 1, 128)
+    assert tma.rows_dims(q, 4, 128) == ((d, 4, 8, n), (d * e, 4 * d * e, hq * d * e), (64, 4, 1, 32))
+    assert tma.rows_dims(q, 1, 128)[2] == (64, 1, 1, 128)
     # graph mode: a later plan may read up to the bound's rows of the array captured with fewer
-    assert tma.q_dims(q, 4, 128, tokens=4096)[0] == (d, 4, 8, 4096) and tma.q_dims(q, 4, 128, 10)[0][3] == n
+    assert tma.rows_dims(q, 4, 128, tokens=4096)[0] == (d, 4, 8, 4096) and tma.rows_dims(q, 4, 128, 10)[0][3] == n
     # a q slice of a fused qkv projection: rows strided past Hq * D, still mapped
     qkv = types.SimpleNamespace(shape=(n, hq, d), strides=(48 * d * e, d * e, e), ptr=256, itemsize=e)
-    assert tma.q_dims(qkv, 4, 128)[1] == (d * e, 4 * d * e, 48 * d * e)
+    assert tma.rows_dims(qkv, 4, 128)[1] == (d * e, 4 * d * e, 48 * d * e)
     for bad in (types.SimpleNamespace(shape=(n, hq, d), strides=(hq * d * e, d * e, 2 * e), ptr=256, itemsize=e),
                 types.SimpleNamespace(shape=(n, hq, d), strides=(hq * d * e + 2, d * e, e), ptr=256, itemsize=e),
                 types.SimpleNamespace(shape=(n, hq, d), strides=(hq * d * e, d * e, e), ptr=258, itemsize=e)):
-        with pytest.raises(tma.StridesNotMapped, match="q: a tensor map"):
-            tma.q_dims(bad, 4, 128)
+        with pytest.raises(tma.StridesNotMapped, match="q / out: a tensor map"):
+            tma.rows_dims(bad, 4, 128)
 
 
 @pytest.mark.parametrize("group, rows, d, want", [
     (4, 128, 128, True), (1, 128, 64, True), (8, 128, 256, True), (128, 128, 128, True),
     (3, 128, 128, False), (256, 128, 128, False), (4, 128, 96, False)])
-def test_query_map_only_where_packed_rows_are_whole_boxes(group, rows, d, want):
-    assert tma.q_mappable(group, rows, d) == want
+def test_row_maps_only_where_packed_rows_are_whole_boxes(group, rows, d, want):
+    assert tma.rows_mappable(group, rows, d) == want
+
+
+def test_attach_rows_gives_the_query_and_output_binders(monkeypatch):
+    params = [kernels.ParamBuffer(PREFILL_PARAMS)]
+    q, o = tma.attach_rows(params, 4, 128)
+    assert (q.rows, q.flag, o.rows, o.flag) == (128, "tma_q", 64, "tma_o")
+    assert q.offset == PREFILL_PARAMS.fields["tma_qmap"][1] and o.offset == PREFILL_PARAMS.fields["tma_omap"][1]
+    q, o = tma.attach_rows(params, 128, 128)   # 128 heads a KV head: a CTA's rows are one token, a warpgroup's half
+    assert q is not None and o is None
+    monkeypatch.setattr(tma, "QUERY_MAPS", False)
+    assert tma.attach_rows(params, 4, 128)[0] is None
 
 
 def test_query_binder_sets_the_map_and_falls_back_for_unmapped_strides(monkeypatch):
     params = [kernels.ParamBuffer(PREFILL_PARAMS) for _ in range(2)]
-    binder = tma.QTensorMap(params, 4, 128)
+    binder = tma.RowsTensorMap(params, 4, 128, "tma_qmap", "tma_q")
     calls = []
 
     def encode(dtype, a, dims, strides, box):
@@ -219,11 +231,12 @@ def test_query_binder_sets_the_map_and_falls_back_for_unmapped_strides(monkeypat
     assert calls == [512] and all(p["tma_q"] == 1 for p in params)
 
 
-def test_plan_binder_calls_both_maps():
+def test_plan_binder_calls_every_map():
     seen = []
     q_map, kv_maps = (lambda q: seen.append(("q", q))), (lambda k, v: seen.append(("kv", k, v)))
-    assert tma.binder(None, None) is None
-    tma.binder(q_map, kv_maps)(1, 2, 3)
-    tma.binder(None, kv_maps)(4, 5, 6)
-    tma.binder(q_map, None)(7, 8, 9)
-    assert seen == [("q", 1), ("kv", 2, 3), ("kv", 5, 6), ("q", 7)]
+    o_map = lambda o: seen.append(("o", o))   # noqa: E731
+    assert tma.binder(None, None) is None and tma.binder(None, None, None) is None
+    tma.binder(q_map, kv_maps, o_map)(1, 2, 3, 4)
+    tma.binder(None, kv_maps)(5, 6, 7, 8)
+    tma.binder(q_map, None)(9, 10, 11, 12)
+    assert seen == [("q", 1), ("kv", 2, 3), ("o", 4), ("kv", 6, 7), ("q", 9)]
