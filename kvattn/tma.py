@@ -145,33 +145,47 @@ def encode(kv, a, rows: int, interleaved: bool = False) -> bytes:
     return _encode(kv.dtype, a, dims, strides, box)
 
 
-class KVTensorMaps:
-    """run()'s binder: writes the tensor maps of (k, v) into the parameters of the launches that read them. Arrays
-    whose strides an interleaved map cannot describe (heads not contiguous in a token / page) switch those launches
-    to their per-thread copies (same tile layout) for as long as they are bound."""
+class _Binder:
+    """What run()'s map binders share: the maps encoded once per key (pointers, shapes, strides) and remembered
+    (_CACHE_LIMIT keys), b"" for arrays whose strides no map describes."""
 
-    __slots__ = ("kv", "rows", "params", "offset", "mode", "interleaved", "_cache", "_bound")
+    __slots__ = ("_cache", "_bound")
 
-    def __init__(self, kv, rows: int, params, offset: int, mode: int, interleaved: bool = False):
-        self.kv, self.rows, self.params, self.offset = kv, rows, tuple(params), offset
-        self.mode, self.interleaved = mode, interleaved
+    def __init__(self):
         self._cache = {}
         self._bound = None   # the key whose maps the parameters hold now (the usual run(): the same arrays again)
 
-    def __call__(self, k, v):
-        key = (k.ptr, v.ptr, k.shape, k.strides, v.strides)
-        if key == self._bound:
-            return
+    def _blob(self, key, make) -> bytes:
         blob = self._cache.get(key)
         if blob is None:
             if len(self._cache) >= _CACHE_LIMIT:
                 self._cache.clear()
             try:
-                blob = (encode(self.kv, k, self.rows, self.interleaved)
-                        + encode(self.kv, v, self.rows, self.interleaved))
+                blob = make()
             except StridesNotMapped:
                 blob = b""
             self._cache[key] = blob
+        return blob
+
+
+class KVTensorMaps(_Binder):
+    """run()'s binder: writes the tensor maps of (k, v) into the parameters of the launches that read them. Arrays
+    whose strides an interleaved map cannot describe (heads not contiguous in a token / page) switch those launches
+    to their per-thread copies (same tile layout) for as long as they are bound."""
+
+    __slots__ = ("kv", "rows", "params", "offset", "mode", "interleaved")
+
+    def __init__(self, kv, rows: int, params, offset: int, mode: int, interleaved: bool = False):
+        super().__init__()
+        self.kv, self.rows, self.params, self.offset = kv, rows, tuple(params), offset
+        self.mode, self.interleaved = mode, interleaved
+
+    def __call__(self, k, v):
+        key = (k.ptr, v.ptr, k.shape, k.strides, v.strides)
+        if key == self._bound:
+            return
+        blob = self._blob(key, lambda: (encode(self.kv, k, self.rows, self.interleaved)
+                                        + encode(self.kv, v, self.rows, self.interleaved)))
         for p in self.params:
             if blob:
                 p.set_bytes(self.offset, blob)
@@ -209,31 +223,22 @@ def rows_mappable(group: int, rows: int, head_dim: int) -> bool:
     return rows % group == 0 and group <= 256 and rows // group <= 256 and head_dim % 64 == 0
 
 
-class RowsTensorMap:
+class RowsTensorMap(_Binder):
     """run()'s binder of a q or o map (rows_dims) into the sm90 launches' parameters (`field`, and `flag` = 1);
     arrays a map cannot describe switch those launches to their per-thread copies / stores while bound."""
 
-    __slots__ = ("group", "rows", "tokens", "params", "offset", "flag", "_cache", "_bound")
+    __slots__ = ("group", "rows", "tokens", "params", "offset", "flag")
 
     def __init__(self, params, group: int, rows: int, field: str, flag: str, tokens: int = 0):
+        super().__init__()
         self.group, self.rows, self.tokens, self.params, self.flag = group, rows, tokens, tuple(params), flag
         self.offset = self.params[0].dtype.fields[field][1]
-        self._cache = {}
-        self._bound = None
 
     def __call__(self, q):
         key = (q.ptr, q.shape, q.strides)
         if key == self._bound:
             return
-        blob = self._cache.get(key)
-        if blob is None:
-            if len(self._cache) >= _CACHE_LIMIT:
-                self._cache.clear()
-            try:
-                blob = _encode(q.dtype, q, *rows_dims(q, self.group, self.rows, self.tokens))
-            except StridesNotMapped:
-                blob = b""
-            self._cache[key] = blob
+        blob = self._blob(key, lambda: _encode(q.dtype, q, *rows_dims(q, self.group, self.rows, self.tokens)))
         for p in self.params:
             if blob:
                 p.set_bytes(self.offset, blob)

@@ -305,33 +305,30 @@ def run_kvil(bp, rng):
     bp.PS = 16
 
 
-def run_qtma(bp, rng):
-    """Each unit's Q tile by its tensor map (kvattn.tma.RowsTensorMap, one thread, head_dim / 64 boxes: the default)
-    against the producers' per-thread copies (tma.QUERY_MAPS = False), the --stream shapes, non-causal b32_S1024
-    and paged page 16 (the same kernel binary: tma_q is a launch parameter)."""
+def run_map_ab(bp, rng, tag, switch, off, on):
+    """A tensor map of kvattn.tma on (the default) against off (the module switch `switch` False), the --stream
+    shapes but b1 non-causal, and non-causal b32_S1024; the same kernel binary (tma_q / tma_o are launch
+    parameters)."""
     from kvattn import tma
 
-    def maps(on):
-        return lambda: setattr(tma, "QUERY_MAPS", on)
+    def maps(value):
+        return lambda: setattr(tma, switch, value)
     for name, b, s, causal in BOUNDARY_CASES[1:] + [("non-causal b32_S1024", 32, 1024, False)]:
-        compare("qtma", name, flops_of(bp, b, s, causal),
-                [("per-thread Q", maps(False)), ("TMA Q", maps(True))],
+        compare(tag, name, flops_of(bp, b, s, causal), [(off, maps(False)), (on, maps(True))],
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
-    tma.QUERY_MAPS = True
+    setattr(tma, switch, True)
+
+
+def run_qtma(bp, rng):
+    """Each unit's Q tile by its tensor map (kvattn.tma.RowsTensorMap, one thread, head_dim / 64 boxes) against the
+    producers' per-thread copies (tma.QUERY_MAPS = False)."""
+    run_map_ab(bp, rng, "qtma", "QUERY_MAPS", "per-thread Q", "TMA Q")
 
 
 def run_otma(bp, rng):
     """Whole units' O by its tensor map (each consumer warpgroup's rows staged in the last stage's K half, one bulk
-    store: the default) against per-thread global stores (tma.OUTPUT_MAPS = False); the same kernel binary."""
-    from kvattn import tma
-
-    def maps(on):
-        return lambda: setattr(tma, "OUTPUT_MAPS", on)
-    for name, b, s, causal in BOUNDARY_CASES[1:] + [("non-causal b32_S1024", 32, 1024, False)]:
-        compare("otma", name, flops_of(bp, b, s, causal),
-                [("per-thread O", maps(False)), ("TMA O", maps(True))],
-                case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
-    tma.OUTPUT_MAPS = True
+    store) against per-thread global stores (tma.OUTPUT_MAPS = False)."""
+    run_map_ab(bp, rng, "otma", "OUTPUT_MAPS", "per-thread O", "TMA O")
 
 
 EXPERIMENTS = {"qtma": run_qtma, "otma": run_otma, "pages": run_pages, "kvil": run_kvil, "split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold,
