@@ -458,10 +458,10 @@ class _BatchPrefill(AttentionOp):
         maps = (tma.attach(kv, [p], sm90_tile(head_dim)[0], contiguous=not self._paged and make_kv is None,
                            interleaved=sm90_interleaved(cfg.spec))
                 if sm90_maps else None)
-        q_map, o_map = (tma.attach_rows([p], group, head_dim, tokens=self.max_total_qo if self.use_cuda_graph else 0)
-                        if sm90_maps else (None, None))
+        max_rows = self.max_total_qo if self.use_cuda_graph else total_qo
+        q_map, o_map = tma.attach_rows([p], group, head_dim, tokens=max_rows) if sm90_maps else (None, None)
         return self._finish_plan(
-            rows=total_qo, max_rows=self.max_total_qo if self.use_cuda_graph else total_qo, hq=hq, d=head_dim,
+            rows=total_qo, max_rows=max_rows, hq=hq, d=head_dim,
             dtype=q_dtype, kv=kv, launch=Launch(kernel, grid, cfg.threads, cfg.smem, p) if cap_w > 0 else None,
             params=p, merge=merge, merge_params=mp, s=s, copy_done=copy_done, bind_tma=tma.binder(q_map, maps, o_map),
             schedule=plan, backend=cfg.backend, cta_rows=cta_rows, variant=variant, kernel=kernel,

@@ -246,20 +246,19 @@ class RowsTensorMap(_Binder):
         self._bound = key
 
 
-def attach_rows(params, group: int, head_dim: int, head_dim_vo: int | None = None, tokens: int = 0):
+def attach_rows(params, group: int, head_dim: int, tokens: int = 0):
     """(query binder, output binder) of the sm90 launches of these ParamBuffers, each None where its packed rows
     are not whole boxes (or the A/B switch is off). tokens: rows_dims'."""
     q = (RowsTensorMap(params, group, Q_BOX_ROWS, "tma_qmap", "tma_q", tokens)
          if QUERY_MAPS and rows_mappable(group, Q_BOX_ROWS, head_dim) else None)
     o = (RowsTensorMap(params, group, O_BOX_ROWS, "tma_omap", "tma_o", tokens)
-         if OUTPUT_MAPS and rows_mappable(group, O_BOX_ROWS, head_dim_vo or head_dim) else None)
+         if OUTPUT_MAPS and rows_mappable(group, O_BOX_ROWS, head_dim) else None)
     return q, o
 
 
 def binder(q_map: RowsTensorMap | None, kv_maps: KVTensorMaps | None, o_map: RowsTensorMap | None = None):
     """run()'s (q, k, v, out) binder of a plan's tensor maps (query, K / V, output), or None without any."""
-    maps = [m for m in (q_map, kv_maps, o_map) if m is not None]
-    if not maps:
+    if q_map is None and kv_maps is None and o_map is None:
         return None
 
     def bind(q, k, v, out):
