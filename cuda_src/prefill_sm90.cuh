@@ -71,6 +71,14 @@
 #define KVATTN_SM90_EARLY 1
 #endif
 
+// O by TMA: the thread that stored a unit's O waits for the bulk store to have read its stage (and releases the
+// stage) only after the next unit's first softmax, not in the epilogue (1: run 31a, causal b32_S1024 +2.1%,
+// b8_S2048 +1.6%); with 3 stages the stage is not reloaded before the next unit's third tile. 0: waited in the
+// epilogue, where that one thread's wait held its warpgroup (the A/B of scripts/ab_sm90.py --lazy).
+#ifndef KVATTN_SM90_LAZY
+#define KVATTN_SM90_LAZY 1
+#endif
+
 // Experiment (scripts/ab_sm90.py --qbuf; 1, the default, builds one Q tile): QBUF = 2 gives persistent CTAs two Q
 // tiles, used by alternate units with tiles, so the producers copy a unit's Q while the unit before it still runs
 // (not after its last Q K^T); with head_dim 128 only 2 K/V stages then fit (KVATTN_SM90_STAGES=2 with it). Runs
@@ -601,10 +609,11 @@ struct PrefillSm90 {
   // half `so` of the unit's last stage, then one thread's bulk tensor store of them; that thread releases the
   // stage for the warpgroup's 4 warps (vempty) once the store has read it. qfree / qpar: the unit's Q barrier and
   // the parity of its phase (every consumer's last Q K^T has completed: nothing reads the K half any more).
+  // LAZY (KVATTN_SM90_LAZY): the wait for the read and the release are left to release_o_stage; `pend` := the stage.
   __device__ __forceinline__ static void store_o_tma(const PrefillParams& p, const Item& it, int kvh, int cw, int lane,
                                                      const float (&o)[1][CHUNKS][4], const float (&m)[1][2],
                                                      const float (&l)[1][2], T* so, unsigned long long* vempty,
-                                                     unsigned long long* qfree, int qpar) {
+                                                     unsigned long long* qfree, int qpar, int last_st, int& pend) {
     using O = typename A::O;
     const int cwg = cw / 4;
     O* mine = reinterpret_cast<O*>(so) + cwg * (64 * D_VO);
@@ -621,8 +630,23 @@ struct PrefillSm90 {
 #pragma unroll
       for (int cb = 0; cb < VO_BLOCKS; ++cb) tma_store_4d(&p.tma_omap, mine + cb * 4096, cb * 64, 0, kvh, tok);
       tma_store_commit();
-      tma_store_wait_read<0>();
-      mbar_arrive_n(vempty, 4);
+      if constexpr (!KVATTN_SM90_LAZY) {
+        tma_store_wait_read<0>();
+        mbar_arrive_n(vempty + last_st, 4);
+      }
+    }
+    if constexpr (KVATTN_SM90_LAZY) pend = last_st;
+  }
+
+  // (LAZY) The stage the unit before stored its O from, released for this warpgroup's 4 warps once its bulk store
+  // has read it; called after a unit's first softmax (the producers need the stage again for the third tile on).
+  __device__ __forceinline__ static void release_o_stage(unsigned long long* vempty, int& pend) {
+    if (KVATTN_SM90_LAZY && pend >= 0) {
+      if (threadIdx.x % 128 == 0) {
+        tma_store_wait_read<0>();
+        mbar_arrive_n(vempty + pend, 4);
+      }
+      pend = -1;
     }
   }
 
@@ -634,8 +658,8 @@ struct PrefillSm90 {
   template <bool STREAM>
   __device__ static void consume(const PrefillParams& p, const Item& it, const Q* qs, const T* kvs,
                                  unsigned long long* full, unsigned long long* empty, unsigned long long* qfree,
-                                 int kvh, int w, int g, bool open, int w_next, Item& next, int qpar = 0,
-                                 int slot = 0) {
+                                 int kvh, int w, int g, bool open, int w_next, Item& next, int& pend,
+                                 int qpar = 0, int slot = 0) {
     unsigned long long* vfull = v_full(full);
     unsigned long long* vempty = KVSPLIT ? vfull + STAGES : empty;
     constexpr bool EARLY = KVATTN_SM90_EARLY;
@@ -681,6 +705,7 @@ struct PrefillSm90 {
       if (KVSPLIT && lane == 0) mbar_arrive(&empty[g % STAGES]);   // the tile's K is done with
       softmax_tile(p, it, s, it.kb, tok, rc[0], lane, m, l, sc);
       KVATTN_TRACE(128, slot, kTraceSoft0);
+      release_o_stage(vempty, pend);
       if (KVATTN_SM90_TRACE && threadIdx.x == 128) trace_stamp(slot, kTraceTiles, ntiles);
 
       for (int ti = 0; ti + 1 < ntiles; ++ti) {
@@ -730,8 +755,8 @@ struct PrefillSm90 {
       KVATTN_TRACE(128, slot, kTraceLastPv0);
       KVATTN_TRACE(256, slot, kTraceLastPv1);
       if (EARLY && o_by_tma(p, again)) {   // the stage is released after the bulk store has read it
-        store_o_tma(p, again, kvh, cw, lane, o, m, l, const_cast<T*>(kvs) + last_st * STAGE_ELEMS, &vempty[last_st],
-                    qfree, qpar);
+        store_o_tma(p, again, kvh, cw, lane, o, m, l, const_cast<T*>(kvs) + last_st * STAGE_ELEMS, vempty, qfree, qpar,
+                    last_st, pend);
         KVATTN_TRACE(128, slot, kTraceEnd0);
         KVATTN_TRACE(256, slot, kTraceEnd1);
         return;
@@ -796,7 +821,8 @@ struct PrefillSm90 {
         regs_inc<CONSUMER_REGS>();
         const Item it = Base::load_item(p, p.plan, blockIdx.x);
         Item none;
-        consume<STREAM_TURNS>(p, it, qs, kvs, full, empty, qfree, blockIdx.y, blockIdx.x, 0, true, -1, none);
+        int pend = -1;   // (its stage is never reloaded)
+        consume<STREAM_TURNS>(p, it, qs, kvs, full, empty, qfree, blockIdx.y, blockIdx.x, 0, true, -1, none, pend);
         close_turns(it.ke > it.kb);
         if (kTmaO && threadIdx.x % 128 == 0) tma_store_wait<0>();
       }
@@ -819,12 +845,13 @@ struct PrefillSm90 {
       bool opened = false;   // consumer 1 has opened the stream of turns (the CTA had a unit with tiles)
       int nq = 0;            // the CTA's earlier units with tiles (their Q slots alternate where QBUF = 2)
       Item it;
+      int pend = -1;         // (LAZY) the stage of this warpgroup's last O store, not yet released
       if (unit<MIXED>(0, ctas) < units) it = Base::load_item(p, p.plan, unit<MIXED>(0, ctas) / hkv);
       for (int r = 0, f = unit<MIXED>(0, ctas); f < units; f = unit<MIXED>(++r, ctas)) {
         const int fn = unit<MIXED>(r + 1, ctas);
         Item next;
         consume<STREAM_TURNS>(p, it, qs + (nq % QBUF) * Q_ELEMS, kvs, full, empty, &qfree[nq % QBUF], f % hkv,
-                              f / hkv, g, !opened, fn < units ? fn / hkv : -1, next, (nq / QBUF) & 1, r);
+                              f / hkv, g, !opened, fn < units ? fn / hkv : -1, next, pend, (nq / QBUF) & 1, r);
         const int ntiles = (it.ke - it.kb + N - 1) / N;
         g += ntiles;
         nq += ntiles > 0;

@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order]
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
+                                            [--lazy]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -31,6 +32,9 @@
 --pages: paged prefill at page sizes 16-128, page 16 without TMA boxes, and ragged (run_pages).
 --qtma: each unit's Q tile by one tensor map (the default) against per-thread copies (run 30c, BENCHMARKS.md).
 --otma: whole units' O stored by one tensor map per consumer warpgroup (the default) against per-thread stores.
+--lazy: the O stage released after the next unit's first softmax (the default) against in the epilogue, the
+  --stream shapes and non-causal b32_S1024 (run 31a, BENCHMARKS.md, also measured the producer's tile 0 before
+  the Q slot's wait: 4-6% slower, removed).
 --kvil: paged caches' interleaved K / V tiles (KVATTN_SM90_KVIL=1, one 5-dim box a page) against the kernel before
   (64-column blocks: 2 boxes a page at head_dim 128), pages 16 / 32.
 --split, --d256, --fold, --persist, --prefetch, --order, --stream, --early, --kvsplit and --pages time their
@@ -83,6 +87,10 @@ def compile_all():
     for defs in (STREAM_OFF, EARLY_OFF, QBUF2, STAGES2, KV_APART, JOINT + STAGES2):
         prefill.SM90_TUNING = defs
         prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
+    for _, defs in LAZY_BUILDS:   # (--lazy)
+        prefill.SM90_TUNING = defs
+        prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
+        prefill.sm90_spec(128, Variant(), "bfloat16", interleaved=True).compile("sm_90a")
     for defs in ((), BLOCKS):   # the paged instances (--kvil, --pages)
         prefill.SM90_TUNING = defs
         prefill.sm90_spec(128, Variant(), "bfloat16", interleaved=True).compile("sm_90a")
@@ -180,6 +188,8 @@ JOINT = (("KVATTN_SM90_KVSPLIT", 0),)
 KV_APART = (("KVATTN_SM90_KVSPLIT", 1),)
 STAGES2 = (("KVATTN_SM90_STAGES", 2),)
 QBUF2 = STAGES2 + (("KVATTN_SM90_QBUF", 2),)
+#: the O stage released in the epilogue / after the next unit's first softmax (KVATTN_SM90_LAZY, the default)
+LAZY_BUILDS = [("eager release", (("KVATTN_SM90_LAZY", 0),)), ("lazy release", ())]
 BOUNDARY_CASES = SPLIT_CASES + [("causal b64_S512", 64, 512, True), ("paged causal b8_S2048", 8, 2048, True)]
 
 
@@ -194,6 +204,15 @@ def run_early(bp, rng):
     for name, b, s, causal in BOUNDARY_CASES:
         compare("early", name, flops_of(bp, b, s, causal),
                 [("loaded where used", tuning(EARLY_OFF)), ("loaded early", tuning(()))],
+                case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
+
+
+def run_lazy(bp, rng):
+    """The stage a unit's O was stored from released after the next unit's first softmax (LAZY, the default)
+    against in the epilogue, where the storing thread's wait for the read holds its warpgroup."""
+    for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
+        compare("lazy", name, flops_of(bp, b, s, causal),
+                [(what, tuning(defs)) for what, defs in LAZY_BUILDS],
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 
@@ -331,7 +350,7 @@ def run_otma(bp, rng):
     run_map_ab(bp, rng, "otma", "OUTPUT_MAPS", "per-thread O", "TMA O")
 
 
-EXPERIMENTS = {"qtma": run_qtma, "otma": run_otma, "pages": run_pages, "kvil": run_kvil, "split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold,
+EXPERIMENTS = {"lazy": run_lazy, "qtma": run_qtma, "otma": run_otma, "pages": run_pages, "kvil": run_kvil, "split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold,
                "persist": run_persist,
                "prefetch": run_prefetch, "order": run_order, "stream": run_stream,
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit}
