@@ -609,7 +609,7 @@ struct PrefillSm90 {
   // half `so` of the unit's last stage, then one thread's bulk tensor store of them; that thread releases the
   // stage for the warpgroup's 4 warps (vempty) once the store has read it. qfree / qpar: the unit's Q barrier and
   // the parity of its phase (every consumer's last Q K^T has completed: nothing reads the K half any more).
-  // LAZY (KVATTN_SM90_LAZY): the wait for the read and the release are left to release_o_stage; `pend` := the stage.
+  // The release is release_o_stage's (`pend` := the stage): here, or after the next unit's first softmax (LAZY).
   __device__ __forceinline__ static void store_o_tma(const PrefillParams& p, const Item& it, int kvh, int cw, int lane,
                                                      const float (&o)[1][CHUNKS][4], const float (&m)[1][2],
                                                      const float (&l)[1][2], T* so, unsigned long long* vempty,
@@ -630,18 +630,15 @@ struct PrefillSm90 {
 #pragma unroll
       for (int cb = 0; cb < VO_BLOCKS; ++cb) tma_store_4d(&p.tma_omap, mine + cb * 4096, cb * 64, 0, kvh, tok);
       tma_store_commit();
-      if constexpr (!KVATTN_SM90_LAZY) {
-        tma_store_wait_read<0>();
-        mbar_arrive_n(vempty + last_st, 4);
-      }
     }
-    if constexpr (KVATTN_SM90_LAZY) pend = last_st;
+    pend = last_st;
+    if constexpr (!KVATTN_SM90_LAZY) release_o_stage(vempty, pend);
   }
 
-  // (LAZY) The stage the unit before stored its O from, released for this warpgroup's 4 warps once its bulk store
-  // has read it; called after a unit's first softmax (the producers need the stage again for the third tile on).
+  // The stage this warpgroup last stored its O from (pend, -1: none), released for its 4 warps once the bulk store
+  // has read it; LAZY calls it after a unit's first softmax (the producers need the stage again for the third tile).
   __device__ __forceinline__ static void release_o_stage(unsigned long long* vempty, int& pend) {
-    if (KVATTN_SM90_LAZY && pend >= 0) {
+    if (pend >= 0) {
       if (threadIdx.x % 128 == 0) {
         tma_store_wait_read<0>();
         mbar_arrive_n(vempty + pend, 4);
