@@ -79,6 +79,14 @@
 #define KVATTN_SM90_LAZY 1
 #endif
 
+// A ragged cache's item whose KV does not end on a tile: its last tile by the same TMA box as the full ones, moved
+// back to end at the item's end (its first rows repeat tokens of the tile before, masked below `lo` in the softmax),
+// so no row past the item is read and no tile is copied per thread (those copies cost a unit ~0.8 us: run 26f).
+// 0: that tile copied per thread, zero-filled past the item (the A/B of scripts/ab_sm90.py --shift).
+#ifndef KVATTN_SM90_SHIFT
+#define KVATTN_SM90_SHIFT 1
+#endif
+
 // Experiment (scripts/ab_sm90.py --qbuf; 1, the default, builds one Q tile): QBUF = 2 gives persistent CTAs two Q
 // tiles, used by alternate units with tiles, so the producers copy a unit's Q while the unit before it still runs
 // (not after its last Q K^T); with head_dim 128 only 2 K/V stages then fit (KVATTN_SM90_STAGES=2 with it). Runs
@@ -267,6 +275,20 @@ struct PrefillSm90 {
   __device__ __forceinline__ static bool q_by_tma(const PrefillParams& p, const Item& it) {
     return kTmaQ && p.tma_q != 0 && it.row0 % p.group_size == 0;
   }
+  // (KVATTN_SM90_SHIFT) Where a tile of the item's tokens from t0 on is loaded from: a tile that would end past the
+  // item, on a ragged cache (one run of tokens per request: the rows are the item's own), of an item longer than a
+  // tile, is the box that ends at the item's end; else t0.
+  // (Not the paged caches' instance, KVIL; nor custom mask + window, whose persistent build then spills 48 bytes.)
+  static constexpr bool kShift = KVATTN_SM90_SHIFT && kTma && !KVIL && !(V::kCustomMask && V::kWindow);
+  __device__ __forceinline__ static int box_start(const PrefillParams& p, const Item& it, int t0) {
+    return kShift && p.tma_mode == 1 && t0 + N > it.ke && it.ke - N > it.kb ? it.ke - N : t0;
+  }
+  // The first kv index of the own tokens of the tile loaded from t0: past t0 where it is a moved box (box_start),
+  // whose first columns repeat tokens of the tile before.
+  __device__ __forceinline__ static int own_start(const PrefillParams& p, const Item& it, int t0) {
+    const int r = (it.ke - it.kb) % N;
+    return kShift && p.tma_mode == 1 && t0 + N == it.ke && r != 0 ? it.ke - r : t0;
+  }
   __device__ __forceinline__ static void issue_q_tma(const PrefillParams& p, const Item& it, Q* qs, int kvh,
                                                      unsigned long long* bar) {
     mbar_expect_tx(bar, Q_ELEMS * (int)sizeof(Q));
@@ -438,9 +460,10 @@ struct PrefillSm90 {
   }
 
   // Scores of the tile at t0 -> probabilities in place (online softmax over this thread's rows g, g + 8);
-  // `scale` is the factor O must be multiplied by.
+  // `scale` is the factor O must be multiplied by. lo: the tile's own first kv index (own_start; t0 < lo: a moved
+  // box, whose columns below lo repeat the tile before and are masked).
   template <bool MASK>
-  __device__ __forceinline__ static void softmax(const PrefillParams& p, const Item& it, float (&s)[SN], int t0,
+  __device__ __forceinline__ static void softmax(const PrefillParams& p, const Item& it, float (&s)[SN], int t0, int lo,
                                                  const int (&tok)[2], const float (&rc)[2], int lane,
                                                  float (&m)[1][2], float (&l)[1][2], float (&scale)[2]) {
     constexpr bool FOLD = kFold && !MASK;
@@ -456,10 +479,10 @@ struct PrefillSm90 {
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1;
         const bool keep = !(V::kCustomMask && MASK) || ((cm[r][nb / 4] >> ((nb % 4) * 8 + (e & 1))) & 1u);
-        const float x = FOLD ? s[4 * nb + e] :
-                        Base::template score<MASK, false, true>(p, it, s[4 * nb + e],
-                                                                t0 + nb * 8 + 2 * (lane % 4) + (e & 1), tok[r], rc[r],
-                                                                keep);
+        float x = FOLD ? s[4 * nb + e] :
+                  Base::template score<MASK, false, true>(p, it, s[4 * nb + e],
+                                                          t0 + nb * 8 + 2 * (lane % 4) + (e & 1), tok[r], rc[r], keep);
+        if (MASK && kShift && t0 + nb * 8 + 2 * (lane % 4) + (e & 1) < lo) x = KVATTN_NEG_INF;
         s[4 * nb + e] = x;
         mx[e >> 1] = fmaxf(mx[e >> 1], x);
       }
@@ -475,9 +498,10 @@ struct PrefillSm90 {
       scale[0] = scale[1] = 1.f;
       return;
     }
-    if (Base::needs_mask(p, it, t0, N) || (kFold && !(p.score_scale > 0.f)))
-      softmax<true>(p, it, s, t0, tok, rc, lane, m, l, scale);
-    else softmax<false>(p, it, s, t0, tok, rc, lane, m, l, scale);
+    const int lo = kShift ? own_start(p, it, t0) : t0;
+    if (Base::needs_mask(p, it, t0, N) || (kShift && t0 < lo) || (kFold && !(p.score_scale > 0.f)))
+      softmax<true>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
+    else softmax<false>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
   }
 
   // P (the probabilities in s) as the A fragments of the k16 steps of P V.
@@ -540,12 +564,14 @@ struct PrefillSm90 {
       const int u = g + t, st = u % STAGES;
       if (u >= STAGES) mbar_wait(&empty[st], (u / STAGES - 1) & 1);
       if (t == 0) KVATTN_TRACE(0, slot, kTraceEmpty);
+      // boxes: a full tile, or (SHIFT) the partial last one's box moved back to end at the item's end
+      const bool boxes = tma && (it.kb + (t + 1) * N <= it.ke || (kShift && box_start(p, it, it.kb + t * N) != it.kb + t * N));
       if constexpr (KVSPLIT) {   // a copied tile's K and V are copied together
-        if (u >= STAGES && !(tma && it.kb + (t + 1) * N <= it.ke)) mbar_wait(&vempty[st], (u / STAGES - 1) & 1);
+        if (u >= STAGES && !boxes) mbar_wait(&vempty[st], (u / STAGES - 1) & 1);
       }
-      if (tma && it.kb + (t + 1) * N <= it.ke) {
+      if (boxes) {
         // one page lookup per lane of warp 0, in parallel
-        const int t0 = it.kb + t * N;
+        const int t0 = kShift ? box_start(p, it, it.kb + t * N) : it.kb + t * N;
         if constexpr (KVSPLIT) {
           const int id = KVATTN_SM90_PREFETCH ? box_id : box_page(p, it, t0, lane);
           if (pw == 0) issue_kv_tma<1>(p, kvs + st * STAGE_ELEMS, t0, lane, id, kvh, &full[st]);
@@ -722,7 +748,8 @@ struct PrefillSm90 {
         if (nxt == ntiles - 1 && lane == 0) mbar_arrive(qfree);   // the unit's last Q K^T has completed
         if (nxt == ntiles - 1) KVATTN_TRACE(128, slot, kTraceLastQk0);
         if (KVSPLIT && lane == 0) mbar_arrive(&empty[nxt_st]);     // and this tile's K
-        softmax_tile(p, it, s, it.kb + nxt * N, tok, rc[0], lane, m, l, sc);
+        softmax_tile(p, it, s, kShift ? box_start(p, it, it.kb + nxt * N) : it.kb + nxt * N, tok, rc[0], lane, m, l,
+                     sc);
         wgmma_wait<0>();
         fence_regs(acc);
         if (lane == 0) mbar_arrive(&vempty[cur_st]);   // this warp is done with tile ti's stage (KVSPLIT: its V)

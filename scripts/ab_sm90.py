@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order]
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
-                                            [--lazy]
+                                            [--lazy] [--shift]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -35,6 +35,8 @@
 --lazy: the O stage released after the next unit's first softmax (the default) against in the epilogue, the
   --stream shapes and non-causal b32_S1024 (run 31a, BENCHMARKS.md, also measured the producer's tile 0 before
   the Q slot's wait: 4-6% slower, removed).
+--shift: a ragged item's last, partial KV tile by the TMA box ending at the item's end (KVATTN_SM90_SHIFT=1, the
+  default) against copied per thread, zero-filled (0), the --stream shapes, kv 960 and ragged random lengths.
 --kvil: paged caches' interleaved K / V tiles (KVATTN_SM90_KVIL=1, one 5-dim box a page) against the kernel before
   (64-column blocks: 2 boxes a page at head_dim 128), pages 16 / 32.
 --split, --d256, --fold, --persist, --prefetch, --order, --stream, --early, --kvsplit and --pages time their
@@ -84,7 +86,7 @@ def compile_all():
     prefill.SM90_PERSISTENT = True
     prefill.SM90_TUNING = (("KVATTN_SM90_PREFETCH", 0),)
     prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
-    for defs in (STREAM_OFF, EARLY_OFF, QBUF2, STAGES2, KV_APART, JOINT + STAGES2, LAZY_OFF):
+    for defs in (STREAM_OFF, EARLY_OFF, QBUF2, STAGES2, KV_APART, JOINT + STAGES2, LAZY_OFF, SHIFT_OFF):
         prefill.SM90_TUNING = defs
         prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
     for defs in ((), BLOCKS):   # the paged instances (--kvil, --pages)
@@ -185,6 +187,7 @@ KV_APART = (("KVATTN_SM90_KVSPLIT", 1),)
 STAGES2 = (("KVATTN_SM90_STAGES", 2),)
 QBUF2 = STAGES2 + (("KVATTN_SM90_QBUF", 2),)
 LAZY_OFF = (("KVATTN_SM90_LAZY", 0),)
+SHIFT_OFF = (("KVATTN_SM90_SHIFT", 0),)
 BOUNDARY_CASES = SPLIT_CASES + [("causal b64_S512", 64, 512, True), ("paged causal b8_S2048", 8, 2048, True)]
 
 
@@ -209,6 +212,28 @@ def run_lazy(bp, rng):
         compare("lazy", name, flops_of(bp, b, s, causal),
                 [("eager release", tuning(LAZY_OFF)), ("lazy release", tuning(()))],
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
+
+
+def ragged_lengths_case(bp, rng, lens):
+    """measure() of a causal ragged case of the given (query = KV) lengths on sm90."""
+    def measure():
+        w, us, err = bp.ragged_case(rng, "ragged lengths", lens, lens, 128, causal=True, backend="sm90")
+        return us, err
+    return measure
+
+
+def run_shift(bp, rng):
+    """A ragged item's last, partial tile by the TMA box ending at the item's end (SHIFT, the default) against
+    per-thread copies zero-filled past the item."""
+    options = [("copied tile", tuning(SHIFT_OFF)), ("shifted box", tuning(()))]
+    for name, b, s, causal in BOUNDARY_CASES[:-1]:
+        compare("shift", name, flops_of(bp, b, s, causal), options, case(bp, rng, name, b, s, causal))
+    measure = lambda: bp.ragged_case(rng, "kv960", [1024] * 32, [960] * 32, 128, causal=False,  # noqa: E731
+                                     backend="sm90")[1:]
+    compare("shift", "non-causal b32 q1024 kv960", 4 * 32 * bp.HQ * 1024 * 960 * bp.D, options, measure)
+    lens = [int(x) for x in np.random.default_rng(1).integers(300, 3800, 16)]
+    compare("shift", "causal 16 random 300-3800", sum(2 * bp.HQ * n * n * bp.D for n in lens), options,
+            ragged_lengths_case(bp, rng, lens))
 
 
 def run_kvsplit(bp, rng):
@@ -345,7 +370,7 @@ def run_otma(bp, rng):
     run_map_ab(bp, rng, "otma", "OUTPUT_MAPS", "per-thread O", "TMA O")
 
 
-EXPERIMENTS = {"lazy": run_lazy, "qtma": run_qtma, "otma": run_otma, "pages": run_pages, "kvil": run_kvil, "split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold,
+EXPERIMENTS = {"shift": run_shift, "lazy": run_lazy, "qtma": run_qtma, "otma": run_otma, "pages": run_pages, "kvil": run_kvil, "split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold,
                "persist": run_persist,
                "prefetch": run_prefetch, "order": run_order, "stream": run_stream,
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit}

@@ -250,8 +250,9 @@ def test_sm90_tma_tiles_read_only_the_requests_kv(layout, page_size, d, kvil, mo
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_ragged_tiles_never_read_another_requests_kv(layout):
-    """Request 1's K / V are NaN: the other requests' results (full tiles by TMA, partial tiles by zero-filling
-    copies) stay exact, on both backends."""
+    """Request 1's K / V are NaN: the other requests' results stay exact, on both backends (sm90: full tiles by
+    TMA, and a partial last tile by the box that ends at the item's end, KVATTN_SM90_SHIFT: request 0's 333 and
+    request 2's 4097 tokens end mid-tile, request 2 right after the NaN request)."""
     rng = np.random.default_rng(11)
     qo, kv = np.array([200, 40, 77]), np.array([333, 300, 4097])
     hkv, group, d = 2, 4, 128
