@@ -87,6 +87,14 @@
 #define KVATTN_SM90_SHIFT 1
 #endif
 
+// A paged cache's item whose KV does not end on a tile: the whole pages (boxes) of its last tile by TMA, as in a full
+// tile, and only the rows of its last, partial page (and the zeros past the item) copied per thread, where the
+// whole tile was copied per thread (0; the A/B of scripts/ab_sm90.py --ptail). Not where K and V have their own
+// barriers (KVSPLIT).
+#ifndef KVATTN_SM90_PTAIL
+#define KVATTN_SM90_PTAIL 1
+#endif
+
 // Experiment (scripts/ab_sm90.py --qbuf; 1, the default, builds one Q tile): QBUF = 2 gives persistent CTAs two Q
 // tiles, used by alternate units with tiles, so the producers copy a unit's Q while the unit before it still runs
 // (not after its last Q K^T); with head_dim 128 only 2 K/V stages then fit (KVATTN_SM90_STAGES=2 with it). Runs
@@ -280,6 +288,8 @@ struct PrefillSm90 {
   // tile, is the box that ends at the item's end; else t0.
   // (Not the paged caches' instance, KVIL; nor custom mask + window, whose persistent build then spills 48 bytes.)
   static constexpr bool kShift = KVATTN_SM90_SHIFT && kTma && !KVIL && !(V::kCustomMask && V::kWindow);
+  // (KVATTN_SM90_PTAIL) A paged item's partial last tile: its whole pages by TMA.
+  static constexpr bool kPagedTail = KVATTN_SM90_PTAIL && kTma && !KVSPLIT;
   __device__ __forceinline__ static int box_start(const PrefillParams& p, const Item& it, int t0) {
     return kShift && p.tma_mode == 1 && t0 + N > it.ke && it.ke - N > it.kb ? it.ke - N : t0;
   }
@@ -298,9 +308,10 @@ struct PrefillSm90 {
   }
 
   // Producer warp pw's RPW rows of K and V of the tile starting at kv index t0; `off` is the element offset of
-  // row RPW pw + lane (lanes < RPW). Rows past ke are zero-filled.
+  // row RPW pw + lane (lanes < RPW). Rows past ke are zero-filled; rows below `from` are left alone (PTAIL: they
+  // come by TMA).
   __device__ __forceinline__ static void issue_kv(const PrefillParams& p, T* stage, long long off, int t0, int ke,
-                                                  int kvh, int pw, int lane) {
+                                                  int kvh, int pw, int lane, int from = 0) {
     const int chunk = lane % LPR, sub = lane / LPR;
     const KV* kg = static_cast<const KV*>(p.k) + kvh * p.kv_stride_head + chunk * 8;
     const KV* vg = static_cast<const KV*>(p.v) + kvh * p.kv_stride_head + chunk * 8;
@@ -309,6 +320,7 @@ struct PrefillSm90 {
       const int rr = j * RPI + sub;
       const long long o = __shfl_sync(0xffffffffu, off, rr);
       const int row = RPW * pw + rr;
+      if (row < from) continue;
       const int bytes = t0 + row < ke ? 16 : 0;
 #pragma unroll
       for (int k = 0; k < Q_CHUNKS / LPR; ++k)
@@ -333,13 +345,14 @@ struct PrefillSm90 {
   // before lane 0 arrives, after its expect_tx. (A __syncwarp here made ptxas spill the 24-register producers.)
   // Only full tiles of items that start on a box boundary come here (produce), so every box lies in one page.
   // id: the box's page id (box_page). PART: 0 both K and V on `bar`, 1 K only, 2 V only (KVSPLIT).
+  // rows: the tile's first rows that come by TMA, whole boxes (PTAIL: a partial tile's whole pages; else N).
   template <int PART = 0>
   __device__ __forceinline__ static void issue_kv_tma(const PrefillParams& p, T* stage, int t0, int box, int id,
-                                                      int kvh, unsigned long long* bar) {
+                                                      int kvh, unsigned long long* bar, int rows = N) {
     constexpr int ELEMS = PART == 0 ? STAGE_ELEMS : PART == 1 ? K_ELEMS : N * D_VO;
-    if (box == 0) mbar_expect_tx(bar, ELEMS * (int)sizeof(T));
+    if (box == 0) mbar_expect_tx(bar, ELEMS / N * rows * (int)sizeof(T));
     const int r0 = box * p.tma_rows;
-    if (r0 >= N) return;
+    if (r0 >= rows) return;
     int pg, in;
     Base::page_slot(p, t0 + r0, pg, in);   // a full tile: its boxes lie in the item
     // ragged: the "page" id is the request's first token, in one page of (many) slots
@@ -606,7 +619,12 @@ struct PrefillSm90 {
         mbar_arrive(&full[st]);
         if constexpr (KVSPLIT) mbar_arrive(&vfull[st]);
       } else {
-        issue_kv(p, kvs + st * STAGE_ELEMS, off, it.kb + t * N, it.ke, kvh, pw, lane);
+        // (PTAIL) a paged item's partial last tile: its whole pages as boxes, the rest copied
+        const int by_tma = kPagedTail && tma && p.tma_mode == 2 ? (it.ke - it.kb - t * N) / p.tma_rows * p.tma_rows : 0;
+        if (by_tma > 0 && pw == 0)
+          issue_kv_tma(p, kvs + st * STAGE_ELEMS, it.kb + t * N, lane,
+                       KVATTN_SM90_PREFETCH ? box_id : box_page(p, it, it.kb + t * N, lane), kvh, &full[st], by_tma);
+        issue_kv(p, kvs + st * STAGE_ELEMS, off, it.kb + t * N, it.ke, kvh, pw, lane, by_tma);
         if constexpr (V::kQK) {   // announce the previous tile, transformed, while this one is in flight
           cp_async_commit();
           if (t > 0) {

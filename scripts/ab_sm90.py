@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order]
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
-                                            [--lazy] [--shift]
+                                            [--lazy] [--shift] [--ptail]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -37,6 +37,8 @@
   the Q slot's wait: 4-6% slower, removed).
 --shift: a ragged item's last, partial KV tile by the TMA box ending at the item's end (KVATTN_SM90_SHIFT=1, the
   default) against copied per thread, zero-filled (0), the --stream shapes, kv 960 and ragged random lengths.
+--ptail: a paged item's partial last KV tile as TMA boxes for its whole pages and copies for the rest
+  (KVATTN_SM90_PTAIL=1, the default) against the whole tile copied per thread (0), paged page-16 shapes.
 --kvil: paged caches' interleaved K / V tiles (KVATTN_SM90_KVIL=1, one 5-dim box a page) against the kernel before
   (64-column blocks: 2 boxes a page at head_dim 128), pages 16 / 32.
 --split, --d256, --fold, --persist, --prefetch, --order, --stream, --early, --kvsplit and --pages time their
@@ -89,7 +91,7 @@ def compile_all():
     for defs in (STREAM_OFF, EARLY_OFF, QBUF2, STAGES2, KV_APART, JOINT + STAGES2, LAZY_OFF, SHIFT_OFF):
         prefill.SM90_TUNING = defs
         prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
-    for defs in ((), BLOCKS):   # the paged instances (--kvil, --pages)
+    for defs in ((), BLOCKS, PTAIL_OFF):   # the paged instances (--kvil, --pages, --ptail)
         prefill.SM90_TUNING = defs
         prefill.sm90_spec(128, Variant(), "bfloat16", interleaved=True).compile("sm_90a")
     prefill.SM90_TUNING = ()
@@ -188,6 +190,7 @@ STAGES2 = (("KVATTN_SM90_STAGES", 2),)
 QBUF2 = STAGES2 + (("KVATTN_SM90_QBUF", 2),)
 LAZY_OFF = (("KVATTN_SM90_LAZY", 0),)
 SHIFT_OFF = (("KVATTN_SM90_SHIFT", 0),)
+PTAIL_OFF = (("KVATTN_SM90_PTAIL", 0),)
 BOUNDARY_CASES = SPLIT_CASES + [("causal b64_S512", 64, 512, True), ("paged causal b8_S2048", 8, 2048, True)]
 
 
@@ -234,6 +237,18 @@ def run_shift(bp, rng):
     lens = [int(x) for x in np.random.default_rng(1).integers(300, 3800, 16)]
     compare("shift", "causal 16 random 300-3800", sum(2 * bp.HQ * n * n * bp.D for n in lens), options,
             ragged_lengths_case(bp, rng, lens))
+
+
+def run_ptail(bp, rng):
+    """A paged item's partial last tile: its whole pages by TMA, the rest copied (PTAIL, the default), against
+    the whole tile copied per thread (page 16, pages scattered)."""
+    options = [("copied tile", tuning(PTAIL_OFF)), ("page boxes", tuning(()))]
+    for name, b, s in [("paged causal b8_S2048", 8, 2048), ("paged causal b32_S1024", 32, 1024),
+                       ("paged causal b64_S512", 64, 512), ("paged causal b1_S8192", 1, 8192)]:
+        compare("ptail", name, flops_of(bp, b, s, True), options, case(bp, rng, name, b, s, True, paged=True))
+    lens = [int(x) for x in np.random.default_rng(1).integers(300, 3800, 16)]
+    compare("ptail", "paged causal 16 random", sum(2 * bp.HQ * n * n * bp.D for n in lens), options,
+            lambda: bp.paged_case(rng, lens, lens, 128, causal=True, backend="sm90")[1:])
 
 
 def run_kvsplit(bp, rng):
@@ -370,7 +385,7 @@ def run_otma(bp, rng):
     run_map_ab(bp, rng, "otma", "OUTPUT_MAPS", "per-thread O", "TMA O")
 
 
-EXPERIMENTS = {"shift": run_shift, "lazy": run_lazy, "qtma": run_qtma, "otma": run_otma, "pages": run_pages, "kvil": run_kvil, "split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold,
+EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma": run_qtma, "otma": run_otma, "pages": run_pages, "kvil": run_kvil, "split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold,
                "persist": run_persist,
                "prefetch": run_prefetch, "order": run_order, "stream": run_stream,
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit}
