@@ -11,9 +11,10 @@ A paged cache (PagedKV) instead takes the kernel instance with interleaved K / V
 5-dim maps, (64 columns, row in an 8-row group, 64-column block, 8-row group, page), whose box is a page's rows
 across the whole head dim: half the boxes of a 16-token page at head dim 128. The kernel
 takes the boxes only for full tiles of an item that starts on a box boundary: a tile that ends past the item's
-KV (whose rows must read as zeros, whatever the cache holds there) keeps the zero-filling per-thread copies, but
-for ragged K / V, where the item's last tile is the box ending at the item's end (its first rows repeat the
-tile before, masked by the kernel: KVATTN_SM90_SHIFT), so no row outside the item is read.
+KV (whose rows must read as zeros, whatever the cache holds there) keeps the zero-filling per-thread copies for
+the rows past its last whole page (its whole pages still come as boxes: KVATTN_SM90_PTAIL), but for ragged K / V,
+where the item's last tile is the box ending at the item's end (its first rows repeat the tile before, masked by
+the kernel: KVATTN_SM90_SHIFT), so no row outside the item is read.
 run() encodes the maps for its k / v (cuTensorMapEncodeTiled; cached per pointer, shape and strides) and writes
 them into the launches' parameters.
 
