@@ -217,12 +217,12 @@ def run_lazy(bp, rng):
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 
-def ragged_lengths_case(bp, rng, lens):
-    """measure() of a causal ragged case of the given (query = KV) lengths on sm90."""
-    def measure():
-        w, us, err = bp.ragged_case(rng, "ragged lengths", lens, lens, 128, causal=True, backend="sm90")
-        return us, err
-    return measure
+#: 16 request lengths (query = KV) that end anywhere in a tile: the --shift / --ptail random-length cases
+RANDOM_LENS = [int(x) for x in np.random.default_rng(1).integers(300, 3800, 16)]
+
+
+def random_flops(bp):
+    return sum(2 * bp.HQ * n * n * bp.D for n in RANDOM_LENS)   # causal
 
 
 def run_shift(bp, rng):
@@ -234,9 +234,8 @@ def run_shift(bp, rng):
     measure = lambda: bp.ragged_case(rng, "kv960", [1024] * 32, [960] * 32, 128, causal=False,  # noqa: E731
                                      backend="sm90")[1:]
     compare("shift", "non-causal b32 q1024 kv960", 4 * 32 * bp.HQ * 1024 * 960 * bp.D, options, measure)
-    lens = [int(x) for x in np.random.default_rng(1).integers(300, 3800, 16)]
-    compare("shift", "causal 16 random 300-3800", sum(2 * bp.HQ * n * n * bp.D for n in lens), options,
-            ragged_lengths_case(bp, rng, lens))
+    compare("shift", "causal 16 random 300-3800", random_flops(bp), options,
+            lambda: bp.ragged_case(rng, "random", RANDOM_LENS, RANDOM_LENS, 128, causal=True, backend="sm90")[1:])
 
 
 def run_ptail(bp, rng):
@@ -246,9 +245,8 @@ def run_ptail(bp, rng):
     for name, b, s in [("paged causal b8_S2048", 8, 2048), ("paged causal b32_S1024", 32, 1024),
                        ("paged causal b64_S512", 64, 512), ("paged causal b1_S8192", 1, 8192)]:
         compare("ptail", name, flops_of(bp, b, s, True), options, case(bp, rng, name, b, s, True, paged=True))
-    lens = [int(x) for x in np.random.default_rng(1).integers(300, 3800, 16)]
-    compare("ptail", "paged causal 16 random", sum(2 * bp.HQ * n * n * bp.D for n in lens), options,
-            lambda: bp.paged_case(rng, lens, lens, 128, causal=True, backend="sm90")[1:])
+    compare("ptail", "paged causal 16 random", random_flops(bp), options,
+            lambda: bp.paged_case(rng, RANDOM_LENS, RANDOM_LENS, 128, causal=True, backend="sm90")[1:])
 
 
 def run_kvsplit(bp, rng):

@@ -1,15 +1,19 @@
-"""Lead of run 31c (not yet run): is kvattn's sm90 prefill slower on torch.randn tensors because of their values or their
-memory? The same plan timed in turns on four q / k / v sets (torch or kvattn memory x torch or numpy values).
+"""Lead of run 31c: is kvattn's sm90 prefill slower on torch.randn tensors because of their values or their memory?
+The same plan timed in turns on four q / k / v sets (torch or kvattn memory x torch or numpy values). Run 32a
+(BENCHMARKS.md): neither (torch's memory was 3-5% faster on b8_S2048; b1_S8192 equal in all four).
 
     PYTHONPATH=. python3 scripts/probe_prefill_memory.py
 """
+import os
 import sys
-import numpy as np
+
 import ml_dtypes
+import numpy as np
 import torch
-sys.path.insert(0, "scripts")
-import kvattn
-from _bench import time_rounds
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kvattn  # noqa: E402
+from _bench import time_rounds  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 for b, s in ((8, 2048), (1, 8192)):
