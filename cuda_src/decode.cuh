@@ -39,6 +39,40 @@
 #define KVATTN_DECODE_IDS_AHEAD -1
 #endif
 
+// Timing experiment only (scripts/trace_decode.py; never set by the library): 1 = thread 0 of each CTA of a
+// stand-alone decode launch stamps the GPU's global timer (ns) at its events (DecodeTraceEvent) into
+// kvattn_decode_trace, read back by the script through cuModuleGetGlobal. Off, the stamps compile to nothing.
+#ifndef KVATTN_DECODE_TRACE
+#define KVATTN_DECODE_TRACE 0
+#endif
+#if KVATTN_DECODE_TRACE
+#define KVATTN_DTRACE_CTAS 1024
+#define KVATTN_DTRACE_EVENTS 8
+extern "C" {
+__device__ unsigned long long kvattn_decode_trace[KVATTN_DTRACE_CTAS * KVATTN_DTRACE_EVENTS];
+}
+#endif
+namespace kvattn {
+enum DecodeTraceEvent {
+  kDTraceStart = 0,      // the CTA's first instruction
+  kDTraceStreamEnd = 1,  // its partial state written (before the fused merge's arrival)
+  kDTraceArrived = 2,    // its arrival counted (fused merge), every thread past the barrier after it
+  kDTraceMerged = 3,     // (the last CTA of a request's pieces) the merged rows written
+  kDTraceEnd = 4,        // its last instruction
+  kDTraceLast = 5,       // 1 where this CTA merged (a value)
+};
+__device__ __forceinline__ void decode_trace(int e, long long value = -1) {
+#if KVATTN_DECODE_TRACE
+  const int cta = blockIdx.y * gridDim.x + blockIdx.x;
+  if (threadIdx.x == 0 && cta < KVATTN_DTRACE_CTAS) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    kvattn_decode_trace[cta * KVATTN_DTRACE_EVENTS + e] = value >= 0 ? (unsigned long long)value : t;
+  }
+#endif
+}
+}  // namespace kvattn
+
 namespace kvattn {
 
 // Mirrored by kvattn.decode.DECODE_PARAMS (a test checks size and offsets). Strides in elements.
@@ -555,6 +589,7 @@ struct DecodeKernel {
         }
       }
     }
+    if (!SUB && partial >= 0) decode_trace(kDTraceStreamEnd);
     if (partial >= 0 && p.counters) merge_if_last(c, reinterpret_cast<int*>(stage));
   }
 
@@ -586,7 +621,9 @@ struct DecodeKernel {
     }
     KV_SYNC();
     const int first = first_n[0], n = first_n[1];
+    if (!SUB) decode_trace(kDTraceArrived);
     if (n == 0) return;   // (every thread has read first_n before the next item's epilogue barrier)
+    if (!SUB) decode_trace(kDTraceLast, 1);
     // `split` adjacent lanes (a power of two, at most 8, so that at most two passes of the CTA's threads cover
     // every (head, 8-column chunk)) merge consecutive runs of the n states of one (head, chunk) and combine them
     // through shuffles in a fixed tree (the bits depend on n alone). A run is a chain of dependent L2 loads: the
@@ -606,6 +643,7 @@ struct DecodeKernel {
       for (int off = 1; off < split; off *= 2) combine_lane_states(acc, lse, off, 0xffffffffu);
       if (part == 0 && i < units * split) store_row(c.req, head, ch, acc, lse);
     }
+    if (!SUB) decode_trace(kDTraceMerged);
   }
 
   // Output row req, head `head`, 8-column chunk ch of a finished state (the variant's output hook applied),
@@ -648,10 +686,12 @@ template <class A, int M_TILES, int STAGES, class V>
 __global__ void __launch_bounds__(128, decode_min_ctas<DecodeKernel<A, M_TILES, STAGES, V>>())
     decode_kernel(const __grid_constant__ DecodeParams p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
+  decode_trace(kDTraceStart);
   allow_dependent_launch();   // the split-KV merge kernel may launch now and wait for this grid's end on the GPU
   const int chunk = blockIdx.x / p.z_split, z = blockIdx.x - chunk * p.z_split;
   DecodeKernel<A, M_TILES, STAGES, V> k(p, blockIdx.y, z);
   k.run(chunk, smem_raw);
+  decode_trace(kDTraceEnd);
 }
 
 }  // namespace kvattn

@@ -72,7 +72,7 @@ DETERMINISTIC_SPLIT_TOKENS = 2048
 #: scripts/probe_decode_pages.py).
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=None,
                       refill_first=False, fused_merge=None, wtok=None, merge_lanes=None, merge_programmatic=True,
-                      rope_defines=(), ids_ahead=None)
+                      rope_defines=(), ids_ahead=None, trace=False)
 
 
 def warp_tokens(head_dim: int, kv_dtype: str | None = None, forced: int | None = None,
@@ -113,11 +113,12 @@ def auto_m_tiles(group: int, head_dim: int, kv_dtype: str | None, variant: Varia
 def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: int | None = None,
                 l2_prefetch: bool = False, refill_first: bool = False, kv_dtype: str | None = None,
                 wtok: int | None = None, head_dim_vo: int | None = None, rope_defines: tuple = (),
-                ids_ahead: bool | None = None) -> KernelSpec:
+                ids_ahead: bool | None = None, trace: bool = False) -> KernelSpec:
     """wtok: tokens per warp per tile forced (8, 16 or 32; None or the rule's value: warp_tokens' rule, no define;
     8: 16-bit caches only).
     rope_defines: RoPE's compile switches (A/B builds; RoPE instances only); ids_ahead: None (the kernel's rule)
-    or KVATTN_DECODE_IDS_AHEAD forced on / off.
+    or KVATTN_DECODE_IDS_AHEAD forced on / off; trace: the timer-stamp build (KVATTN_DECODE_TRACE,
+    scripts/trace_decode.py).
     head_dim_vo: V / O's head dim where it differs from head_dim (Q / K's): compile tests only, no op runs it."""
     kv_dtype = kv_dtype or dtype
     stages = stages or default_stages(head_dim, kv_dtype, wtok, head_dim_vo)
@@ -130,6 +131,8 @@ def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: in
         defines += tuple((k, int(v)) for k, v in rope_defines)
     if ids_ahead is not None:
         defines += (("KVATTN_DECODE_IDS_AHEAD", int(ids_ahead)),)
+    if trace:
+        defines += (("KVATTN_DECODE_TRACE", 1),)
     smem = smem_bytes(head_dim, mt, stages, kv_dtype, wtok, head_dim_vo)
     return KernelSpec("decode.cuh", f"kvattn::decode_kernel<{args}>", defines=defines, prelude=variant.prelude(),
                       checks=((f"{traits}::SMEM_BYTES", smem), (f"{traits}::THREADS", THREADS)))
@@ -251,7 +254,7 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         smem = smem_bytes(head_dim, mt, stages, kv_dtype, tn["wtok"])
         kernel = get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"], tn["refill_first"],
                                         kv_dtype, tn["wtok"], rope_defines=tn["rope_defines"],
-                                        ids_ahead=tn["ids_ahead"]))
+                                        ids_ahead=tn["ids_ahead"], trace=tn["trace"]))
         # at most 3 (measured: BENCHMARKS.md); from the kernel's registers and static shared memory as compiled
         ctas_per_sm = tn["ctas_per_sm"] or (kernel.resources or Resources()).ctas_per_sm(THREADS, smem, limit=3)
 
