@@ -39,6 +39,13 @@
 #define KVATTN_DECODE_IDS_AHEAD -1
 #endif
 
+// The fused merge's states loaded together by a lane (merge_state_run's R: 1 or 4): its run of states is a chain of
+// L2 round trips, n / split of them at 1, a quarter as many at 4 (tuning fused_merge_batch: the A/B of
+// scripts/trace_decode.py and bench_decode.py's fused_b4).
+#ifndef KVATTN_FUSED_MERGE_BATCH
+#define KVATTN_FUSED_MERGE_BATCH 1
+#endif
+
 // Timing experiment only (scripts/trace_decode.py; never set by the library): 1 = thread 0 of each CTA of a
 // stand-alone decode launch stamps the GPU's global timer (ns) at its events (DecodeTraceEvent) into
 // kvattn_decode_trace, read back by the script through cuModuleGetGlobal. Off, the stamps compile to nothing.
@@ -637,7 +644,7 @@ struct DecodeKernel {
       const int head = head0 + u / CHUNKS, ch = u % CHUNKS;
       const int b = part * n / split, e = i < units * split ? (part + 1) * n / split : b;
       float acc[8];
-      float lse = merge_state_run<true, 1>(p.tmp_o + ((long long)(first + b) * p.num_qo_heads + head) * D_VO + ch * 8,
+      float lse = merge_state_run<true, KVATTN_FUSED_MERGE_BATCH>(p.tmp_o + ((long long)(first + b) * p.num_qo_heads + head) * D_VO + ch * 8,
                                            row, p.tmp_lse + (long long)(first + b) * p.num_qo_heads + head,
                                            p.num_qo_heads, e - b, acc);
       for (int off = 1; off < split; off *= 2) combine_lane_states(acc, lse, off, 0xffffffffu);

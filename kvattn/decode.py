@@ -70,9 +70,10 @@ DETERMINISTIC_SPLIT_TOKENS = 2048
 #: ids_ahead: the copies' page ids loaded a tile ahead into registers (KVATTN_DECODE_IDS_AHEAD): None (below head
 #: dim 256 and with 8-token warp tiles, as measured in runs 28g / 29a), True, or False (the kernel before: the A/B of
 #: scripts/probe_decode_pages.py).
+#: fused_merge_batch: the partial states a lane of the fused merge loads together (1 or 4; KVATTN_FUSED_MERGE_BATCH).
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=None,
                       refill_first=False, fused_merge=None, wtok=None, merge_lanes=None, merge_programmatic=True,
-                      rope_defines=(), ids_ahead=None, trace=False)
+                      rope_defines=(), ids_ahead=None, trace=False, fused_merge_batch=1)
 
 
 def warp_tokens(head_dim: int, kv_dtype: str | None = None, forced: int | None = None,
@@ -113,7 +114,7 @@ def auto_m_tiles(group: int, head_dim: int, kv_dtype: str | None, variant: Varia
 def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: int | None = None,
                 l2_prefetch: bool = False, refill_first: bool = False, kv_dtype: str | None = None,
                 wtok: int | None = None, head_dim_vo: int | None = None, rope_defines: tuple = (),
-                ids_ahead: bool | None = None, trace: bool = False) -> KernelSpec:
+                ids_ahead: bool | None = None, trace: bool = False, fused_merge_batch: int = 1) -> KernelSpec:
     """wtok: tokens per warp per tile forced (8, 16 or 32; None or the rule's value: warp_tokens' rule, no define;
     8: 16-bit caches only).
     rope_defines: RoPE's compile switches (A/B builds; RoPE instances only); ids_ahead: None (the kernel's rule)
@@ -133,6 +134,8 @@ def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: in
         defines += (("KVATTN_DECODE_IDS_AHEAD", int(ids_ahead)),)
     if trace:
         defines += (("KVATTN_DECODE_TRACE", 1),)
+    if fused_merge_batch != 1:
+        defines += (("KVATTN_FUSED_MERGE_BATCH", int(fused_merge_batch)),)
     smem = smem_bytes(head_dim, mt, stages, kv_dtype, wtok, head_dim_vo)
     return KernelSpec("decode.cuh", f"kvattn::decode_kernel<{args}>", defines=defines, prelude=variant.prelude(),
                       checks=((f"{traits}::SMEM_BYTES", smem), (f"{traits}::THREADS", THREADS)))
@@ -254,7 +257,8 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         smem = smem_bytes(head_dim, mt, stages, kv_dtype, tn["wtok"])
         kernel = get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"], tn["refill_first"],
                                         kv_dtype, tn["wtok"], rope_defines=tn["rope_defines"],
-                                        ids_ahead=tn["ids_ahead"], trace=tn["trace"]))
+                                        ids_ahead=tn["ids_ahead"], trace=tn["trace"],
+                                        fused_merge_batch=tn["fused_merge_batch"]))
         # at most 3 (measured: BENCHMARKS.md); from the kernel's registers and static shared memory as compiled
         ctas_per_sm = tn["ctas_per_sm"] or (kernel.resources or Resources()).ctas_per_sm(THREADS, smem, limit=3)
 

@@ -28,6 +28,9 @@ from kvattn.variants import Variant  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 CASES = {"b1_L512": [512], "b1_L2048": [2048], "b4_L1024": [1024] * 4}
+#: merge modes: the fused merge loading one state at a time a lane (the default) or 4 (fused_merge_batch), apart
+MERGES = {"fused": dict(fused_merge=True), "fused_b4": dict(fused_merge=True, fused_merge_batch=4),
+          "apart": dict(fused_merge=False)}
 CTAS, EVENTS = 1024, 8   # cuda_src/decode.cuh: KVATTN_DTRACE_*
 START, STREAM_END, ARRIVED, MERGED, END, LAST = range(6)
 
@@ -60,7 +63,8 @@ def summarize(tr, ctas):
 
 def compile_all():
     for trace in (False, True):
-        decode.decode_spec(D, 1, Variant(), "bfloat16", trace=trace).compile("sm_90a")
+        for batch in (1, 4):
+            decode.decode_spec(D, 1, Variant(), "bfloat16", trace=trace, fused_merge_batch=batch).compile("sm_90a")
 
 
 def main():
@@ -83,17 +87,19 @@ def main():
         k, v = random_device(shape, "bfloat16", rng), random_device(shape, "bfloat16", rng)
         q = random_device((len(lens), HQ, D), "bfloat16", rng)
         s = kvattn.Stream()
-        for merge in ("fused", "apart"):
+        for merge in MERGES:
             row = dict(case=name, merge=merge)
             for trace in (False, True):
                 out = kvattn.empty(q.shape, "bfloat16")
-                w = kvattn.BatchDecodeWithPagedKVCache(tuning=dict(fused_merge=merge == "fused", trace=trace))
+                w = kvattn.BatchDecodeWithPagedKVCache(tuning=dict(**MERGES[merge], trace=trace))
                 w.plan(pt, HQ, HKV, D, stream=s)
                 run = lambda w=w, out=out: w.run(q, k, v, out=out, stream=s)   # noqa: E731
                 row["traced us" if trace else "us"] = f"{time_us(run, stream=s, reps=20):.1f}"
                 if trace:
                     grid = w.last_plan.info["grid"]
                     row["ctas"] = grid[0] * grid[1]
+                    read_trace(w)   # (clears the stamps of the timed launches: a CTA that merged in one of them
+                    run()           # but not in the last would keep that launch's stamps)
                     row.update(summarize(read_trace(w), grid[0] * grid[1]))
                 got = out.numpy(s)[-1:]
                 kk, vv = request_kv(pt, k, v, len(lens) - 1)

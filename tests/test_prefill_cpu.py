@@ -211,6 +211,8 @@ def test_sm90_experiment_builds_compile_without_spills(defs, monkeypatch):
     monkeypatch.setattr(prefill, "SM90_TUNING", defs)
     compiled, _ = sm90_spec(128, Variant(), "bfloat16", persistent=True).compile("sm_90a")
     assert all(r.spill_stores == 0 and r.spill_loads == 0 for r in compiled.resources.values()), compiled.log
+    # ptxas serialising the wgmmas (C7515) cost a build 25% everywhere with no spill to show for it (run 33a)
+    assert "serialized" not in compiled.log, compiled.log
 
 
 class _FakeKernel:
