@@ -120,7 +120,7 @@
 #if KVATTN_SM90_TRACE
 #define KVATTN_TRACE_CTAS 132
 #define KVATTN_TRACE_UNITS 128
-#define KVATTN_TRACE_EVENTS 16
+#define KVATTN_TRACE_EVENTS 20
 extern "C" {
 __device__ unsigned long long kvattn_sm90_trace[KVATTN_TRACE_CTAS * KVATTN_TRACE_UNITS * KVATTN_TRACE_EVENTS];
 }
@@ -146,6 +146,9 @@ enum TraceEvent {
   kTraceLookup = 13,   //   tile 0's page id / row offset loaded
   kTraceEmpty = 14,    //   tile 0's stage free
   kTraceTiles = 15,    // the unit's tiles (a value)
+  kTraceOQfree0 = 16,  // consumer 0, its bulk-stored epilogue: the Q barrier passed (the K half free to stage O)
+  kTraceORows0 = 17,   //   its rows normalised and staged in shared memory (the LSE stored)
+  kTraceOSync0 = 18,   //   its warpgroup's barrier passed (the bulk store issued next)
 };
 __device__ __forceinline__ void trace_stamp(int slot, int e, long long value = -1) {
 #if KVATTN_SM90_TRACE
@@ -657,18 +660,22 @@ struct PrefillSm90 {
   __device__ __forceinline__ static void store_o_tma(const PrefillParams& p, const Item& it, int kvh, int cw, int lane,
                                                      const float (&o)[1][CHUNKS][4], const float (&m)[1][2],
                                                      const float (&l)[1][2], T* so, unsigned long long* vempty,
-                                                     unsigned long long* qfree, int qpar, int last_st, int& pend) {
+                                                     unsigned long long* qfree, int qpar, int last_st, int& pend,
+                                                     int slot = 0) {
     using O = typename A::O;
     const int cwg = cw / 4;
     O* mine = reinterpret_cast<O*>(so) + cwg * (64 * D_VO);
     mbar_wait(qfree, qpar);
+    KVATTN_TRACE(128, slot, kTraceOQfree0);
     // row (0..127) of the tile, column: this warpgroup's rows as D_VO / 64 boxes of 64 rows of 128 swizzled bytes
     Base::template store_rows<1, true>(p, it, kvh, cw, lane, o, m, l, mine, [](int row, int col) {
       const int r = row & 63;
       return (col >> 6) * 4096 + r * 64 + ((((col & 63) >> 3) ^ (r & 7)) << 3) + (col & 7);
     });
     fence_proxy_async();   // the stores (generic proxy) before the bulk store's reads (async proxy)
+    KVATTN_TRACE(128, slot, kTraceORows0);
     named_sync(4 + cwg, 128);
+    KVATTN_TRACE(128, slot, kTraceOSync0);
     if (threadIdx.x % 128 == 0) {
       const int tok = it.qo_start + (it.row0 + cwg * 64) / p.group_size;
 #pragma unroll
@@ -798,7 +805,7 @@ struct PrefillSm90 {
       KVATTN_TRACE(256, slot, kTraceLastPv1);
       if (EARLY && o_by_tma(p, again)) {   // the stage is released after the bulk store has read it
         store_o_tma(p, again, kvh, cw, lane, o, m, l, const_cast<T*>(kvs) + last_st * STAGE_ELEMS, vempty, qfree, qpar,
-                    last_st, pend);
+                    last_st, pend, slot);
         KVATTN_TRACE(128, slot, kTraceEnd0);
         KVATTN_TRACE(256, slot, kTraceEnd1);
         return;

@@ -3,13 +3,13 @@
     PYTHONPATH=. python3 scripts/trace_sm90.py [--paged]
     python3 scripts/trace_sm90.py --compile          # fill KVATTN_CACHE_DIR (no GPU)
 
-The build with KVATTN_SM90_TRACE=1 (cuda_src/prefill_sm90.cuh: TraceEvent) stamps clock64() at each unit's
-events (the Q copy's issue, tile 0's issue, consumer 0's start, first turn, first Q K^T, first softmax, last
-Q K^T, last P V and epilogue end; consumer 1's start, last P V and end) into a device array, read back here
-through cuModuleGetGlobal after the case's timed runs (the last run's stamps; zeroed after reading). Per case it prints the medians,
-in SM cycles and in tile times, of the stretches between them, and a least-squares fit of a unit's time
-(consumer 0's end to end) against its tiles: the fixed cost per unit and the cost per tile. The same case is
-timed on the default build beside it (what the stamps cost).
+The build with KVATTN_SM90_TRACE=1 (cuda_src/prefill_sm90.cuh: TraceEvent) stamps clock64() at each unit's events (the
+Q copy's issue, tile 0's issue, consumer 0's start, first turn, first Q K^T, first softmax, last Q K^T, last P V, the
+bulk-stored epilogue's Q barrier, staged rows and warpgroup barrier, and its end; consumer 1's start, last P V and
+end) into a device array, read back here through cuModuleGetGlobal after the case's timed runs (the last run's stamps;
+zeroed after reading). Per case it prints the medians, in SM cycles and in tile times, of the stretches between them,
+and a least-squares fit of a unit's time (consumer 0's end to end) against its tiles: the fixed cost per unit and the
+cost per tile. The same case is timed on the default build beside it (what the stamps cost).
 """
 import argparse
 import os
@@ -22,10 +22,11 @@ from kvattn import _driver, prefill  # noqa: E402
 from kvattn.variants import Variant  # noqa: E402
 
 TRACE = (("KVATTN_SM90_TRACE", 1),)
-CTAS, UNITS, EVENTS = 132, 128, 16   # cuda_src/prefill_sm90.cuh: KVATTN_TRACE_*
+CTAS, UNITS, EVENTS = 132, 128, 20   # cuda_src/prefill_sm90.cuh: KVATTN_TRACE_*
 (Q_COPY, TILE0, START0, TURN0, QK0, SOFT0, LAST_QK0, LAST_PV0, END0, START1, LAST_PV1, END1, Q_ISSUED, LOOKUP,
  EMPTY) = range(15)
 TILES = 15
+O_QFREE, O_ROWS, O_SYNC = 16, 17, 18   # the bulk-stored epilogue's steps (consumer 0)
 CASES = [("non-causal b32_S1024", 32, 1024, False), ("causal b32_S1024", 32, 1024, True),
          ("causal b8_S2048", 8, 2048, True), ("causal b1_S8192", 1, 8192, True),
          ("non-causal b1_S8192", 1, 8192, False)]
@@ -54,6 +55,10 @@ def stretches(tr):
                 tiles=u[TILES],
                 unit=u[END0] - p[END0],
                 epilogue=p[END0] - p[LAST_PV0],
+                epi_qfree=p[O_QFREE] - p[LAST_PV0],
+                epi_rows=p[O_ROWS] - p[O_QFREE],
+                epi_sync=p[O_SYNC] - p[O_ROWS],
+                epi_store=p[END0] - p[O_SYNC],
                 wait_data=u[START0] - p[END0],
                 turn=u[TURN0] - u[START0],
                 qk0=u[QK0] - u[TURN0],
