@@ -40,8 +40,8 @@
 #endif
 
 // The fused merge's states loaded together by a lane (merge_state_run's R: 1 or 4): its run of states is a chain of
-// L2 round trips, n / split of them at 1, a quarter as many at 4 (tuning fused_merge_batch: the A/B of
-// scripts/trace_decode.py and bench_decode.py's fused_b4).
+// L2 round trips, n / split of them at 1, a quarter as many at 4. Python builds 4 for plans that fuse the merge
+// (run 33b: b1_L2048 17.4 -> 15.3 us) and leaves 1 (fewer registers) for the others; tuning fused_merge_batch.
 #ifndef KVATTN_FUSED_MERGE_BATCH
 #define KVATTN_FUSED_MERGE_BATCH 1
 #endif

@@ -70,10 +70,14 @@ DETERMINISTIC_SPLIT_TOKENS = 2048
 #: ids_ahead: the copies' page ids loaded a tile ahead into registers (KVATTN_DECODE_IDS_AHEAD): None (below head
 #: dim 256 and with 8-token warp tiles, as measured in runs 28g / 29a), True, or False (the kernel before: the A/B of
 #: scripts/probe_decode_pages.py).
-#: fused_merge_batch: the partial states a lane of the fused merge loads together (1 or 4; KVATTN_FUSED_MERGE_BATCH).
+#: fused_merge_batch: the partial states a lane of the fused merge loads together (1 or 4; KVATTN_FUSED_MERGE_BATCH);
+#: None: FUSED_MERGE_BATCH where the plan fuses the merge, else 1 (so full grids keep the instance of fewer registers).
+#: Run 33b (bench_decode, in turns): b1_L2048 0.494 -> 0.563 TB/s (17.4 -> 15.3 us), its merging CTAs' tail 5.9 -> 2.8
+#: us (trace_decode); b4_L1024 trace 3.5 -> 2.6 us; b8_L2048 -1% (both fused there slower than apart, the default).
+FUSED_MERGE_BATCH = 4
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=None,
                       refill_first=False, fused_merge=None, wtok=None, merge_lanes=None, merge_programmatic=True,
-                      rope_defines=(), ids_ahead=None, trace=False, fused_merge_batch=1)
+                      rope_defines=(), ids_ahead=None, trace=False, fused_merge_batch=None)
 
 
 def warp_tokens(head_dim: int, kv_dtype: str | None = None, forced: int | None = None,
@@ -162,7 +166,10 @@ def smem_bytes(head_dim: int, mt: int, stages: int | None = None, kv_dtype: str 
 
 register("decode", [decode_spec(d, 1, Variant(), t, kv_dtype=kv) for d in HEAD_DIMS for t in DTYPES
                     for kv in (t, *_dtypes.FP8)]
-         + [decode_spec(128, 1, Variant(soft_cap=True, window=True), "bfloat16")])
+         + [decode_spec(128, 1, Variant(soft_cap=True, window=True), "bfloat16")]
+         # the instances of plans that fuse the split-KV merge (small batches: tuning fused_merge_batch)
+         + [decode_spec(d, 1, Variant(), t, kv_dtype=kv, fused_merge_batch=FUSED_MERGE_BATCH) for d in HEAD_DIMS
+            for t in DTYPES for kv in (t, *_dtypes.FP8)])
 
 
 def decode_params(plan: int, layout, tmp_o: int, tmp_lse: int, page_indptr: int, page_indices: int,
@@ -255,10 +262,11 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         zsplit = -(-group // (16 * mt))
         stages = tn["stages"] or default_stages(head_dim, kv_dtype, tn["wtok"])
         smem = smem_bytes(head_dim, mt, stages, kv_dtype, tn["wtok"])
-        kernel = get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"], tn["refill_first"],
-                                        kv_dtype, tn["wtok"], rope_defines=tn["rope_defines"],
-                                        ids_ahead=tn["ids_ahead"], trace=tn["trace"],
-                                        fused_merge_batch=tn["fused_merge_batch"]))
+        def kernel_for(merge_batch):
+            return get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"],
+                                          tn["refill_first"], kv_dtype, tn["wtok"], rope_defines=tn["rope_defines"],
+                                          ids_ahead=tn["ids_ahead"], trace=tn["trace"], fused_merge_batch=merge_batch))
+        kernel = kernel_for(tn["fused_merge_batch"] or 1)
         # at most 3 (measured: BENCHMARKS.md); from the kernel's registers and static shared memory as compiled
         ctas_per_sm = tn["ctas_per_sm"] or (kernel.resources or Resources()).ctas_per_sm(THREADS, smem, limit=3)
 
@@ -302,6 +310,8 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
             # took longer on the GPU: b1_L2048 14.7 against 10.3 us per replayed step, session 9)
             fused = (not self.deterministic and not self.use_cuda_graph
                      and plan.num_chunks * zsplit * num_kv_heads < num_sms)
+        if fused and tn["fused_merge_batch"] is None:
+            kernel = kernel_for(FUSED_MERGE_BATCH)
         if fused:   # zeros: the counters' state between launches (each launch leaves them at 0)
             host[off_merge_of:off_variant] = 0
             host[off_merge_of:off_merge_of + cap_b] = -1

@@ -39,7 +39,8 @@ TUNINGS = {"default": {}, "l2_256B": dict(l2_prefetch=True), "refill1st": dict(r
            "mt2": dict(m_tiles=2), "mt1": dict(m_tiles=1), "wtok16": dict(wtok=16), "merge_1lane": dict(merge_lanes=1),
            "merge_plain": dict(merge_programmatic=False),
            "merge_before": dict(merge_lanes=1, merge_programmatic=False), "merge_apart": dict(fused_merge=False),
-           "fused_b4": dict(fused_merge=True, fused_merge_batch=4),
+           # the fused merge loading one state a round a lane (the kernel before run 33b; "fused_merge": 4)
+           "fused_b1": dict(fused_merge=True, fused_merge_batch=1),
            # the kernel before run 28f: each tile's page-id loads used right away (ids_ahead: loaded a tile ahead)
            "ids_at_use": dict(ids_ahead=False),
            # 8-token warp tiles (head dim 256's default since run 29a: 2 CTAs per SM); at 256, wtok16 is the kernel

@@ -28,8 +28,9 @@ from kvattn.variants import Variant  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 CASES = {"b1_L512": [512], "b1_L2048": [2048], "b4_L1024": [1024] * 4}
-#: merge modes: the fused merge loading one state at a time a lane (the default) or 4 (fused_merge_batch), apart
-MERGES = {"fused": dict(fused_merge=True), "fused_b4": dict(fused_merge=True, fused_merge_batch=4),
+#: merge modes: the fused merge loading 4 states a round a lane (the default since run 33b) or one (the kernel
+#: before: fused_merge_batch 1), or the merge kernel apart
+MERGES = {"fused": dict(fused_merge=True), "fused_b1": dict(fused_merge=True, fused_merge_batch=1),
           "apart": dict(fused_merge=False)}
 CTAS, EVENTS = 1024, 8   # cuda_src/decode.cuh: KVATTN_DTRACE_*
 START, STREAM_END, ARRIVED, MERGED, END, LAST = range(6)

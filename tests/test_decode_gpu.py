@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import kvattn
-from kvattn import _dtypes, reference
+from kvattn import _dtypes, decode, reference
 from _gpu import assert_lse, poisoned, rel_l2, requires_gpu
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
@@ -210,20 +210,28 @@ def test_deterministic_decode_is_batch_invariant():
         assert np.array_equal(lg.numpy(s)[pos].view(np.uint32), l0[0].view(np.uint32)), f"graph {trial}"
 
 
-@pytest.mark.parametrize("fused", [True, False])
+MERGE_MODES = {"fused": dict(fused_merge=True), "fused_b1": dict(fused_merge=True, fused_merge_batch=1),
+               "apart": dict(fused_merge=False)}
+
+
+@pytest.mark.parametrize("mode", list(MERGE_MODES))
 @pytest.mark.parametrize("group, hkv", [(4, 2), (32, 1), (20, 2)])
-def test_split_kv_merge_in_the_launch_and_apart(fused, group, hkv):
-    """Split requests merged by the last CTA of their pieces (tuning fused_merge) or by the separate merge kernel
-    (the default), several z slices, empty requests between split ones: every run of the same plan (the arrival
-    counters must be back at 0 after each) against the reference, on a freshly poisoned output."""
-    rng = np.random.default_rng(group * 10 + hkv + fused)
+def test_split_kv_merge_in_the_launch_and_apart(mode, group, hkv):
+    """Split requests merged by the last CTA of their pieces (tuning fused_merge; its lanes loading 4 states a round,
+    or 1: fused_b1) or by the separate merge kernel (the default), several z slices, empty requests between split
+    ones: every run of the same plan (the arrival counters must be back at 0 after each) against the reference, on a
+    freshly poisoned output."""
+    fused = mode != "apart"
+    rng = np.random.default_rng(group * 10 + hkv + len(mode))
     lens = [20000, 0, 7, 9000, 0, 65, 30000]
     hq, d = group * hkv, 128
     pt, q, k, v = make_case(rng, lens, 16, hq, hkv, d, "bfloat16", "NHD")
-    w = kvattn.BatchDecodeWithPagedKVCache(tuning=dict(fused_merge=fused))
+    w = kvattn.BatchDecodeWithPagedKVCache(tuning=MERGE_MODES[mode])
     w.plan(pt, hq, hkv, d)
     assert w.last_plan.info["schedule"].split
     assert (w.last_plan.merge is None) == fused
+    batch = dict(w.last_plan.launches[0].kernel.spec.defines).get("KVATTN_FUSED_MERGE_BATCH", 1)
+    assert batch == (decode.FUSED_MERGE_BATCH if mode == "fused" else 1), batch
     if not fused:   # the 30000-token request's states are spread over lanes that combine through shuffles
         assert w.last_plan.info["merge_params"]["lane_shift"] > 0
     ro, rl = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1, dtype=np.int32), pt, return_lse=True)
