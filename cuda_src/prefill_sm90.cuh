@@ -95,24 +95,6 @@
 #define KVATTN_SM90_PTAIL 1
 #endif
 
-// Experiment (scripts/ab_sm90.py --xqk; 0, the default, builds the kernel before it): persistent consumers issue the
-// next unit's first Q K^T right after this unit's last P V, in its own turn, run this unit's epilogue while it is
-// on the tensor cores, then the next unit's first softmax, and enter the next unit with its first P packed (the
-// unit then starts at its first P V). The packed P, m and l cross the loop's back-edge, never the scores: scores
-// (a wgmma accumulator) live across it made ptxas serialise every wgmma of the kernel (C7515; run 33a, -25%).
-#ifndef KVATTN_SM90_XQK
-#define KVATTN_SM90_XQK 0
-#endif
-
-// Experiment (scripts/ab_sm90.py --ql2; 0, the default, builds the kernel before it): once a persistent CTA's
-// producer has issued a unit's last tile, its thread 0 prefetches the next unit's Q boxes into L2, so the Q copy
-// issued after the unit's last Q K^T (qfree) hits L2 instead of memory: the consumers wait for that Q (with the
-// next tile 0) after every unit's epilogue (session 17's trace: ~620 cycles). Unlike run 27a's prefetch (at a unit's
-// start, per thread, slower everywhere), it comes after the unit's own copies.
-#ifndef KVATTN_SM90_QL2
-#define KVATTN_SM90_QL2 0
-#endif
-
 // Experiment (scripts/ab_sm90.py --qbuf; 1, the default, builds one Q tile): QBUF = 2 gives persistent CTAs two Q
 // tiles, used by alternate units with tiles, so the producers copy a unit's Q while the unit before it still runs
 // (not after its last Q K^T); with head_dim 128 only 2 K/V stages then fit (KVATTN_SM90_STAGES=2 with it). Runs
@@ -569,10 +551,9 @@ struct PrefillSm90 {
   // released the previous one's (qfree: its last Q K^T has completed). Units without tiles touch neither (else
   // the consumers, who need no Q for them, could run two qfree phases ahead and the parity wait would hang).
   // KVSPLIT: full / empty are K's barriers (and Q's, with tile 0), vfull / vempty V's; else they are full / empty.
-  // (QL2) w_next / kvh_next: the CTA's next unit's plan item and KV head (w_next -1: none).
   __device__ static void produce(const PrefillParams& p, const Item& it, Q* qs, T* kvs, unsigned long long* full,
                                  unsigned long long* empty, unsigned long long* qfree, int kvh, int g, int nq,
-                                 int slot = 0, int w_next = -1, int kvh_next = 0) {
+                                 int slot = 0) {
     unsigned long long* vfull = v_full(full);
     unsigned long long* vempty = KVSPLIT ? vfull + STAGES : empty;
     const int lane = threadIdx.x % 32, pw = threadIdx.x / 32;
@@ -659,14 +640,6 @@ struct PrefillSm90 {
         }
       }
       if (t + 1 < ntiles) off = Base::tok_offset(p, it.pages, min(it.kb + (t + 1) * N + my_row, it.ke - 1));
-    }
-    if (KVATTN_SM90_QL2 && kPersist && threadIdx.x == 0 && w_next >= 0) {   // (QL2) the next unit's Q into L2
-      const Item nx = Base::load_item(p, p.plan, w_next);
-      if (nx.ke > nx.kb && q_by_tma(p, nx)) {
-#pragma unroll
-        for (int cb = 0; cb < QK_BLOCKS; ++cb)
-          tma_prefetch_4d(&p.tma_qmap, cb * 64, 0, kvh_next, nx.qo_start + nx.row0 / p.group_size);
-      }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     if constexpr (V::kQK) transform_and_announce(p, it, qs, kvs, full, vfull, ntiles - 1, g, qk_state);
@@ -911,9 +884,7 @@ struct PrefillSm90 {
       int nq = 0;   // of them, units with tiles
       for (int r = 0, f = unit<MIXED>(0, ctas); f < units; f = unit<MIXED>(++r, ctas)) {
         const Item it = Base::load_item(p, p.plan, f / hkv);
-        const int fn = unit<MIXED>(r + 1, ctas);
-        produce(p, it, qs + (nq % QBUF) * Q_ELEMS, kvs, full, empty, &qfree[nq % QBUF], f % hkv, g, nq, r,
-                fn < units ? fn / hkv : -1, fn % hkv);
+        produce(p, it, qs + (nq % QBUF) * Q_ELEMS, kvs, full, empty, &qfree[nq % QBUF], f % hkv, g, nq, r);
         const int ntiles = (it.ke - it.kb + N - 1) / N;
         g += ntiles;
         nq += ntiles > 0;

@@ -36,12 +36,6 @@ __device__ __forceinline__ void tma_load_5d(void* dst, const void* tmap, int c0,
       ::"r"(smem_addr(dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(smem_addr(bar)) : "memory");
 }
 
-// Prefetches one box of a 4-dim tensor map at (c0..c3) into L2 (no shared memory, no barrier).
-__device__ __forceinline__ void tma_prefetch_4d(const void* tmap, int c0, int c1, int c2, int c3) {
-  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n"
-               ::"l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
-}
-
 // Arrives `count` times at once (one thread standing for `count` warps).
 __device__ __forceinline__ void mbar_arrive_n(unsigned long long* bar, int count) {
   asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(smem_addr(bar)), "r"(count)

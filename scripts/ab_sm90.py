@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order]
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
-                                            [--lazy] [--shift] [--ptail] [--ql2]
+                                            [--lazy] [--shift] [--ptail]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -39,8 +39,6 @@
   default) against copied per thread, zero-filled (0), the --stream shapes, kv 960 and ragged random lengths.
 --ptail: a paged item's partial last KV tile as TMA boxes for its whole pages and copies for the rest
   (KVATTN_SM90_PTAIL=1, the default) against the whole tile copied per thread (0), paged page-16 shapes.
---ql2: the next unit's Q boxes prefetched into L2 once the producer has issued a unit's last tile (KVATTN_SM90_QL2=1)
-  against not (0, the default), the --stream shapes and non-causal b32_S1024.
 --kvil: paged caches' interleaved K / V tiles (KVATTN_SM90_KVIL=1, one 5-dim box a page) against the kernel before
   (64-column blocks: 2 boxes a page at head_dim 128), pages 16 / 32.
 --split, --d256, --fold, --persist, --prefetch, --order, --stream, --early, --kvsplit and --pages time their
@@ -90,10 +88,10 @@ def compile_all():
     prefill.SM90_PERSISTENT = True
     prefill.SM90_TUNING = (("KVATTN_SM90_PREFETCH", 0),)
     prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
-    for defs in (STREAM_OFF, EARLY_OFF, QBUF2, STAGES2, KV_APART, JOINT + STAGES2, LAZY_OFF, SHIFT_OFF, QL2_ON):
+    for defs in (STREAM_OFF, EARLY_OFF, QBUF2, STAGES2, KV_APART, JOINT + STAGES2, LAZY_OFF, SHIFT_OFF):
         prefill.SM90_TUNING = defs
         prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
-    for defs in ((), BLOCKS, PTAIL_OFF, QL2_ON):   # the paged instances (--kvil, --pages, --ptail)
+    for defs in ((), BLOCKS, PTAIL_OFF):   # the paged instances (--kvil, --pages, --ptail)
         prefill.SM90_TUNING = defs
         prefill.sm90_spec(128, Variant(), "bfloat16", interleaved=True).compile("sm_90a")
     prefill.SM90_TUNING = ()
@@ -193,7 +191,6 @@ QBUF2 = STAGES2 + (("KVATTN_SM90_QBUF", 2),)
 LAZY_OFF = (("KVATTN_SM90_LAZY", 0),)
 SHIFT_OFF = (("KVATTN_SM90_SHIFT", 0),)
 PTAIL_OFF = (("KVATTN_SM90_PTAIL", 0),)
-QL2_ON = (("KVATTN_SM90_QL2", 1),)
 BOUNDARY_CASES = SPLIT_CASES + [("causal b64_S512", 64, 512, True), ("paged causal b8_S2048", 8, 2048, True)]
 
 
@@ -250,14 +247,6 @@ def run_ptail(bp, rng):
         compare("ptail", name, flops_of(bp, b, s, True), options, case(bp, rng, name, b, s, True, paged=True))
     compare("ptail", "paged causal 16 random", random_flops(bp), options,
             lambda: bp.paged_case(rng, RANDOM_LENS, RANDOM_LENS, 128, causal=True, backend="sm90")[1:])
-
-
-def run_ql2(bp, rng):
-    """The next unit's Q prefetched into L2 after a unit's last tile is issued (QL2) against not (the default)."""
-    for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
-        compare("ql2", name, flops_of(bp, b, s, causal),
-                [("Q from memory", tuning(())), ("Q prefetched", tuning(QL2_ON))],
-                case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 
 def run_kvsplit(bp, rng):
@@ -394,7 +383,7 @@ def run_otma(bp, rng):
     run_map_ab(bp, rng, "otma", "OUTPUT_MAPS", "per-thread O", "TMA O")
 
 
-EXPERIMENTS = {"ql2": run_ql2, "ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma": run_qtma, "otma": run_otma, "pages": run_pages, "kvil": run_kvil, "split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold,
+EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma": run_qtma, "otma": run_otma, "pages": run_pages, "kvil": run_kvil, "split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold,
                "persist": run_persist,
                "prefetch": run_prefetch, "order": run_order, "stream": run_stream,
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit}

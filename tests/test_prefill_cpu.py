@@ -203,7 +203,7 @@ def test_sm90_kernels_compile_without_spills_or_serialized_wgmma(d):
 
 @pytest.mark.parametrize("defs", [(("KVATTN_SM90_STREAM", 0),), (("KVATTN_SM90_EARLY", 0),), (("KVATTN_SM90_KVSPLIT", 1),),
                                   (("KVATTN_SM90_STAGES", 2), ("KVATTN_SM90_QBUF", 2)), (("KVATTN_SM90_LAZY", 0),),
-                                  (("KVATTN_SM90_SHIFT", 0),), (("KVATTN_SM90_PTAIL", 0),), (("KVATTN_SM90_QL2", 1),)])
+                                  (("KVATTN_SM90_SHIFT", 0),), (("KVATTN_SM90_PTAIL", 0),)])
 def test_sm90_experiment_builds_compile_without_spills(defs, monkeypatch):
     """The build switches scripts/ab_sm90.py times against the default stay correct builds: the persistent
     head_dim 128 instance compiles with no spills and its shared memory mirrored by Python (a static_assert)."""
