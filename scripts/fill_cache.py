@@ -23,6 +23,8 @@ def specs():
             for t in decode.DTYPES:
                 for v in (Variant(), Variant(True, False), Variant(False, True), Variant(True, True)):
                     out.append(decode.decode_spec(d, mt, v, t))
+                    # the instance of plans that fuse the merge (small batches: the GPU tests' usual case)
+                    out.append(decode.decode_spec(d, mt, v, t, fused_merge_batch=decode.FUSED_MERGE_BATCH))
     for stages in (2, 3, 4):
         for l2 in (False, True):
             for refill in (False, True):
