@@ -11,7 +11,8 @@ from . import selfcheck
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvattn", description=__doc__)
     sub = ap.add_subparsers(dest="cmd")
-    c = sub.add_parser("compile", help="compile every registered kernel to a cubin; fail on errors or spills")
+    c = sub.add_parser("compile", help="compile every registered kernel to a cubin; fail on errors, spills or "
+                                              "serialised wgmma")
     c.add_argument("--arch", default="sm_90a")
     c.add_argument("--op", action="append", help="only these ops (repeatable)")
     args = ap.parse_args(argv)

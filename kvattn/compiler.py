@@ -18,6 +18,9 @@ class Resources:
     spill_loads: int = 0
     stack_frame: int = 0
     static_smem: int = 0
+    # ptxas serialised the kernel's wgmma instructions (its C7510-C7520 "Potential Performance Loss"): a correct
+    # kernel that runs at a fraction of its speed (run 33a: -25%), so the compile step fails on it as on a spill
+    wgmma_serialized: bool = False
 
     @property
     def spills(self) -> int:
@@ -151,6 +154,7 @@ def _source_excerpt(source: str, log: str, context: int = 3, files=None) -> str:
 
 _ENTRY = re.compile(r"Function properties for (\S+)")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized.* in the function '([^']+)'")
 
 
 def parse_ptxas_report(log: str) -> dict:
@@ -176,4 +180,6 @@ def parse_ptxas_report(log: str) -> dict:
         if m and current:
             smem = re.search(r"(\d+) bytes smem", line)
             out[current] = Resources(int(m.group(1)), frame[1], frame[2], frame[0], int(smem.group(1)) if smem else 0)
+    for name in _SERIALIZED.findall(log):
+        out[name] = dataclasses.replace(out.get(name, Resources()), wgmma_serialized=True)
     return out

@@ -14,7 +14,8 @@ from . import _driver, cache, compiler, kernels
 
 
 def compile_all(arch: str, ops=None) -> int:
-    """Compile each registered instantiation; one line per kernel; non-zero on a failure or a spill."""
+    """Compile each registered instantiation; one line per kernel; non-zero on a failure, a spill or wgmma
+    instructions that ptxas serialised."""
     from . import ops as _ops  # noqa: F401  (registers every op's kernels)
     failures = 0
     for op, specs in sorted(kernels.REGISTRY.items()):
@@ -30,9 +31,10 @@ def compile_all(arch: str, ops=None) -> int:
                 continue
             dt = time.perf_counter() - t0
             for name, r in compiled.resources.items():
-                bad = r.spills > 0 or r.stack_frame > 0
+                bad = r.spills > 0 or r.stack_frame > 0 or r.wgmma_serialized
                 failures += bad
-                print(f"{'SPILL' if bad else 'ok  '} {spec.uri():90s} regs {r.registers:3d} spill {r.spills:4d} "
+                tag = "SERIAL" if r.wgmma_serialized else "SPILL" if bad else "ok  "
+                print(f"{tag} {spec.uri():90s} regs {r.registers:3d} spill {r.spills:4d} "
                       f"stack {r.stack_frame:4d} smem {r.static_smem:6d} {dt:6.2f}s ({where})")
     print(f"{failures} failure(s)")
     return 1 if failures else 0
