@@ -182,7 +182,9 @@ def test_sm90_smem_fits_and_mirrors_the_kernel():
            + "".join(f"static_assert(kvattn::PrefillSm90<{kernels.attn_types(d, 'bfloat16')}, "
                      f"kvattn::Builtin<false, false, false>>::SMEM_BYTES == {sm90_smem_bytes(d)}, \"smem\");\n"
                      for d in SM90_HEAD_DIMS))
-    compiler.compile_cubin(src, "sm90_asserts.cu", [], [], "sm_90a")
+    from kvattn import prefill
+    defines = [f"-D{name}={value}" for name, value in prefill.SM90_TUNING]   # (KVATTN_TEST_SM90_DEFINES)
+    compiler.compile_cubin(src, "sm90_asserts.cu", defines, [], "sm_90a")
 
 
 def test_backend_is_checked():
