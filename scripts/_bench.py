@@ -48,6 +48,27 @@ def request_kv(pt, k, v, i: int):
     return kk.astype(np.float64), vv.astype(np.float64)
 
 
+def paged_decode_inputs(lens, page: int, hq: int, hkv: int, d: int, rng, dtype="bfloat16"):
+    """(page table of scattered pages, q [batch, hq, d], k, v [pages, page, hkv, d]) for a decode batch of these
+    KV lengths: fresh random values on the device."""
+    pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), page, rng=rng)
+    shape = (pt.num_pages_used, page, hkv, d)
+    k, v = random_device(shape, dtype, rng), random_device(shape, dtype, rng)
+    return pt, random_device((len(lens), hq, d), dtype, rng), k, v
+
+
+def read_device_global(module, name: bytes) -> np.ndarray:
+    """A kernel module's global array `name` (uint64 words, after the device's pending work), zeroed after the
+    read so the next launch's stamps start clean (the trace builds' timer stamps)."""
+    from kvattn import _driver
+    dptr, nbytes = _driver.call("cuModuleGetGlobal", module, name)
+    host = np.zeros(nbytes // 8, np.uint64)
+    _driver.call("cuCtxSynchronize")
+    _driver.call("cuMemcpyDtoH", host.ctypes.data, dptr, nbytes)
+    _driver.call("cuMemsetD8", dptr, 0, nbytes)
+    return host.astype(np.int64)
+
+
 def torch_time_us(fn, warmup=5, reps=30):
     import torch
     for _ in range(warmup):

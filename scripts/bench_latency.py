@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import kvattn, random_device, request_kv, table  # noqa: E402
+from _bench import kvattn, paged_decode_inputs, request_kv, table  # noqa: E402
 from kvattn import reference  # noqa: E402
 from kvattn.stream import Event  # noqa: E402
 from kvattn.timing import time_us  # noqa: E402
@@ -55,10 +55,7 @@ def main():
     rows = []
     for name in args.cases.split(","):
         lens = CASES[name]
-        pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), PAGE, rng=rng)
-        shape = (pt.num_pages_used, PAGE, HKV, D)
-        k, v = random_device(shape, "bfloat16", rng), random_device(shape, "bfloat16", rng)
-        q = random_device((len(lens), HQ, D), "bfloat16", rng)
+        pt, q, k, v = paged_decode_inputs(lens, PAGE, HQ, HKV, D, rng)
         s = kvattn.Stream()
         row = dict(case=name)
         for label, tn in (("auto", None), ("apart", dict(fused_merge=False))):

@@ -21,8 +21,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import kvattn, random_device, request_kv, table  # noqa: E402
-from kvattn import _driver, decode, reference  # noqa: E402
+from _bench import kvattn, paged_decode_inputs, read_device_global, request_kv, table  # noqa: E402
+from kvattn import decode, reference  # noqa: E402
 from kvattn.timing import time_us  # noqa: E402
 from kvattn.variants import Variant  # noqa: E402
 
@@ -37,13 +37,7 @@ START, STREAM_END, ARRIVED, MERGED, END, LAST = range(6)
 
 
 def read_trace(w):
-    module = w.last_plan.launches[0].kernel.module
-    dptr, nbytes = _driver.call("cuModuleGetGlobal", module, b"kvattn_decode_trace")
-    host = np.zeros(nbytes // 8, np.uint64)
-    _driver.call("cuCtxSynchronize")
-    _driver.call("cuMemcpyDtoH", host.ctypes.data, dptr, nbytes)
-    _driver.call("cuMemsetD8", dptr, 0, nbytes)
-    return host.reshape(CTAS, EVENTS).astype(np.int64)
+    return read_device_global(w.last_plan.launches[0].kernel.module, b"kvattn_decode_trace").reshape(CTAS, EVENTS)
 
 
 def summarize(tr, ctas):
@@ -83,10 +77,7 @@ def main():
     rows = []
     for name in args.cases.split(","):
         lens = CASES[name]
-        pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), PAGE, rng=rng)
-        shape = (pt.num_pages_used, PAGE, HKV, D)
-        k, v = random_device(shape, "bfloat16", rng), random_device(shape, "bfloat16", rng)
-        q = random_device((len(lens), HQ, D), "bfloat16", rng)
+        pt, q, k, v = paged_decode_inputs(lens, PAGE, HQ, HKV, D, rng)
         s = kvattn.Stream()
         for merge in MERGES:
             row = dict(case=name, merge=merge)

@@ -18,7 +18,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kvattn import _driver, prefill  # noqa: E402
+from _bench import read_device_global  # noqa: E402
+from kvattn import prefill  # noqa: E402
 from kvattn.variants import Variant  # noqa: E402
 
 TRACE = (("KVATTN_SM90_TRACE", 1),)
@@ -32,14 +33,9 @@ CASES = [("non-causal b32_S1024", 32, 1024, False), ("causal b32_S1024", 32, 102
          ("non-causal b1_S8192", 1, 8192, False)]
 
 
-def read_trace(w):
+def read_trace(w):   # (zeroed after the read: the next case, same module, starts clean)
     module = w.last_plan.launches[0].kernel.module
-    dptr, nbytes = _driver.call("cuModuleGetGlobal", module, b"kvattn_sm90_trace")
-    host = np.zeros(nbytes // 8, np.uint64)
-    _driver.call("cuCtxSynchronize")
-    _driver.call("cuMemcpyDtoH", host.ctypes.data, dptr, nbytes)
-    _driver.call("cuMemsetD8", dptr, 0, nbytes)   # the next case (same module) starts clean
-    return host.reshape(CTAS, UNITS, EVENTS).astype(np.int64)
+    return read_device_global(module, b"kvattn_sm90_trace").reshape(CTAS, UNITS, EVENTS)
 
 
 def stretches(tr):
