@@ -644,9 +644,9 @@ struct DecodeKernel {
       const int head = head0 + u / CHUNKS, ch = u % CHUNKS;
       const int b = part * n / split, e = i < units * split ? (part + 1) * n / split : b;
       float acc[8];
-      float lse = merge_state_run<true, KVATTN_FUSED_MERGE_BATCH>(p.tmp_o + ((long long)(first + b) * p.num_qo_heads + head) * D_VO + ch * 8,
-                                           row, p.tmp_lse + (long long)(first + b) * p.num_qo_heads + head,
-                                           p.num_qo_heads, e - b, acc);
+      float lse = merge_state_run<true, KVATTN_FUSED_MERGE_BATCH>(
+          p.tmp_o + ((long long)(first + b) * p.num_qo_heads + head) * D_VO + ch * 8, row,
+          p.tmp_lse + (long long)(first + b) * p.num_qo_heads + head, p.num_qo_heads, e - b, acc);
       for (int off = 1; off < split; off *= 2) combine_lane_states(acc, lse, off, 0xffffffffu);
       if (part == 0 && i < units * split) store_row(c.req, head, ch, acc, lse);
     }

@@ -123,7 +123,7 @@ def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: in
     8: 16-bit caches only).
     rope_defines: RoPE's compile switches (A/B builds; RoPE instances only); ids_ahead: None (the kernel's rule)
     or KVATTN_DECODE_IDS_AHEAD forced on / off; trace: the timer-stamp build (KVATTN_DECODE_TRACE,
-    scripts/trace_decode.py).
+    scripts/trace_decode.py); fused_merge_batch: the fused merge's states a lane loads together (1 or 4).
     head_dim_vo: V / O's head dim where it differs from head_dim (Q / K's): compile tests only, no op runs it."""
     kv_dtype = kv_dtype or dtype
     stages = stages or default_stages(head_dim, kv_dtype, wtok, head_dim_vo)
