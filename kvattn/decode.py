@@ -75,9 +75,11 @@ DETERMINISTIC_SPLIT_TOKENS = 2048
 #: Run 33b (bench_decode, in turns): b1_L2048 0.494 -> 0.563 TB/s (17.4 -> 15.3 us), its merging CTAs' tail 5.9 -> 2.8
 #: us (trace_decode); b4_L1024 trace 3.5 -> 2.6 us; b8_L2048 -1% (both fused there slower than apart, the default).
 FUSED_MERGE_BATCH = 4
+#: min_chunk_tokens: the split path's smallest chunk in tokens (None: kvattn.scheduler.MIN_CHUNK_TOKENS, 128): small
+#: batches take fewer, longer chunks (b1_L2048: 13 a KV head); smaller chunks put more CTAs on the SMs.
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=None,
                       refill_first=False, fused_merge=None, wtok=None, merge_lanes=None, merge_programmatic=True,
-                      rope_defines=(), ids_ahead=None, trace=False, fused_merge_batch=None)
+                      rope_defines=(), ids_ahead=None, trace=False, fused_merge_batch=None, min_chunk_tokens=None)
 
 
 def warp_tokens(head_dim: int, kv_dtype: str | None = None, forced: int | None = None,
@@ -299,7 +301,8 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
             kv_lens, page_table.page_size, num_kv_heads * zsplit, num_kv_heads * zsplit, head_dim, num_sms=num_sms,
             ctas_per_sm=ctas_per_sm, max_batch_size=self.max_batch_size if self.use_cuda_graph else None,
             max_chunks=layout.max_chunks if layout else None, out=host[:plan_cap],
-            allow_no_split=tn["allow_no_split"], split_tokens=split, max_work=max_work)
+            allow_no_split=tn["allow_no_split"], split_tokens=split, max_work=max_work,
+            min_chunk_tokens=tn["min_chunk_tokens"])
         host[off_indptr:off_indptr + batch + 1] = page_table.indptr
         host[off_indices:off_indices + nnz] = page_table.indices
         host[off_last:off_last + batch] = page_table.last_page_len

@@ -441,7 +441,7 @@ def _fixed_split(kv, nz_idx, nz_start, split: int, c_max: int, overhead: int):
 
 def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num_sms=132,
                 ctas_per_sm=2, max_batch_size=None, max_chunks=None, out=None,
-                allow_no_split=True, split_tokens=None, max_work=None) -> DecodePlan:
+                allow_no_split=True, split_tokens=None, max_work=None, min_chunk_tokens=None) -> DecodePlan:
     """Schedule a decode batch with per-request kv lengths ``kv_lens`` (see the module doc).
 
     ``max_batch_size`` (optionally with ``max_chunks``) selects graph mode: the buffer layout
@@ -454,7 +454,8 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
     ``split_tokens`` (a multiple of the cut granularity) is the batch-invariant schedule: every request is cut
     at the multiples of ``split_tokens`` of its own tokens, whatever the batch, so its items, partial states and
     merge order depend on its length alone; the items are then grouped into balanced chunks. ``max_work`` (graph
-    mode): the item bound of the fixed layout (see :func:`fixed_split_items`).
+    mode): the item bound of the fixed layout (see :func:`fixed_split_items`). ``min_chunk_tokens``: the split
+    path's smallest chunk (None: MIN_CHUNK_TOKENS; a decode tuning knob for small batches).
     """
     t = int
     if (type(page_size) is t and type(num_qo_heads) is t and type(num_kv_heads) is t
@@ -471,6 +472,9 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
             None if max_batch_size is None else _as_int("max_batch_size", max_batch_size, 1),
             None if max_chunks is None else _as_int("max_chunks", max_chunks, 1),
             None if max_work is None else _as_int("max_work", max_work, 1))
+    min_cost = MIN_CHUNK_COST
+    if min_chunk_tokens is not None:
+        min_cost = _as_int("min_chunk_tokens", min_chunk_tokens, 16) + ITEM_OVERHEAD_TOKENS
     if split_tokens is not None:
         split_tokens = _as_int("split_tokens", split_tokens, 1)
         if split_tokens % cfg.gran:
@@ -525,7 +529,7 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
             num_merge = B - n
         else:
             # ---- split: equal-cost cuts of the concatenated cost line ------------------
-            C = min(cfg.c_target, max(1, total // MIN_CHUNK_COST))
+            C = min(cfg.c_target, max(1, total // min_cost))
             G = cfg.gran
             tok_start = kv.cumsum()
             ntok = int(tok_start[-1])
@@ -556,7 +560,7 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
                 # coincide with each other or with request boundaries)
                 starts = np.concatenate((nz_start, tcut))
                 starts.sort()
-                # (a cut never reaches ntok: the last chunk spans >= MIN_CHUNK_COST > G / 2)
+                # (a cut never reaches ntok: the last chunk spans >= min_cost > G / 2)
                 keep = np.empty(starts.size, bool)
                 keep[0] = True
                 np.not_equal(starts[1:], starts[:-1], out=keep[1:])

@@ -49,7 +49,13 @@ TUNINGS = {"default": {}, "l2_256B": dict(l2_prefetch=True), "refill1st": dict(r
            # no split-KV merge where the batch fills the slots (as FlashInfer's tensor-core decode: b64_L4096 as 512
            # CTAs in about two waves of 2 per SM)
            "nosplit": dict(allow_no_split=True), "nosplit_2cta": dict(allow_no_split=True, ctas_per_sm=2),
-           "nosplit_st3_2cta": dict(allow_no_split=True, ctas_per_sm=2, stages=3)}
+           "nosplit_st3_2cta": dict(allow_no_split=True, ctas_per_sm=2, stages=3),
+           # small batches cut into chunks of at least 96 / 64 / 32 tokens instead of 128 (b1_L2048: 17 / 21 / 32
+           # chunks a KV head instead of 13), the merge fused into the launch or apart
+           "chunk96_fused": dict(min_chunk_tokens=96, fused_merge=True),
+           "chunk64_fused": dict(min_chunk_tokens=64, fused_merge=True),
+           "chunk64_apart": dict(min_chunk_tokens=64, fused_merge=False),
+           "chunk32_fused": dict(min_chunk_tokens=32, fused_merge=True)}
 
 
 def build(lens, cfg, rng):

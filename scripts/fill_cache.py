@@ -33,6 +33,10 @@ def specs():
     out += [decode.decode_spec(d, 1, Variant(), "bfloat16", ids_ahead=False) for d in (64, 128)]   # and ids_at_use
     out += [decode.decode_spec(128, 1, Variant(), "bfloat16", wtok=8, ids_ahead=a) for a in (None, True)]   # wtok8
     out.append(decode.decode_spec(256, 1, Variant(), "bfloat16", wtok=16))   # and head dim 256's kernel before it
+    for d in decode.HEAD_DIMS:   # test_decode_ab_builds_match_reference: the A/B builds with a soft cap, fused or not
+        for t in decode.DTYPES:
+            for tn in (dict(wtok=8), dict(wtok=16), dict(ids_ahead=True), dict(ids_ahead=False)):
+                out += [decode.decode_spec(d, 1, Variant(True, False), t, fused_merge_batch=fm, **tn) for fm in (1, 4)]
     from kvattn import prefill as pf
     for defs in ((("KVATTN_PF_FAST64", 1),), (("KVATTN_PF_FOLD", 1),), (("KVATTN_PF_FAST64", 1), ("KVATTN_PF_FOLD", 1))):
         pf.TUNING[128] = defs

@@ -35,7 +35,7 @@ def skewed(n: int) -> np.ndarray:
 
 
 def check_plan(plan, kv, *, page_size, num_kv_heads, num_sms=132, ctas_per_sm=2,
-               max_batch_size=None, max_chunks=None):
+               max_batch_size=None, max_chunks=None, min_chunk_tokens=None):
     """Assert every documented property of ``plan`` for the batch ``kv``."""
     kv = np.asarray(kv, dtype=np.int64)
     B = kv.size
@@ -172,7 +172,8 @@ def check_plan(plan, kv, *, page_size, num_kv_heads, num_sms=132, ctas_per_sm=2,
         assert list(ci[:n + 1]) == list(range(n + 1))
     else:
         c_split = c_one_wave if cap is None else min(c_one_wave, cap)
-        assert C == min(c_split, max(1, line // MIN_CHUNK_COST))
+        min_cost = MIN_CHUNK_COST if min_chunk_tokens is None else min_chunk_tokens + scheduler.ITEM_OVERHEAD_TOKENS
+        assert C == min(c_split, max(1, line // min_cost))
         assert W <= n + C - 1  # each cut adds at most one item
     per_item = end - beg + OV
     chunk_cost = np.add.reduceat(np.append(per_item, 0), ci[:-1]) * (np.diff(ci) > 0)
@@ -338,6 +339,16 @@ def test_tiny_batch_is_not_shredded():
     assert p.num_chunks == 1 and not p.split and p.num_work == 2
     p = run_and_check(np.array([1000]))  # 1032 cost units -> 6 chunks of >= MIN_CHUNK_COST
     assert p.num_chunks == 1032 // MIN_CHUNK_COST
+
+
+def test_min_chunk_tokens_sets_the_small_batch_cap():
+    # b1_L2048: 2080 cost units -> 13 chunks at the default 128 tokens, 21 at 64, 32 at 32
+    for tokens, chunks in ((None, 13), (128, 13), (64, 21), (32, 32)):
+        p = plan_decode(np.array([2048]), 16, 32, 8, 128, min_chunk_tokens=tokens)
+        check_plan(p, [2048], page_size=16, num_kv_heads=8, min_chunk_tokens=tokens)
+        assert p.num_chunks == chunks, tokens
+    with pytest.raises(ValueError, match="min_chunk_tokens must be >= 16"):
+        plan_decode(np.array([2048]), 16, 32, 8, 128, min_chunk_tokens=8)
 
 
 def test_max_chunks_caps_split():
