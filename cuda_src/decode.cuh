@@ -38,6 +38,12 @@
 #ifndef KVATTN_DECODE_IDS_AHEAD
 #define KVATTN_DECODE_IDS_AHEAD -1
 #endif
+// KVATTN_DECODE_SLIM 1 (groups of at most 8 query heads, 16-bit caches, 8-token warp tiles): Q slots of 8 rows (the
+// MMA tile's rows 8-15 read rows 0-7 again; their states are never stored) and the head dim merged in 4 phases, so
+// head dim 256 fits a third stage at 2 CTAs per SM (kvattn.decode.slim_fits).
+#ifndef KVATTN_DECODE_SLIM
+#define KVATTN_DECODE_SLIM 0
+#endif
 
 // The fused merge's states loaded together by a lane (merge_state_run's R: 1 or 4): its run of states is a chain of
 // L2 round trips, n / split of them at 1, a quarter as many at 4. Python builds 4 for plans that fuse the merge
@@ -163,14 +169,17 @@ struct DecodeKernel {
   // The epilogue merges the warps' states in the stage just consumed: in one pass (m / l there too, the stage
   // padded to fit), or for an fp8 cache or 8-token warp tiles in two passes of D_VO / 2 columns (m / l in their own
   // region: SPLIT_ML).
-  static constexpr int MERGE_PHASES = (kFp8 && WTOK == 16) || WTOK == 8 ? 2 : 1;
-  static constexpr bool SPLIT_ML = kFp8 || MERGE_PHASES == 2;
+  static constexpr bool SLIM = KVATTN_DECODE_SLIM != 0;
+  static_assert(!SLIM || (!kFp8 && M_TILES == 1 && WTOK == 8), "slim: 16-bit caches, one MMA tile, 8-token warp tiles");
+  static constexpr int MERGE_PHASES = SLIM ? 4 : (kFp8 && WTOK == 16) || WTOK == 8 ? 2 : 1;
+  static constexpr bool SPLIT_ML = kFp8 || MERGE_PHASES >= 2;
   using Merge = WarpMerge<D_VO / MERGE_PHASES, WARPS, V::kSoftmax, kFp8 ? 0 : 4>;
   // the merge's scratch in a stage (fp8: within K and V, static_assert below; SPLIT_ML: without m / l)
   static constexpr int SCRATCH = kFp8 ? 0 : SPLIT_ML ? Merge::O_BYTES : Merge::BYTES;
   static constexpr int STAGE_BYTES =   // K and V, or the merge's scratch (which is larger at 16 tokens per warp)
       K_BYTES + V_BYTES > SCRATCH ? K_BYTES + V_BYTES : SCRATCH;
-  static constexpr int Q_BYTES = ROWS * D_QK * (int)sizeof(Q);   // one Q slot; STAGES slots, by item ordinal
+  static constexpr int Q_ROWS = SLIM ? 8 : ROWS;                   // query rows a Q slot holds
+  static constexpr int Q_BYTES = Q_ROWS * D_QK * (int)sizeof(Q);   // one Q slot; STAGES slots, by item ordinal
   static constexpr int RS_OFFSET = STAGES * (STAGE_BYTES + Q_BYTES);   // fp8: per-slot row scales, merge m / l
   static constexpr int SMEM_BYTES = RS_OFFSET + (kFp8 ? STAGES * ROWS * 4 : 0) + (SPLIT_ML ? Merge::ML_BYTES : 0);
   // The tile's copies: TPR adjacent threads take one token's K row and V row (TPR divides both rows' 16-byte
@@ -296,7 +305,7 @@ struct DecodeKernel {
     }
     if (c.t0 == c.begin) {  // first tile of an item: bring its query rows (zeros past the group)
       const Q* qb = static_cast<const Q*>(p.q) + c.req * p.q_stride_n + (long long)head0 * p.q_stride_h;
-      for (int i = KV_TID; i < ROWS * Q_CHUNKS; i += THREADS) {
+      for (int i = KV_TID; i < Q_ROWS * Q_CHUNKS; i += THREADS) {
         const int r = i / Q_CHUNKS, ch = i % Q_CHUNKS;
         const bool ok = r < nrows;
         cp_async16(qs + swz<D_QK>(r, ch), ok ? qb + r * p.q_stride_h + ch * 8 : qb, ok ? 16 : 0);
@@ -405,7 +414,7 @@ struct DecodeKernel {
 #pragma unroll
       for (int kk = 0; kk < D_QK / 16; ++kk) {
         unsigned a[4];
-        ldmatrix_x4(a, q_tile + swz<D_QK>(mt * 16 + (j % 2) * 8 + lane % 8, 2 * kk + j / 2));
+        ldmatrix_x4(a, q_tile + swz<D_QK>(SLIM ? lane % 8 : mt * 16 + (j % 2) * 8 + lane % 8, 2 * kk + j / 2));
         if constexpr (NB == 1) {   // 8 tokens: (tokens 0-7, chunk 2 kk), (0-7, 2 kk + 1)
           unsigned b[2];
           ldmatrix_x2(b, kt + swz<D_QK>(tw + lane % 8, 2 * kk + j % 2));
@@ -569,7 +578,7 @@ struct DecodeKernel {
         if constexpr (kFp8) {
           if (ph == 0) wm.stash_ml(warp, lane, m[mt], l[mt]);
           wm.stash_even_odd(warp, lane, o[mt], ph * PCH);
-        } else if constexpr (MERGE_PHASES == 2) {   // 8-token warp tiles: a stage holds half the merge's columns
+        } else if constexpr (MERGE_PHASES >= 2) {   // 8-token warp tiles: a stage holds 1 / MERGE_PHASES of them
           if (ph == 0) wm.stash_ml(warp, lane, m[mt], l[mt]);
           wm.stash_cols(warp, lane, o[mt], ph * PCH);
         } else {

@@ -75,11 +75,16 @@ DETERMINISTIC_SPLIT_TOKENS = 2048
 #: Run 33b (bench_decode, in turns): b1_L2048 0.494 -> 0.563 TB/s (17.4 -> 15.3 us), its merging CTAs' tail 5.9 -> 2.8
 #: us (trace_decode); b4_L1024 trace 3.5 -> 2.6 us; b8_L2048 -1% (both fused there slower than apart, the default).
 FUSED_MERGE_BATCH = 4
+#: slim: the slim kernel (KVATTN_DECODE_SLIM: 8-row Q slots, a 4-phase merge, 3 stages at 2 CTAs per SM) where
+#: slim_fits (head dim 256 with a 16-bit cache, groups of at most 8): None (auto: SLIM), True (an error where it does
+#: not fit) or False (the 2-stage kernel: the A/B).
+SLIM = True
 #: min_chunk_tokens: the split path's smallest chunk in tokens (None: kvattn.scheduler.MIN_CHUNK_TOKENS, 128): small
 #: batches take fewer, longer chunks (b1_L2048: 13 a KV head); smaller chunks put more CTAs on the SMs.
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=None,
                       refill_first=False, fused_merge=None, wtok=None, merge_lanes=None, merge_programmatic=True,
-                      rope_defines=(), ids_ahead=None, trace=False, fused_merge_batch=None, min_chunk_tokens=None)
+                      rope_defines=(), ids_ahead=None, trace=False, fused_merge_batch=None, min_chunk_tokens=None,
+                      slim=None)
 
 
 def warp_tokens(head_dim: int, kv_dtype: str | None = None, forced: int | None = None,
@@ -96,12 +101,14 @@ def warp_tokens(head_dim: int, kv_dtype: str | None = None, forced: int | None =
 
 
 def default_stages(head_dim: int, kv_dtype: str | None = None, wtok: int | None = None,
-                   head_dim_vo: int | None = None) -> int:
+                   head_dim_vo: int | None = None, slim: bool = False) -> int:
     """Measured on the H200 (BENCHMARKS.md): a 32 KB stage (head_dim 128 at 16 tokens per warp) is best with 2
     stages and 3 CTAs per SM (+2..4% over 3 stages and 2 CTAs per SM on 4 of the 5 anchor cases); 64 at 16 tokens
     per warp with 3 stages (3 CTAs per SM); 256 fits one CTA per SM either way, so 3 stages keep more bytes in
     flight. An fp8 cache's stages (128 tokens) have 16-bit's bytes: the same choice, but at 256 (64-token stages)
     2 stages fit 2 CTAs per SM (1.5x faster than 3)."""
+    if slim:
+        return 3
     if _dtypes.is_fp8(kv_dtype):
         return 2 if head_dim in (128, 256) else 3
     return 2 if head_dim * warp_tokens(head_dim, kv_dtype, wtok, head_dim_vo) == 128 * 16 else 3
@@ -120,15 +127,18 @@ def auto_m_tiles(group: int, head_dim: int, kv_dtype: str | None, variant: Varia
 def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: int | None = None,
                 l2_prefetch: bool = False, refill_first: bool = False, kv_dtype: str | None = None,
                 wtok: int | None = None, head_dim_vo: int | None = None, rope_defines: tuple = (),
-                ids_ahead: bool | None = None, trace: bool = False, fused_merge_batch: int = 1) -> KernelSpec:
+                ids_ahead: bool | None = None, trace: bool = False, fused_merge_batch: int = 1,
+                slim: bool = False) -> KernelSpec:
     """wtok: tokens per warp per tile forced (8, 16 or 32; None or the rule's value: warp_tokens' rule, no define;
     8: 16-bit caches only).
     rope_defines: RoPE's compile switches (A/B builds; RoPE instances only); ids_ahead: None (the kernel's rule)
     or KVATTN_DECODE_IDS_AHEAD forced on / off; trace: the timer-stamp build (KVATTN_DECODE_TRACE,
     scripts/trace_decode.py); fused_merge_batch: the fused merge's states a lane loads together (1 or 4).
-    head_dim_vo: V / O's head dim where it differs from head_dim (Q / K's): compile tests only, no op runs it."""
+    head_dim_vo: V / O's head dim where it differs from head_dim (Q / K's): compile tests only, no op runs it.
+    slim: 8-row Q slots and a 4-phase merge (KVATTN_DECODE_SLIM; groups of at most 8, see slim_fits): its default
+    stages are 3."""
     kv_dtype = kv_dtype or dtype
-    stages = stages or default_stages(head_dim, kv_dtype, wtok, head_dim_vo)
+    stages = stages or default_stages(head_dim, kv_dtype, wtok, head_dim_vo, slim)
     args = f"{attn_types(head_dim, dtype, kv_dtype, head_dim_vo)}, {mt}, {stages}, {variant.decode_type()}"
     traits = f"kvattn::DecodeKernel<{args}>"
     defines = (("KVATTN_L2_PREFETCH", int(l2_prefetch)), ("KVATTN_REFILL_FIRST", int(refill_first)))
@@ -142,21 +152,33 @@ def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: in
         defines += (("KVATTN_DECODE_TRACE", 1),)
     if fused_merge_batch != 1:
         defines += (("KVATTN_FUSED_MERGE_BATCH", int(fused_merge_batch)),)
-    smem = smem_bytes(head_dim, mt, stages, kv_dtype, wtok, head_dim_vo)
+    if slim:
+        defines += (("KVATTN_DECODE_SLIM", 1),)
+    smem = smem_bytes(head_dim, mt, stages, kv_dtype, wtok, head_dim_vo, slim)
     return KernelSpec("decode.cuh", f"kvattn::decode_kernel<{args}>", defines=defines, prelude=variant.prelude(),
                       checks=((f"{traits}::SMEM_BYTES", smem), (f"{traits}::THREADS", THREADS)))
 
 
+def slim_fits(head_dim: int, group: int, kv_dtype: str, wtok: int | None = None) -> bool:
+    """Whether the slim kernel (KVATTN_DECODE_SLIM) serves this shape: head dim 256 with a 16-bit cache at 8-token
+    warp tiles (its default) and at most 8 query heads a KV head (one Q slot row each)."""
+    return (head_dim == 256 and not _dtypes.is_fp8(kv_dtype) and group <= 8
+            and warp_tokens(head_dim, kv_dtype, wtok) == 8)
+
+
 def smem_bytes(head_dim: int, mt: int, stages: int | None = None, kv_dtype: str | None = None,
-               wtok: int | None = None, head_dim_vo: int | None = None) -> int:
+               wtok: int | None = None, head_dim_vo: int | None = None, slim: bool = False) -> int:
     """Dynamic shared memory of decode_kernel (mirrors DecodeKernel::SMEM_BYTES; a static_assert checks it).
     head_dim: Q / K's; head_dim_vo: V / O's (None: head_dim)."""
     dvo = head_dim_vo or head_dim
     fp8 = _dtypes.is_fp8(kv_dtype)
     tile = 4 * warp_tokens(head_dim, kv_dtype, wtok, head_dim_vo)   # tokens per stage
-    stages = stages or default_stages(head_dim, kv_dtype, wtok, head_dim_vo)
+    stages = stages or default_stages(head_dim, kv_dtype, wtok, head_dim_vo, slim)
     rows = 16 * mt
     merge_ml = 2 * 4 * 16 * 4                      # WarpMerge's m and l
+    if slim:   # 8-row Q slots; the merge in four phases of dvo / 4 columns, m / l apart
+        stage = max(4 * 16 * (dvo // 4 + 4) * 4, tile * (head_dim + dvo) * 2)
+        return stages * (stage + 8 * head_dim * 2) + merge_ml
     if fp8:   # K, V fp8 tiles; Q slots; their row scales; m / l apart
         return stages * (tile * (head_dim + dvo) + rows * head_dim * 2) + stages * rows * 4 + merge_ml
     if tile == 4 * 8:   # 8-token warp tiles: the merge in two phases of dvo / 2 columns, m / l apart
@@ -171,7 +193,10 @@ register("decode", [decode_spec(d, 1, Variant(), t, kv_dtype=kv) for d in HEAD_D
          + [decode_spec(128, 1, Variant(soft_cap=True, window=True), "bfloat16")]
          # the instances of plans that fuse the split-KV merge (small batches: tuning fused_merge_batch)
          + [decode_spec(d, 1, Variant(), t, kv_dtype=kv, fused_merge_batch=FUSED_MERGE_BATCH) for d in HEAD_DIMS
-            for t in DTYPES for kv in (t, *_dtypes.FP8)])
+            for t in DTYPES for kv in (t, *_dtypes.FP8)]
+         # head dim 256's slim instances (groups of at most 8), apart and fused
+         + [decode_spec(256, 1, Variant(), t, fused_merge_batch=fm, slim=True) for t in DTYPES
+            for fm in (1, FUSED_MERGE_BATCH)])
 
 
 def decode_params(plan: int, layout, tmp_o: int, tmp_lse: int, page_indptr: int, page_indices: int,
@@ -262,12 +287,18 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         tn = self.tuning
         mt = tn["m_tiles"] or auto_m_tiles(group, head_dim, kv_dtype, variant)   # larger groups: sliced over CTAs
         zsplit = -(-group // (16 * mt))
-        stages = tn["stages"] or default_stages(head_dim, kv_dtype, tn["wtok"])
-        smem = smem_bytes(head_dim, mt, stages, kv_dtype, tn["wtok"])
+        fits = mt == 1 and slim_fits(head_dim, group, kv_dtype, tn["wtok"])
+        if tn["slim"] and not fits:
+            raise ValueError(f"tuning slim: the slim kernel takes a 16-bit cache at 8-token warp tiles and groups of "
+                             f"at most 8 (head_dim {head_dim}, group {group}, kv_dtype {kv_dtype})")
+        slim = fits and (SLIM if tn["slim"] is None else tn["slim"])
+        stages = tn["stages"] or default_stages(head_dim, kv_dtype, tn["wtok"], slim=slim)
+        smem = smem_bytes(head_dim, mt, stages, kv_dtype, tn["wtok"], slim=slim)
         def kernel_for(merge_batch):
             return get_kernel(decode_spec(head_dim, mt, variant, q_dtype, stages, tn["l2_prefetch"],
                                           tn["refill_first"], kv_dtype, tn["wtok"], rope_defines=tn["rope_defines"],
-                                          ids_ahead=tn["ids_ahead"], trace=tn["trace"], fused_merge_batch=merge_batch))
+                                          ids_ahead=tn["ids_ahead"], trace=tn["trace"], fused_merge_batch=merge_batch,
+                                          slim=slim))
         kernel = kernel_for(tn["fused_merge_batch"] or 1)
         # at most 3 (measured: BENCHMARKS.md); from the kernel's registers and static shared memory as compiled
         ctas_per_sm = tn["ctas_per_sm"] or (kernel.resources or Resources()).ctas_per_sm(THREADS, smem, limit=3)

@@ -165,3 +165,29 @@ def test_decode_ab_builds_compile_without_spills(head_dim, build):
     assert res.spills == 0 and res.stack_frame == 0, res
     expected = 3 if head_dim < 256 else 1 if wtok == 16 else 2
     assert res.ctas_per_sm(decode.THREADS, decode.smem_bytes(head_dim, 1, wtok=wtok), limit=3) == expected
+
+
+def test_slim_fits_head_dim_256_groups_of_at_most_8_with_16_bit_caches():
+    from kvattn.decode import slim_fits
+    assert slim_fits(256, 8, "bfloat16") and slim_fits(256, 1, "float16") and slim_fits(256, 4, "bfloat16", wtok=8)
+    assert not slim_fits(256, 16, "bfloat16")               # 16 query rows need the 16-row Q slot
+    assert not slim_fits(256, 4, "float8_e4m3fn")           # fp8 caches: their own stages
+    assert not slim_fits(256, 4, "bfloat16", wtok=16)       # 16-token warp tiles: one CTA per SM anyway
+    assert not slim_fits(128, 4, "bfloat16") and not slim_fits(128, 4, "bfloat16", wtok=8)
+
+
+@pytest.mark.parametrize("flags", [dict(), dict(soft_cap=True, window=True), dict(rope=1), dict(alibi=True, sink=True)])
+def test_slim_head_dim_256_holds_three_stages_at_two_ctas_per_sm(flags):
+    """The slim kernel (8-row Q slots, the merge in 4 phases) fits head dim 256's third stage in the 2 CTAs per SM
+    of the 2-stage kernel: 3 stages of 32 KB of K / V each, no spills, its shared memory as Python sizes it (the
+    spec's static_assert)."""
+    from kvattn import decode
+    from kvattn.variants import Variant
+    spec = decode.decode_spec(256, 1, Variant(**flags), "bfloat16", slim=True)
+    assert ("KVATTN_DECODE_SLIM", 1) in spec.defines and ", 3, " in spec.kernel
+    compiled, _ = spec.compile("sm_90a")
+    (res,) = compiled.resources.values()
+    assert res.spills == 0 and res.stack_frame == 0 and not res.wgmma_serialized, res
+    smem = decode.smem_bytes(256, 1, kv_dtype="bfloat16", slim=True)
+    assert smem == 3 * (32 * 1024 + 8 * 256 * 2) + 2 * 4 * 16 * 4
+    assert res.ctas_per_sm(decode.THREADS, smem, limit=3) == 2, res

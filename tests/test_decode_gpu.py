@@ -308,3 +308,37 @@ def test_decode_ab_builds_match_reference(d, tuning, page, dtype):
     for i, n in enumerate(lens):
         assert (np.all(got[i] == 0) if n == 0 else rel_l2(got[i], ro[i]) <= otol), f"request {i} (kv_len {n})"
     assert_lse(lse.numpy(), rl, ltol)
+
+
+@pytest.mark.parametrize("slim", [None, False])
+@pytest.mark.parametrize("hq, hkv, page, dtype", [(8, 8, 16, "bfloat16"), (16, 4, 5, "float16"), (16, 2, 16, "bfloat16"),
+                                                  (32, 2, 16, "bfloat16")])
+def test_head_dim_256_slim_and_two_stage_kernels_match_reference(slim, hq, hkv, page, dtype):
+    """Head dim 256: groups of at most 8 take the slim kernel by default (8-row Q slots, 3 stages at 2 CTAs per SM),
+    larger groups and tuning slim=False the 2-stage one; both against the float64 reference with a soft cap, on
+    requests empty, shorter than a tile, split over CTAs (merged apart and, for the one-request batch, fused)."""
+    rng = np.random.default_rng(hq + page)
+    group = hq // hkv
+    for lens in ([0, 7, 65, 300, 9000, 1], [2048]):
+        pt, q, k, v = make_case(rng, lens, page, hq, hkv, 256, dtype, "NHD")
+        w = kvattn.BatchDecodeWithPagedKVCache(tuning=dict(slim=slim))
+        w.plan(pt, hq, hkv, 256, q_dtype=dtype, logits_soft_cap=30.0)
+        spec = w.last_plan.launches[0].kernel.spec
+        assert (("KVATTN_DECODE_SLIM", 1) in spec.defines) == (slim is None and group <= 8), spec.defines
+        out, lse = poisoned(q.shape, dtype), poisoned(q.shape[:2], "float32")
+        w.run(q, k, v, out=out, lse=lse)
+        ro, rl = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1, dtype=np.int32), pt,
+                                                 logits_soft_cap=30.0, return_lse=True)
+        got = out.numpy()
+        otol, ltol = TOL[dtype]
+        for i, n in enumerate(lens):
+            assert (np.all(got[i] == 0) if n == 0 else rel_l2(got[i], ro[i]) <= otol), f"request {i} (kv_len {n})"
+        assert_lse(lse.numpy(), rl, ltol)
+
+
+@requires_gpu
+def test_slim_tuning_refuses_shapes_it_does_not_fit():
+    pt = kvattn.PageTable.from_kv_lens([100], 16, rng=0)
+    for hq, hkv, d in ((32, 2, 256), (8, 2, 128)):
+        with pytest.raises(ValueError, match="tuning slim: the slim kernel takes"):
+            kvattn.BatchDecodeWithPagedKVCache(tuning=dict(slim=True)).plan(pt, hq, hkv, d)
