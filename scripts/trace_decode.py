@@ -2,7 +2,7 @@
 the fused merge's launch took ~16.5 us of GPU time against 9 + 5 us for the decode and merge kernels apart, and
 staging the states in shared memory did not change it):
 
-    PYTHONPATH=. python3 scripts/trace_decode.py [--cases b1_L2048,b1_L512]
+    PYTHONPATH=. python3 scripts/trace_decode.py [--cases b1_L2048,b1_L512] [--chunks]
     python3 scripts/trace_decode.py --compile          # fill KVATTN_CACHE_DIR (no GPU)
 
 The build with KVATTN_DECODE_TRACE=1 (cuda_src/decode.cuh: DecodeTraceEvent) has thread 0 of every CTA stamp
@@ -32,6 +32,10 @@ CASES = {"b1_L512": [512], "b1_L2048": [2048], "b4_L1024": [1024] * 4}
 #: before: fused_merge_batch 1), or the merge kernel apart
 MERGES = {"fused": dict(fused_merge=True), "fused_b1": dict(fused_merge=True, fused_merge_batch=1),
           "apart": dict(fused_merge=False)}
+#: --chunks: the fused launch with small batches cut into chunks of at least 96 / 64 / 32 tokens (tuning
+#: min_chunk_tokens; the default 128), its GPU time read from the stamps whatever the host
+CHUNKS = {"fused": dict(fused_merge=True), **{f"fused_c{n}": dict(fused_merge=True, min_chunk_tokens=n)
+                                              for n in (96, 64, 32)}}
 CTAS, EVENTS = 1024, 8   # cuda_src/decode.cuh: KVATTN_DTRACE_*
 START, STREAM_END, ARRIVED, MERGED, END, LAST = range(6)
 
@@ -66,7 +70,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--chunks", action="store_true", help="the chunk sizes (CHUNKS) instead of the merge modes")
     args = ap.parse_args()
+    modes = CHUNKS if args.chunks else MERGES
     if args.compile:
         compile_all()
         return 0
@@ -79,11 +85,11 @@ def main():
         lens = CASES[name]
         pt, q, k, v = paged_decode_inputs(lens, PAGE, HQ, HKV, D, rng)
         s = kvattn.Stream()
-        for merge in MERGES:
+        for merge in modes:
             row = dict(case=name, merge=merge)
             for trace in (False, True):
                 out = kvattn.empty(q.shape, "bfloat16")
-                w = kvattn.BatchDecodeWithPagedKVCache(tuning=dict(**MERGES[merge], trace=trace))
+                w = kvattn.BatchDecodeWithPagedKVCache(tuning=dict(**modes[merge], trace=trace))
                 w.plan(pt, HQ, HKV, D, stream=s)
                 run = lambda w=w, out=out: w.run(q, k, v, out=out, stream=s)   # noqa: E731
                 row["traced us" if trace else "us"] = f"{time_us(run, stream=s, reps=20):.1f}"
