@@ -77,8 +77,9 @@ DETERMINISTIC_SPLIT_TOKENS = 2048
 FUSED_MERGE_BATCH = 4
 #: slim: the slim kernel (KVATTN_DECODE_SLIM: 8-row Q slots, a 4-phase merge, 3 stages at 2 CTAs per SM) where
 #: slim_fits (head dim 256 with a 16-bit cache, groups of at most 8): None (auto: SLIM), True (an error where it does
-#: not fit) or False (the 2-stage kernel: the A/B).
-SLIM = True
+#: not fit) or False (the 2-stage kernel). Off by default: run 34c (b64_L4096 head dim 256, in turns) 3.815 TB/s
+#: against the 2-stage kernel's 3.908, so a third stage is not what that shape lacks (BENCHMARKS.md).
+SLIM = False
 #: min_chunk_tokens: the split path's smallest chunk in tokens (None: kvattn.scheduler.MIN_CHUNK_TOKENS, 128): small
 #: batches take fewer, longer chunks (b1_L2048: 13 a KV head); smaller chunks put more CTAs on the SMs.
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=None,
@@ -193,10 +194,7 @@ register("decode", [decode_spec(d, 1, Variant(), t, kv_dtype=kv) for d in HEAD_D
          + [decode_spec(128, 1, Variant(soft_cap=True, window=True), "bfloat16")]
          # the instances of plans that fuse the split-KV merge (small batches: tuning fused_merge_batch)
          + [decode_spec(d, 1, Variant(), t, kv_dtype=kv, fused_merge_batch=FUSED_MERGE_BATCH) for d in HEAD_DIMS
-            for t in DTYPES for kv in (t, *_dtypes.FP8)]
-         # head dim 256's slim instances (groups of at most 8), apart and fused
-         + [decode_spec(256, 1, Variant(), t, fused_merge_batch=fm, slim=True) for t in DTYPES
-            for fm in (1, FUSED_MERGE_BATCH)])
+            for t in DTYPES for kv in (t, *_dtypes.FP8)])
 
 
 def decode_params(plan: int, layout, tmp_o: int, tmp_lse: int, page_indptr: int, page_indices: int,

@@ -56,8 +56,8 @@ TUNINGS = {"default": {}, "l2_256B": dict(l2_prefetch=True), "refill1st": dict(r
            "chunk64_fused": dict(min_chunk_tokens=64, fused_merge=True),
            "chunk64_apart": dict(min_chunk_tokens=64, fused_merge=False),
            "chunk32_fused": dict(min_chunk_tokens=32, fused_merge=True),
-           # head dim 256 (groups <= 8): the 2-stage kernel before the slim one (8-row Q slots, 3 stages)
-           "slim_off": dict(slim=False)}
+           # head dim 256 (groups <= 8): the slim kernel (8-row Q slots, 3 stages; off by default since run 34c)
+           "slim": dict(slim=True), "slim_off": dict(slim=False)}
 
 
 def build(lens, cfg, rng):

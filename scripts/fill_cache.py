@@ -16,23 +16,15 @@ except ImportError:
 from kvattn.variants import Variant  # noqa: E402
 
 
-def dspecs(d, mt, v, t, *args, **kw):
-    """decode.decode_spec(d, mt, v, t, ...), and its slim twin where a plan of a group of at most 8 takes it."""
-    out = [decode.decode_spec(d, mt, v, t, *args, **kw)]
-    if mt == 1 and not args and decode.slim_fits(d, 1, kw.get("kv_dtype") or t, kw.get("wtok")):
-        out.append(decode.decode_spec(d, mt, v, t, slim=True, **kw))
-    return out
-
-
 def specs():
     out = [s for ss in kernels.REGISTRY.values() for s in ss]
     for d in decode.HEAD_DIMS:
         for mt in ((1, 2) if d <= 128 else (1,)):
             for t in decode.DTYPES:
                 for v in (Variant(), Variant(True, False), Variant(False, True), Variant(True, True)):
-                    out += dspecs(d, mt, v, t)
+                    out.append(decode.decode_spec(d, mt, v, t))
                     # the instance of plans that fuse the merge (small batches: the GPU tests' usual case)
-                    out += dspecs(d, mt, v, t, fused_merge_batch=decode.FUSED_MERGE_BATCH)
+                    out.append(decode.decode_spec(d, mt, v, t, fused_merge_batch=decode.FUSED_MERGE_BATCH))
     for stages in (2, 3, 4):
         for l2 in (False, True):
             for refill in (False, True):
@@ -44,7 +36,10 @@ def specs():
     for d in decode.HEAD_DIMS:   # test_decode_ab_builds_match_reference: the A/B builds with a soft cap, fused or not
         for t in decode.DTYPES:
             for tn in (dict(wtok=8), dict(wtok=16), dict(ids_ahead=True), dict(ids_ahead=False)):
-                out += [x for fm in (1, 4) for x in dspecs(d, 1, Variant(True, False), t, fused_merge_batch=fm, **tn)]
+                out += [decode.decode_spec(d, 1, Variant(True, False), t, fused_merge_batch=fm, **tn) for fm in (1, 4)]
+    # test_head_dim_256_slim_and_two_stage_kernels_match_reference: the slim A/B build (tuning slim=True)
+    out += [decode.decode_spec(256, 1, Variant(True, False), t, fused_merge_batch=fm, slim=True)
+            for t in decode.DTYPES for fm in (1, 4)]
     from kvattn import prefill as pf
     for defs in ((("KVATTN_PF_FAST64", 1),), (("KVATTN_PF_FOLD", 1),), (("KVATTN_PF_FAST64", 1), ("KVATTN_PF_FOLD", 1))):
         pf.TUNING[128] = defs
@@ -61,7 +56,7 @@ def specs():
                 out += [pf.sm90_spec(d, v, t), pf.sm90_spec(d, v, t, interleaved=True)]
     for d in decode.HEAD_DIMS:   # ALiBi (the GPU tests and scripts/bench_variants.py)
         for v in (Variant(alibi=True), Variant(window=True, alibi=True)):
-            out += dspecs(d, 1, v, "bfloat16")
+            out.append(decode.decode_spec(d, 1, v, "bfloat16"))
     for d in (64, 128):
         out += [pf.prefill_spec(d, rows, Variant(alibi=True), "bfloat16") for rows in pf.CONFIGS]
         out += [pf.sm90_spec(d, Variant(alibi=True), "bfloat16", interleaved=il) for il in (False, True)]
@@ -77,7 +72,7 @@ def specs():
     from kvattn.merge import merge_spec
     sinks = (Variant(sink=True), Variant(alibi=True, sink=True))   # attention sinks (tests, bench_variants)
     for v in sinks:
-        out += [x for d in decode.HEAD_DIMS for x in dspecs(d, 1, v, "bfloat16")]
+        out += [decode.decode_spec(d, 1, v, "bfloat16") for d in decode.HEAD_DIMS]
         out.append(merge_spec("float32", "bfloat16", v))
     for d in (64, 128):
         for v in (Variant(sink=True), Variant(window=True, sink=True)):
@@ -86,7 +81,7 @@ def specs():
     out.append(decode.decode_spec(64, 1, Variant(sink=True, rope=1), "bfloat16"))   # python -m kvattn
     for rope in (1, 2):   # fused RoPE (tests, bench_variants): decode, and the sm80 prefill tiles it runs on
         v = Variant(rope=rope)
-        out += [x for d in decode.HEAD_DIMS for x in dspecs(d, 1, v, "bfloat16")]
+        out += [decode.decode_spec(d, 1, v, "bfloat16") for d in decode.HEAD_DIMS]
         out += [pf.prefill_spec(d, rows, v, "bfloat16") for d in (64, 128, 256) for rows in (64, 16)]
         out += [pf.prefill_spec(64, 128, v, "bfloat16")] + [pf.sm90_spec(d, v, "bfloat16") for d in (64, 128)]
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
