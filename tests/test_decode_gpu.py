@@ -299,6 +299,11 @@ def test_decode_ab_builds_match_reference(d, tuning, page, dtype):
     pt, q, k, v = make_case(rng, lens, page, hq, hkv, d, dtype, "NHD")
     w = kvattn.BatchDecodeWithPagedKVCache(tuning=tuning)
     w.plan(pt, hq, hkv, d, q_dtype=dtype, logits_soft_cap=30.0)
+    check_soft_capped_run(w, pt, q, k, v, lens, dtype)
+
+
+def check_soft_capped_run(w, pt, q, k, v, lens, dtype):
+    """w (planned on pt with logits_soft_cap 30) run into a poisoned out / lse, against the float64 reference."""
     out, lse = poisoned(q.shape, dtype), poisoned(q.shape[:2], "float32")
     w.run(q, k, v, out=out, lse=lse)
     ro, rl = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1, dtype=np.int32), pt,
@@ -327,15 +332,7 @@ def test_head_dim_256_slim_and_two_stage_kernels_match_reference(slim, hq, hkv, 
         w.plan(pt, hq, hkv, 256, q_dtype=dtype, logits_soft_cap=30.0)
         spec = w.last_plan.launches[0].kernel.spec
         assert (("KVATTN_DECODE_SLIM", 1) in spec.defines) == bool(slim), spec.defines
-        out, lse = poisoned(q.shape, dtype), poisoned(q.shape[:2], "float32")
-        w.run(q, k, v, out=out, lse=lse)
-        ro, rl = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1, dtype=np.int32), pt,
-                                                 logits_soft_cap=30.0, return_lse=True)
-        got = out.numpy()
-        otol, ltol = TOL[dtype]
-        for i, n in enumerate(lens):
-            assert (np.all(got[i] == 0) if n == 0 else rel_l2(got[i], ro[i]) <= otol), f"request {i} (kv_len {n})"
-        assert_lse(lse.numpy(), rl, ltol)
+        check_soft_capped_run(w, pt, q, k, v, lens, dtype)
 
 
 @requires_gpu
