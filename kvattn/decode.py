@@ -80,7 +80,8 @@ FUSED_MERGE_BATCH = 4
 #: not fit) or False (the 2-stage kernel). Off by default: run 34c (b64_L4096 head dim 256, in turns) 3.815 TB/s
 #: against the 2-stage kernel's 3.908, so a third stage is not what that shape lacks (BENCHMARKS.md).
 SLIM = False
-#: min_chunk_tokens: the split path's smallest chunk in tokens (None: kvattn.scheduler.MIN_CHUNK_TOKENS, 128): small
+#: min_chunk_tokens: the split path's smallest chunk in tokens (None: kvattn.scheduler.MIN_CHUNK_TOKENS, 128; "auto":
+#: auto_min_chunk_tokens, the A/B of run 34d's lead): small
 #: batches take fewer, longer chunks (b1_L2048: 13 a KV head); smaller chunks put more CTAs on the SMs.
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=None,
                       refill_first=False, fused_merge=None, wtok=None, merge_lanes=None, merge_programmatic=True,
@@ -113,6 +114,17 @@ def default_stages(head_dim: int, kv_dtype: str | None = None, wtok: int | None 
     if _dtypes.is_fp8(kv_dtype):
         return 2 if head_dim in (128, 256) else 3
     return 2 if head_dim * warp_tokens(head_dim, kv_dtype, wtok, head_dim_vo) == 128 * 16 else 3
+
+
+def auto_min_chunk_tokens(kv_lens) -> int:
+    """tuning min_chunk_tokens="auto" (an A/B candidate, not the default): a sixteenth of the mean length of the
+    non-empty requests, in steps of 16, within [32, 128], so a small batch's requests get about 16 chunks each. It
+    reproduces the best of run 34d's traced launches (the last CTA's end: b1_L512 32 tokens 8.8 us against 12.9 at
+    128, b4_L1024 64 tokens 12.2 against 13.8, b1_L2048 128 tokens 11.0, the default); not yet timed end to end."""
+    kv = np.asarray(kv_lens)
+    nz = kv[kv > 0]
+    mean = int(nz.mean()) if nz.size else 0
+    return min(128, max(32, mean // 256 * 16))
 
 
 def auto_m_tiles(group: int, head_dim: int, kv_dtype: str | None, variant: Variant) -> int:
@@ -331,7 +343,8 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
             ctas_per_sm=ctas_per_sm, max_batch_size=self.max_batch_size if self.use_cuda_graph else None,
             max_chunks=layout.max_chunks if layout else None, out=host[:plan_cap],
             allow_no_split=tn["allow_no_split"], split_tokens=split, max_work=max_work,
-            min_chunk_tokens=tn["min_chunk_tokens"])
+            min_chunk_tokens=(auto_min_chunk_tokens(kv_lens) if tn["min_chunk_tokens"] == "auto"
+                              else tn["min_chunk_tokens"]))
         host[off_indptr:off_indptr + batch + 1] = page_table.indptr
         host[off_indices:off_indices + nnz] = page_table.indices
         host[off_last:off_last + batch] = page_table.last_page_len

@@ -30,6 +30,7 @@ def extra_cases():
         out[f"b64_L4096_{name}"] = ([4096] * 64, {**base, **over})
     for b in (1, 8, 32, 128, 256, 512):
         out[f"b{b}_L2048"] = ([2048] * b, base)
+    out["b1_L512"], out["b4_L1024"] = ([512], base), ([1024] * 4, base)   # small batches' chunk sizes (run 34d)
     return out
 
 
@@ -56,6 +57,8 @@ TUNINGS = {"default": {}, "l2_256B": dict(l2_prefetch=True), "refill1st": dict(r
            "chunk64_fused": dict(min_chunk_tokens=64, fused_merge=True),
            "chunk64_apart": dict(min_chunk_tokens=64, fused_merge=False),
            "chunk32_fused": dict(min_chunk_tokens=32, fused_merge=True),
+           # the smallest chunk a sixteenth of the mean request (decode.auto_min_chunk_tokens: run 34d's lead)
+           "chunk_auto_fused": dict(min_chunk_tokens="auto", fused_merge=True),
            # head dim 256 (groups <= 8): the slim kernel (8-row Q slots, 3 stages; off by default since run 34c)
            "slim": dict(slim=True), "slim_off": dict(slim=False)}
 

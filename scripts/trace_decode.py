@@ -35,7 +35,7 @@ MERGES = {"fused": dict(fused_merge=True), "fused_b1": dict(fused_merge=True, fu
 #: --chunks: the fused launch with small batches cut into chunks of at least 96 / 64 / 32 tokens (tuning
 #: min_chunk_tokens; the default 128), its GPU time read from the stamps whatever the host
 CHUNKS = {"fused": dict(fused_merge=True), **{f"fused_c{n}": dict(fused_merge=True, min_chunk_tokens=n)
-                                              for n in (96, 64, 32)}}
+                                              for n in (96, 64, 32, "auto")}}
 CTAS, EVENTS = 1024, 8   # cuda_src/decode.cuh: KVATTN_DTRACE_*
 START, STREAM_END, ARRIVED, MERGED, END, LAST = range(6)
 

@@ -351,6 +351,12 @@ def test_min_chunk_tokens_sets_the_small_batch_cap():
         plan_decode(np.array([2048]), 16, 32, 8, 128, min_chunk_tokens=8)
 
 
+def test_auto_min_chunk_tokens_is_a_sixteenth_of_the_mean_request():
+    from kvattn.decode import auto_min_chunk_tokens
+    assert [auto_min_chunk_tokens([n]) for n in (100, 512, 1000, 1024, 2048, 65536)] == [32, 32, 48, 64, 128, 128]
+    assert auto_min_chunk_tokens([1024, 0, 0, 1024]) == 64 and auto_min_chunk_tokens([0, 0]) == 32
+
+
 def test_max_chunks_caps_split():
     p = run_and_check(skewed(100), max_chunks=5)
     assert p.num_chunks == 5
