@@ -81,8 +81,8 @@ FUSED_MERGE_BATCH = 4
 #: against the 2-stage kernel's 3.908, so a third stage is not what that shape lacks (BENCHMARKS.md).
 SLIM = False
 #: min_chunk_tokens: the split path's smallest chunk in tokens (None: kvattn.scheduler.MIN_CHUNK_TOKENS, 128; "auto":
-#: auto_min_chunk_tokens, the A/B of run 34d's lead): small
-#: batches take fewer, longer chunks (b1_L2048: 13 a KV head); smaller chunks put more CTAs on the SMs.
+#: auto_min_chunk_tokens, the A/B of run 34d's lead). Small batches take fewer, longer chunks (b1_L2048: 13 a KV
+#: head); smaller chunks put more CTAs on the SMs but give the merge more states (run 34d, BENCHMARKS.md).
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=None,
                       refill_first=False, fused_merge=None, wtok=None, merge_lanes=None, merge_programmatic=True,
                       rope_defines=(), ids_ahead=None, trace=False, fused_merge_batch=None, min_chunk_tokens=None,
