@@ -189,14 +189,12 @@ def smem_bytes(head_dim: int, mt: int, stages: int | None = None, kv_dtype: str 
     stages = stages or default_stages(head_dim, kv_dtype, wtok, head_dim_vo, slim)
     rows = 16 * mt
     merge_ml = 2 * 4 * 16 * 4                      # WarpMerge's m and l
-    if slim:   # 8-row Q slots; the merge in four phases of dvo / 4 columns, m / l apart
-        stage = max(4 * 16 * (dvo // 4 + 4) * 4, tile * (head_dim + dvo) * 2)
-        return stages * (stage + 8 * head_dim * 2) + merge_ml
     if fp8:   # K, V fp8 tiles; Q slots; their row scales; m / l apart
         return stages * (tile * (head_dim + dvo) + rows * head_dim * 2) + stages * rows * 4 + merge_ml
-    if tile == 4 * 8:   # 8-token warp tiles: the merge in two phases of dvo / 2 columns, m / l apart
-        stage = max(4 * 16 * (dvo // 2 + 4) * 4, tile * (head_dim + dvo) * 2)
-        return stages * (stage + rows * head_dim * 2) + merge_ml
+    if tile == 4 * 8:   # 8-token warp tiles: the merge in phases of dvo / phases columns, m / l apart
+        phases, q_rows = (4, 8) if slim else (2, rows)   # slim: 4 phases, 8-row Q slots
+        stage = max(4 * 16 * (dvo // phases + 4) * 4, tile * (head_dim + dvo) * 2)
+        return stages * (stage + q_rows * head_dim * 2) + merge_ml
     stage = max(4 * 16 * (dvo + 4) * 4 + merge_ml, tile * (head_dim + dvo) * 2)   # the merge's scratch, or K + V
     return stages * (stage + rows * head_dim * 2)
 

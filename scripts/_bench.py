@@ -57,6 +57,25 @@ def paged_decode_inputs(lens, page: int, hq: int, hkv: int, d: int, rng, dtype="
     return pt, random_device((len(lens), hq, d), dtype, rng), k, v
 
 
+def decode_cases(names, cases: dict, page: int, hq: int, hkv: int, d: int):
+    """Per name: (name, its KV lengths cases[name], page table, q, k, v, a new kvattn Stream), fresh random inputs
+    from one generator (seed 0), as paged_decode_inputs makes them."""
+    rng = np.random.default_rng(0)
+    for name in names:
+        lens = cases[name]
+        yield (name, lens, *paged_decode_inputs(lens, page, hq, hkv, d, rng), kvattn.Stream())
+
+
+def last_request_error(pt, q, k, v, out, stream) -> float:
+    """Relative L2 error of a decode batch's last request in out against the float64 reference."""
+    from kvattn import reference
+    i = q.shape[0] - 1
+    got = out.numpy(stream)[i:]
+    kk, vv = request_kv(pt, k, v, i)
+    ro = reference.attention(q[i:].numpy().astype(np.float64), kk, vv)
+    return float(np.linalg.norm(got - ro) / np.linalg.norm(ro))
+
+
 def read_device_global(module, name: bytes) -> np.ndarray:
     """A kernel module's global array `name` (uint64 words, after the device's pending work), zeroed after the
     read so the next launch's stamps start clean (the trace builds' timer stamps)."""

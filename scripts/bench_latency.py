@@ -16,8 +16,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import kvattn, paged_decode_inputs, request_kv, table  # noqa: E402
-from kvattn import reference  # noqa: E402
+from _bench import decode_cases, kvattn, last_request_error, table  # noqa: E402
 from kvattn.stream import Event  # noqa: E402
 from kvattn.timing import time_us  # noqa: E402
 
@@ -51,12 +50,8 @@ def main():
     if not kvattn.gpu_available():
         print("bench_latency: no CUDA GPU found")
         return 0
-    rng = np.random.default_rng(0)
     rows = []
-    for name in args.cases.split(","):
-        lens = CASES[name]
-        pt, q, k, v = paged_decode_inputs(lens, PAGE, HQ, HKV, D, rng)
-        s = kvattn.Stream()
+    for name, lens, pt, q, k, v, s in decode_cases(args.cases.split(","), CASES, PAGE, HQ, HKV, D):
         row = dict(case=name)
         for label, tn in (("auto", None), ("apart", dict(fused_merge=False))):
             out = kvattn.empty(q.shape, "bfloat16")
@@ -65,10 +60,7 @@ def main():
             run = lambda w=w, out=out: w.run(q, k, v, out=out, stream=s)   # noqa: E731
             row[f"{label} eager"] = f"{time_us(run, stream=s, reps=200):.1f}"
             row[f"{label} graph"] = f"{graph_us(run, s):.1f}"
-            got = out.numpy(s)[-1:]
-            kk, vv = request_kv(pt, k, v, len(lens) - 1)
-            ro = reference.attention(q[len(lens) - 1:].numpy().astype(np.float64), kk, vv)
-            row[f"{label} err"] = f"{np.linalg.norm(got - ro) / np.linalg.norm(ro):.0e}"
+            row[f"{label} err"] = f"{last_request_error(pt, q, k, v, out, s):.0e}"
             if tn is None:
                 row["auto merge"] = "in launch" if w.last_plan.merge is None else "kernel"
         rows.append(row)

@@ -21,8 +21,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import kvattn, paged_decode_inputs, read_device_global, request_kv, table  # noqa: E402
-from kvattn import decode, reference  # noqa: E402
+from _bench import decode_cases, kvattn, last_request_error, read_device_global, table  # noqa: E402
+from kvattn import decode  # noqa: E402
 from kvattn.timing import time_us  # noqa: E402
 from kvattn.variants import Variant  # noqa: E402
 
@@ -79,12 +79,8 @@ def main():
     if not kvattn.gpu_available():
         print("trace_decode: no CUDA GPU found")
         return 0
-    rng = np.random.default_rng(0)
     rows = []
-    for name in args.cases.split(","):
-        lens = CASES[name]
-        pt, q, k, v = paged_decode_inputs(lens, PAGE, HQ, HKV, D, rng)
-        s = kvattn.Stream()
+    for name, lens, pt, q, k, v, s in decode_cases(args.cases.split(","), CASES, PAGE, HQ, HKV, D):
         for merge in modes:
             row = dict(case=name, merge=merge)
             for trace in (False, True):
@@ -99,10 +95,7 @@ def main():
                     read_trace(w)   # (clears the stamps of the timed launches: a CTA that merged in one of them
                     run()           # but not in the last would keep that launch's stamps)
                     row.update(summarize(read_trace(w), grid[0] * grid[1]))
-                got = out.numpy(s)[-1:]
-                kk, vv = request_kv(pt, k, v, len(lens) - 1)
-                ro = reference.attention(q[len(lens) - 1:].numpy().astype(np.float64), kk, vv)
-                row["err"] = f"{np.linalg.norm(got - ro) / np.linalg.norm(ro):.0e}"
+                row["err"] = f"{last_request_error(pt, q, k, v, out, s):.0e}"
             rows.append(row)
             print(row, flush=True)
     print(f"\ndecode launch timeline, us from the first CTA's start (min/median/max over CTAs; last of 20 launches; "
