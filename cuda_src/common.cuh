@@ -16,7 +16,8 @@ struct PlanHeader {
   int num_partial_rows;   // partial (o, lse) rows the items write
   int num_chunks;         // decode: CTAs of the split-KV grid
   int num_kv_heads;       // prefill: KV heads per item (the sm90 kernel's units are items x heads)
-  int reserved[2];
+  int kv_head_group;      // prefill: KV heads walked together (sm90 units by head group; 0: all of them)
+  int reserved[1];
 };
 static_assert(sizeof(PlanHeader) == 32, "PlanHeader: 8 int32, as kvattn/contract.py");
 

@@ -2,7 +2,8 @@
 //
 // Same plan items, parameters, variants and epilogue as prefill.cuh (PrefillKernel's helpers); only the
 // mainloop differs. Where kPersist (the host's choice), the kernel is persistent: a grid of at most one CTA per
-// SM walks the (item, KV head) units, longest first within L2 windows (kvattn/scheduler.py), CTA b taking unit b
+// SM walks the (item, KV head) units by KV head groups, longest first within L2 windows (kvattn/scheduler.py;
+// unit_of below), CTA b taking unit b
 // of every even round of gridDim.x units and unit gridDim.x - 1 - b of every odd one (snake order: the rounds'
 // sums even out). The ring of K/V stages runs on across a CTA's units, so the producers load the next unit's Q
 // and first tiles while the consumers finish a unit (its last P V, its epilogue). One CTA = three warpgroups (384
@@ -824,8 +825,18 @@ struct PrefillSm90 {
     KVATTN_TRACE(256, slot, kTraceEnd1);
   }
 
-  // Unit f of the launch: plan item f / Hkv (items sorted longest first within L2 windows: kvattn/scheduler.py),
-  // KV head f % Hkv. The CTAs walking the units: the grid, or in a mixed launch (mixed.cuh) its first `ctas`.
+  // Unit f of the launch: the units come head group by head group (hg KV heads, the plan header's kv_head_group:
+  // the CTAs in flight share those heads' K/V in L2), within a group by plan item (sorted longest first within L2
+  // windows: kvattn/scheduler.py), within an item by head. The CTAs walking the units: the grid, or in a mixed
+  // launch (mixed.cuh) its first `ctas`.
+  struct UnitOf {
+    int item, head;
+  };
+  __device__ __forceinline__ static UnitOf unit_of(int f, int items, int hkv, int hg) {
+    if (hg == hkv) return {f / hkv, f % hkv};   // one group (the common case: no more divisions)
+    const int per = items * hg, grp = f / per, r = f - grp * per;
+    return {r / hg, grp * hg + r % hg};
+  }
   template <bool MIXED>
   __device__ __forceinline__ static int unit(int round, int ctas) {
     const int nb = MIXED ? ctas : (int)gridDim.x;
@@ -878,13 +889,15 @@ struct PrefillSm90 {
       return;
     }
     const int hkv = plan_header(p.plan).num_kv_heads, units = items * hkv;
+    const int hg = plan_header(p.plan).kv_head_group > 0 ? plan_header(p.plan).kv_head_group : hkv;
     int g = 0;   // ring tiles of this CTA's earlier units
     if (threadIdx.x < PRODUCERS) {
       regs_dec<PRODUCER_REGS>();
       int nq = 0;   // of them, units with tiles
       for (int r = 0, f = unit<MIXED>(0, ctas); f < units; f = unit<MIXED>(++r, ctas)) {
-        const Item it = Base::load_item(p, p.plan, f / hkv);
-        produce(p, it, qs + (nq % QBUF) * Q_ELEMS, kvs, full, empty, &qfree[nq % QBUF], f % hkv, g, nq, r);
+        const UnitOf u = unit_of(f, items, hkv, hg);
+        const Item it = Base::load_item(p, p.plan, u.item);
+        produce(p, it, qs + (nq % QBUF) * Q_ELEMS, kvs, full, empty, &qfree[nq % QBUF], u.head, g, nq, r);
         const int ntiles = (it.ke - it.kb + N - 1) / N;
         g += ntiles;
         nq += ntiles > 0;
@@ -895,12 +908,15 @@ struct PrefillSm90 {
       int nq = 0;            // the CTA's earlier units with tiles (their Q slots alternate where QBUF = 2)
       Item it;
       int pend = -1;         // (LAZY) the stage of this warpgroup's last O store, not yet released
-      if (unit<MIXED>(0, ctas) < units) it = Base::load_item(p, p.plan, unit<MIXED>(0, ctas) / hkv);
-      for (int r = 0, f = unit<MIXED>(0, ctas); f < units; f = unit<MIXED>(++r, ctas)) {
+      const int f0 = unit<MIXED>(0, ctas);
+      if (f0 < units) it = Base::load_item(p, p.plan, unit_of(f0, items, hkv, hg).item);
+      for (int r = 0, f = f0; f < units; f = unit<MIXED>(++r, ctas)) {
         const int fn = unit<MIXED>(r + 1, ctas);
+        const UnitOf u = unit_of(f, items, hkv, hg);
         Item next;
-        consume<STREAM_TURNS>(p, it, qs + (nq % QBUF) * Q_ELEMS, kvs, full, empty, &qfree[nq % QBUF], f % hkv,
-                              f / hkv, g, !opened, fn < units ? fn / hkv : -1, next, pend, (nq / QBUF) & 1, r);
+        consume<STREAM_TURNS>(p, it, qs + (nq % QBUF) * Q_ELEMS, kvs, full, empty, &qfree[nq % QBUF], u.head,
+                              u.item, g, !opened, fn < units ? unit_of(fn, items, hkv, hg).item : -1, next, pend,
+                              (nq / QBUF) & 1, r);
         const int ntiles = (it.ke - it.kb + N - 1) / N;
         g += ntiles;
         nq += ntiles > 0;

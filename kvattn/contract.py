@@ -16,7 +16,8 @@ PLAN_HEADER = np.dtype([
     ("num_partial_rows", "<i4"),   # partial (o, lse) rows the items write
     ("num_chunks", "<i4"),         # decode: CTAs of the split-KV grid
     ("num_kv_heads", "<i4"),       # prefill: KV heads per item (the sm90 kernel's units are items x heads)
-    ("reserved", "<i4", (2,)),
+    ("kv_head_group", "<i4"),      # prefill: KV heads walked together (sm90 units by head group; 0: all of them)
+    ("reserved", "<i4", (1,)),
 ])
 HEADER_INT32 = PLAN_HEADER.itemsize // 4
 
@@ -37,6 +38,7 @@ BATCH_SIZE = index("batch_size")
 NUM_PARTIAL_ROWS = index("num_partial_rows")
 NUM_CHUNKS = index("num_chunks")
 NUM_KV_HEADS = index("num_kv_heads")
+KV_HEAD_GROUP = index("kv_head_group")
 
 
 def page_size_shift(page_size: int) -> int:
@@ -45,7 +47,7 @@ def page_size_shift(page_size: int) -> int:
 
 
 def write_header(buf: np.ndarray, *, num_items: int, num_merge: int, batch_size: int, num_partial_rows: int,
-                 num_chunks: int = 0, num_kv_heads: int = 0):
+                 num_chunks: int = 0, num_kv_heads: int = 0, kv_head_group: int = 0):
     """Fill the header of an int32 plan buffer buf (at least HEADER_INT32 elements)."""
     buf[:HEADER_INT32] = 0
     buf[NUM_ITEMS] = num_items
@@ -54,3 +56,4 @@ def write_header(buf: np.ndarray, *, num_items: int, num_merge: int, batch_size:
     buf[NUM_PARTIAL_ROWS] = num_partial_rows
     buf[NUM_CHUNKS] = num_chunks
     buf[NUM_KV_HEADS] = num_kv_heads
+    buf[KV_HEAD_GROUP] = kv_head_group

@@ -281,14 +281,15 @@ def level_layout(cap_b: int, cap_w: int, cap_m: int, cap_p: int, vdata) -> tuple
 
 
 def write_level(h: np.ndarray, off: dict, items: np.ndarray, batch: int, qo_indptr, kv_lens, page_indptr,
-                page_indices, vdata=None, mask_offsets=None, *, num_kv_heads: int, num_partial_rows: int, merge=None):
+                page_indices, vdata=None, mask_offsets=None, *, num_kv_heads: int, num_partial_rows: int, merge=None,
+                kv_head_group: int = 0):
     """Fill one launch's int32 plan buffer h (zeroed first). items: int32 [W, 8]; qo_indptr, page_indptr: int
     [batch + 1]; kv_lens: int [batch]; page_indices: int [pages]; merge: (indptr [M + 1], rows [M], capacity)
     of the split rows, the unused tail of indptr repeating its last value (graph mode's fixed merge grid)."""
     h[:] = 0
     nm = merge[1].size if merge is not None else 0
     write_header(h, num_items=items.shape[0], num_merge=nm, batch_size=batch, num_partial_rows=num_partial_rows,
-                 num_kv_heads=num_kv_heads)
+                 num_kv_heads=num_kv_heads, kv_head_group=kv_head_group)
     h[off["qo_indptr"]:off["qo_indptr"] + batch + 1] = qo_indptr
     h[off["kv_len"]:off["kv_len"] + batch] = kv_lens
     h[off["page_indptr"]:off["page_indptr"] + batch + 1] = page_indptr
@@ -430,7 +431,7 @@ class _BatchPrefill(AttentionOp):
         h = host.view(np.int32)
         write_level(h[:total_i32], off, plan.items, batch, qo_indptr, kv_lens, page_indptr, page_indices, vdata,
                     mask_offsets, num_kv_heads=hkv, num_partial_rows=plan.num_partial_rows,
-                    merge=(plan.merge_indptr, plan.merge_rows, cap_m))
+                    merge=(plan.merge_indptr, plan.merge_rows, cap_m), kv_head_group=plan.kv_head_group)
         if mask_bytes:
             host[total_i32 * 4:total_i32 * 4 + mask_bytes] = packed_mask
 

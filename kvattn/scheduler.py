@@ -674,6 +674,12 @@ together, so the items in flight at any time are those of one or two windows: ea
 memory about once and then served by L2 to its other query blocks.  Sorting the whole batch longest first
 instead interleaves every request's blocks, and a batch whose KV outgrows L2 (32 x 1024 tokens: 134 MB at
 Hq32/Hkv8/D128 bf16) rereads it from memory for every query block.
+
+Head groups: the sm90 kernel walks its (item, KV head) units head group by head group (``kv_head_group`` heads
+at a time, the plan header's field; each group walks the whole item list).  A request whose K/V over all heads
+outgrows a window (b1 x 32768 tokens: 128 MiB) would otherwise have the CTAs in flight read every head's K/V at
+once; grouped, the units in flight read ``kv_head_group`` heads' (the most heads, a divisor of ``num_kv_heads``,
+whose K/V of the longest request fits a window), and the windows are counted on those heads' bytes.
 """
 
 PREFILL_TILE_KV = 64
@@ -685,6 +691,8 @@ PREFILL_ITEM_FIELDS = 8
 #: TFLOP/s, b64_S512 233 / 260 / 258 / 250, b8_S2048 457 / 432 / 465 / 476, paged b8_S2048 411 / 370 / 402 / 417
 #: (a window of one 8 MB request is worse there); b1 cases unchanged. 32 MiB: the best or within 4% of it.
 PREFILL_L2_WINDOW_BYTES = 32 << 20
+#: Whether the prefill units are walked by KV head groups that fit an L2 window (False: all heads together).
+PREFILL_HEAD_GROUPS = True
 
 
 @dataclass(frozen=True)
@@ -700,6 +708,7 @@ class PrefillPlan:
     chunk: int               # L of the split path (0: no split)
     tokens_per_block: int
     head_slices: int
+    kv_head_group: int       # KV heads the sm90 kernel's units walk together (num_kv_heads: all)
 
     @property
     def num_items(self) -> int:
@@ -777,6 +786,17 @@ def _l2_windows(kv, bytes_per_token: int):
         return np.zeros(kv.size, np.int64)
     before = np.cumsum(kv) - kv
     return before * int(bytes_per_token) // PREFILL_L2_WINDOW_BYTES
+
+
+def kv_head_group(kv, num_kv_heads: int, bytes_per_token: int) -> int:
+    """KV heads walked together (see the section doc): all where the longest request's K/V (kv: int [B] tokens;
+    bytes_per_token over all heads) fits a window, else the largest divisor of num_kv_heads whose share does
+    (at least 1)."""
+    hkv = num_kv_heads
+    if not (bytes_per_token and PREFILL_L2_WINDOW_BYTES and PREFILL_HEAD_GROUPS and kv.size):
+        return hkv
+    per_head = int(kv.max()) * int(bytes_per_token) // hkv
+    return next((d for d in range(hkv, 0, -1) if hkv % d == 0 and per_head * d <= PREFILL_L2_WINDOW_BYTES), 1)
 
 
 def _prefill_items(breq, t0, ntok, lo, hi, csize, nchunk, nz, hs, group, pbase, pstride, chunked, window=None):
@@ -869,9 +889,10 @@ def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal
     num_partial = int(pcount.sum())
 
     sb = split_blk
+    bpt = _as_int("kv_bytes_per_token", kv_bytes_per_token, 0)
+    hg = kv_head_group(kv, hkv, bpt)
     items = _prefill_items(breq, t0, ntok, lo, hi, csize, nchunk, nz, hs, group,
-                           np.where(sb, pbase, -1), np.where(sb, nchunk, 1), sb,
-                           _l2_windows(kv, _as_int("kv_bytes_per_token", kv_bytes_per_token, 0)))
+                           np.where(sb, pbase, -1), np.where(sb, nchunk, 1), sb, _l2_windows(kv, bpt * hg // hkv))
 
     # merges: every token of every split block, its chunks' partial rows are consecutive
     sblk = np.nonzero(split_blk)[0]
@@ -880,7 +901,7 @@ def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal
     mi = np.arange(int(mt.sum()), dtype=np.int64) - np.repeat(np.cumsum(mt) - mt, mt)
     qo_start = np.cumsum(qo) - qo
     merge_indptr, merge_rows = merge_lists(nchunk[mb], qo_start[breq[mb]] + t0[mb] + mi)
-    return PrefillPlan(items, merge_indptr, merge_rows, num_partial, bool(sblk.size), int(L), tpb, nz)
+    return PrefillPlan(items, merge_indptr, merge_rows, num_partial, bool(sblk.size), int(L), tpb, nz, hg)
 
 
 def cascade_chunks(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal=False, num_sms=132,
@@ -937,6 +958,7 @@ def plan_cascade_level(qo_lens, kv_lens, group_size, cta_rows, chunks, slots, sl
                           (qo_start[breq] + t0) * S + off, np.full(NB, S, np.int64), every)
 
 
-__all__ += ["PREFILL_TILE_KV", "PREFILL_MIN_CHUNK", "PREFILL_ITEM_FIELDS", "PrefillPlan", "prefill_geometry",
+__all__ += ["PREFILL_TILE_KV", "PREFILL_MIN_CHUNK", "PREFILL_ITEM_FIELDS", "PREFILL_HEAD_GROUPS", "PrefillPlan",
+            "prefill_geometry", "kv_head_group",
             "prefill_bounds", "plan_prefill",
             "cascade_chunks", "plan_cascade_level"]

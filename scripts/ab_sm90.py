@@ -1,6 +1,7 @@
 """A/B experiments on the sm90 prefill kernel, each in one process (bf16 unless named, Hq32/Hkv8, ragged):
 
     PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order]
+                                            [--hgroup]
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
                                             [--lazy] [--shift] [--ptail]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
@@ -17,6 +18,8 @@
   --split shapes and paged page-16 b8_S2048, with the error.
 --prefetch: TMA tiles with each box's page id loaded a tile ahead (KVATTN_SM90_PREFETCH=1, the default) against
   looked up at each tile (0), paged page 16 and ragged, with the error.
+--hgroup: long requests' units walked by KV head groups whose K/V fits an L2 window (kvattn.scheduler.kv_head_group,
+  the default) against all heads together and one head at a time, causal b1_S32768 / b1_S16384 / b2_S16384.
 --order: the prefill item order's L2 windows (kvattn.scheduler.PREFILL_L2_WINDOW_BYTES: 0 = the whole batch
   longest first, else consecutive requests of about that much KV each, longest first inside), batched cases.
 --stream: the persistent consumers' ping-pong turns as one stream over their units (KVATTN_SM90_STREAM=1, the
@@ -52,7 +55,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kvattn import prefill  # noqa: E402
+from kvattn import prefill, scheduler  # noqa: E402
 from kvattn.variants import Variant  # noqa: E402
 
 SPLIT = {0: "full kernel", 1: "no K/V loads", 2: "no softmax"}
@@ -98,6 +101,7 @@ def compile_all():
 
 
 ROUNDS = 3
+AUTO_HEAD_GROUP = scheduler.kv_head_group
 
 
 def compare(tag, name, flops, options, measure, rounds=ROUNDS):
@@ -295,6 +299,29 @@ def run_order(bp, rng):
     scheduler.PREFILL_L2_WINDOW_BYTES = default
 
 
+def head_groups(fixed):
+    """The plan's KV head groups: None = the scheduler's choice (kv_head_group), 0 = off (all heads together),
+    else `fixed` heads a group."""
+    from kvattn import scheduler
+
+    def apply():
+        scheduler.PREFILL_HEAD_GROUPS = fixed != 0
+        scheduler.kv_head_group = AUTO_HEAD_GROUP if fixed is None else (lambda kv, hkv, bpt: min(fixed or hkv, hkv))
+    return apply
+
+
+def run_hgroup(bp, rng):
+    """Long requests (K/V over all heads past an L2 window): units walked by KV head groups (the default) against
+    all heads together, and one head at a time."""
+    from kvattn import scheduler
+    for name, b, s, causal in [("causal b1_S32768", 1, 32768, True), ("causal b1_S16384", 1, 16384, True),
+                               ("causal b2_S16384", 2, 16384, True), ("non-causal b1_S16384", 1, 16384, False)]:
+        compare("hgroup", name, flops_of(bp, b, s, causal),
+                [("all heads", head_groups(0)), ("groups (auto)", head_groups(None)), ("one head", head_groups(1))],
+                case(bp, rng, name, b, s, causal))
+    head_groups(None)()
+
+
 def run_d256(bp, rng):
     def measure():
         _, _, us, _, err = bp.variant_case(rng, "causal b1_S8192 D256", d=256, backend="sm90")
@@ -385,7 +412,7 @@ def run_otma(bp, rng):
 
 EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma": run_qtma, "otma": run_otma, "pages": run_pages, "kvil": run_kvil, "split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold,
                "persist": run_persist,
-               "prefetch": run_prefetch, "order": run_order, "stream": run_stream,
+               "prefetch": run_prefetch, "order": run_order, "hgroup": run_hgroup, "stream": run_stream,
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit}
 
 if __name__ == "__main__":

@@ -47,3 +47,6 @@ def test_decode_and_prefill_plans_write_the_named_header():
     buf = np.full(16, 7, np.int32)
     contract.write_header(buf, num_items=3, num_merge=2, batch_size=5, num_partial_rows=9)
     assert list(buf[:8]) == [3, 2, 5, 9, 0, 0, 0, 0] and (buf[8:] == 7).all()
+    contract.write_header(buf, num_items=3, num_merge=2, batch_size=5, num_partial_rows=9, num_kv_heads=8,
+                          kv_head_group=2)
+    assert buf[contract.NUM_KV_HEADS] == 8 and buf[contract.KV_HEAD_GROUP] == 2

@@ -731,11 +731,36 @@ def test_prefill_l2_windows_group_requests_and_keep_the_items(lens, group, causa
     key = lambda items: sorted(map(tuple, items.tolist()))
     assert key(plain.items) == key(win.items)
     np.testing.assert_array_equal(plain.merge_rows, win.merge_rows)
+    assert win.kv_head_group == scheduler.kv_head_group(kv, 2, bpt) and plain.kv_head_group == 2
+    eff = bpt * win.kv_head_group // 2   # the windows count the bytes of the heads walked together
     before = np.cumsum(kv) - kv
-    w = (before * bpt // scheduler.PREFILL_L2_WINDOW_BYTES)[win.items[:, 0]]
+    w = (before * eff // scheduler.PREFILL_L2_WINDOW_BYTES)[win.items[:, 0]]
     assert (np.diff(w) >= 0).all(), "windows out of request order"
     ln = win.items[:, 4] - win.items[:, 3]
     for x in np.unique(w):
         assert (np.diff(ln[w == x]) <= 0).all(), "a window's items are not longest first"
-    if int(kv.sum()) * bpt <= scheduler.PREFILL_L2_WINDOW_BYTES:   # one window: the plain order
+    if int(kv.sum()) * eff <= scheduler.PREFILL_L2_WINDOW_BYTES:   # one window: the plain order
         np.testing.assert_array_equal(plain.items, win.items)
+
+
+@pytest.mark.parametrize("tokens, hkv, expect", [
+    (8192, 8, 8),      # 32 MiB of K/V over 8 heads: one window, every head together
+    (16384, 8, 4),     # 64 MiB: 4 heads' 32 MiB
+    (32768, 8, 2),     # 128 MiB: 2 heads' (b1_S32768 at Hkv 8, D 128, bf16)
+    (65536, 8, 1),     # 32 MiB a head: one head
+    (200000, 8, 1),    # a head's K/V outgrows a window: still one head, never none
+    (12288, 6, 3),     # 6 heads of 6 MiB (36 MiB): 3 heads (a divisor of the head count), not 5
+    (4096, 1, 1),
+])
+def test_prefill_kv_head_groups_fit_a_window(tokens, hkv, expect, monkeypatch):
+    """The KV heads the sm90 kernel walks together: all where the longest request's K/V fits an L2 window, else
+    the largest divisor of the head count whose share of it fits (at least one); the plan carries the group and
+    the header field kv_head_group. Off (PREFILL_HEAD_GROUPS False) or without kv_bytes_per_token: all heads."""
+    bpt = hkv * 2 * 128 * 2   # K and V, head dim 128, bf16
+    kv = np.array([100, tokens, 7])
+    assert scheduler.kv_head_group(kv, hkv, bpt) == expect
+    plan = scheduler.plan_prefill(np.array([1, 1, 1]), kv, 4, hkv, 128, kv_bytes_per_token=bpt)
+    assert plan.kv_head_group == expect
+    assert scheduler.plan_prefill(np.array([1, 1, 1]), kv, 4, hkv, 128).kv_head_group == hkv
+    monkeypatch.setattr(scheduler, "PREFILL_HEAD_GROUPS", False)
+    assert scheduler.kv_head_group(kv, hkv, bpt) == hkv
