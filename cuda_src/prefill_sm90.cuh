@@ -3,11 +3,10 @@
 // Same plan items, parameters, variants and epilogue as prefill.cuh (PrefillKernel's helpers); only the
 // mainloop differs. Where kPersist (the host's choice), the kernel is persistent: a grid of at most one CTA per
 // SM walks the (item, KV head) units by KV head groups, longest first within L2 windows (kvattn/scheduler.py;
-// unit_of below), CTA b taking unit b
-// of every even round of gridDim.x units and unit gridDim.x - 1 - b of every odd one (snake order: the rounds'
-// sums even out). The ring of K/V stages runs on across a CTA's units, so the producers load the next unit's Q
-// and first tiles while the consumers finish a unit (its last P V, its epilogue). One CTA = three warpgroups (384
-// threads) for 128 packed query rows:
+// Walk below), CTA b taking unit b of every even round of gridDim.x units and unit gridDim.x - 1 - b of every odd
+// one (snake order: the rounds' sums even out). The ring of K/V stages runs on across a CTA's units, so the
+// producers load the next unit's Q and first tiles while the consumers finish a unit (its last P V, its
+// epilogue). One CTA = three warpgroups (384 threads) for 128 packed query rows:
 //   - the producer warpgroup (24 registers after setmaxnreg, 40 when persistent) fills a ring of K/V tiles
 //     (N = 128 tokens in 3 stages; 80 tokens in 2 at head_dim 256). A full tile of a 16-bit cache, where run()
 //     bound tensor maps (kvattn/tma.py), is a few TMA boxes issued by the lanes of one warp, their bytes expected
@@ -825,23 +824,42 @@ struct PrefillSm90 {
     KVATTN_TRACE(256, slot, kTraceEnd1);
   }
 
-  // Unit f of the launch: the units come head group by head group (hg KV heads, the plan header's kv_head_group:
-  // the CTAs in flight share those heads' K/V in L2), within a group by plan item (sorted longest first within L2
-  // windows: kvattn/scheduler.py), within an item by head. The CTAs walking the units: the grid, or in a mixed
-  // launch (mixed.cuh) its first `ctas`.
+  // The CTA's walk over the (item, KV head) units: rounds of nb units (nb: the grid, or in a mixed launch (mixed.cuh)
+  // its first `ctas`), CTA b taking unit b of every even round and unit nb - 1 - b of every odd one (snake order:
+  // the rounds' sums even out). The units come head group by head group (hg KV heads, the plan header's
+  // kv_head_group: the CTAs in flight share those heads' K/V in L2), within a group by plan item (sorted longest
+  // first within L2 windows: kvattn/scheduler.py), then by head. Each group starts its rounds afresh, so a group's
+  // short last units and the next group's long first ones never share a round: one snake through all groups gave
+  // the CTAs that took a group's first units at a boundary its second ones too (causal b1_S16384 one head at a
+  // time: -13%, run 35a). Groups only where each fills a round and hg divides Hkv; else one group (the walk before).
   struct UnitOf {
     int item, head;
   };
-  __device__ __forceinline__ static UnitOf unit_of(int f, int items, int hkv, int hg) {
-    if (hg == hkv) return {f / hkv, f % hkv};   // one group (the common case: no more divisions)
-    const int per = items * hg, grp = f / per, r = f - grp * per;
-    return {r / hg, grp * hg + r % hg};
-  }
-  template <bool MIXED>
-  __device__ __forceinline__ static int unit(int round, int ctas) {
-    const int nb = MIXED ? ctas : (int)gridDim.x;
-    return round * nb + (round & 1 ? nb - 1 - (int)blockIdx.x : (int)blockIdx.x);
-  }
+  struct Walk {
+    int nb, hkv, hg, per, rounds, total;   // per: units a group; rounds: a group's; total: all groups'
+    __device__ __forceinline__ Walk(int items, int hkv_, int hg_, int nb_) : nb(nb_), hkv(hkv_) {
+      hg = hg_ > 0 && hg_ < hkv_ && hkv_ % hg_ == 0 && items * hg_ >= nb_ ? hg_ : hkv_;
+      per = items * hg;
+      rounds = (per + nb - 1) / nb;
+      total = rounds * (hkv / hg);
+    }
+    // The unit of round q (< total), or -1 where the round's group has no unit left for this CTA.
+    __device__ __forceinline__ int unit(int q) const {
+      const int grp = hg == hkv ? 0 : q / rounds, r = q - grp * rounds;
+      const int local = r * nb + (r & 1 ? nb - 1 - (int)blockIdx.x : (int)blockIdx.x);
+      return local < per ? grp * per + local : -1;
+    }
+    // The first round from q on with a unit (total: none).
+    __device__ __forceinline__ int next(int q) const {
+      while (q < total && unit(q) < 0) ++q;
+      return q;
+    }
+    __device__ __forceinline__ UnitOf of(int f) const {
+      if (hg == hkv) return {f / hkv, f % hkv};   // one group (the common case: no more divisions)
+      const int grp = f / per, r = f - grp * per;
+      return {r / hg, grp * hg + r % hg};
+    }
+  };
 
   // Closes the consumers' stream of turns (STREAM): consumer 0 takes consumer 1's last arrival.
   static constexpr bool STREAM_TURNS = KVATTN_SM90_STREAM;
@@ -888,14 +906,14 @@ struct PrefillSm90 {
       }
       return;
     }
-    const int hkv = plan_header(p.plan).num_kv_heads, units = items * hkv;
-    const int hg = plan_header(p.plan).kv_head_group > 0 ? plan_header(p.plan).kv_head_group : hkv;
+    const Walk walk(items, plan_header(p.plan).num_kv_heads, plan_header(p.plan).kv_head_group,
+                    MIXED ? ctas : (int)gridDim.x);
     int g = 0;   // ring tiles of this CTA's earlier units
     if (threadIdx.x < PRODUCERS) {
       regs_dec<PRODUCER_REGS>();
       int nq = 0;   // of them, units with tiles
-      for (int r = 0, f = unit<MIXED>(0, ctas); f < units; f = unit<MIXED>(++r, ctas)) {
-        const UnitOf u = unit_of(f, items, hkv, hg);
+      for (int r = walk.next(0); r < walk.total; r = walk.next(r + 1)) {
+        const UnitOf u = walk.of(walk.unit(r));
         const Item it = Base::load_item(p, p.plan, u.item);
         produce(p, it, qs + (nq % QBUF) * Q_ELEMS, kvs, full, empty, &qfree[nq % QBUF], u.head, g, nq, r);
         const int ntiles = (it.ke - it.kb + N - 1) / N;
@@ -908,14 +926,14 @@ struct PrefillSm90 {
       int nq = 0;            // the CTA's earlier units with tiles (their Q slots alternate where QBUF = 2)
       Item it;
       int pend = -1;         // (LAZY) the stage of this warpgroup's last O store, not yet released
-      const int f0 = unit<MIXED>(0, ctas);
-      if (f0 < units) it = Base::load_item(p, p.plan, unit_of(f0, items, hkv, hg).item);
-      for (int r = 0, f = f0; f < units; f = unit<MIXED>(++r, ctas)) {
-        const int fn = unit<MIXED>(r + 1, ctas);
-        const UnitOf u = unit_of(f, items, hkv, hg);
+      int r = walk.next(0);
+      if (r < walk.total) it = Base::load_item(p, p.plan, walk.of(walk.unit(r)).item);
+      for (int rn; r < walk.total; r = rn) {
+        rn = walk.next(r + 1);
+        const UnitOf u = walk.of(walk.unit(r));
         Item next;
         consume<STREAM_TURNS>(p, it, qs + (nq % QBUF) * Q_ELEMS, kvs, full, empty, &qfree[nq % QBUF], u.head,
-                              u.item, g, !opened, fn < units ? unit_of(fn, items, hkv, hg).item : -1, next, pend,
+                              u.item, g, !opened, rn < walk.total ? walk.of(walk.unit(rn)).item : -1, next, pend,
                               (nq / QBUF) & 1, r);
         const int ntiles = (it.ke - it.kb + N - 1) / N;
         g += ntiles;

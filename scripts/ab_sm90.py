@@ -312,10 +312,12 @@ def head_groups(fixed):
 
 def run_hgroup(bp, rng):
     """Long requests (K/V over all heads past an L2 window): units walked by KV head groups (the default) against
-    all heads together, and one head at a time."""
+    all heads together, and one head at a time; causal b8_S2048 (8 MiB requests: one group by default) as the
+    control."""
     from kvattn import scheduler
     for name, b, s, causal in [("causal b1_S32768", 1, 32768, True), ("causal b1_S16384", 1, 16384, True),
-                               ("causal b2_S16384", 2, 16384, True), ("non-causal b1_S16384", 1, 16384, False)]:
+                               ("causal b2_S16384", 2, 16384, True), ("non-causal b1_S16384", 1, 16384, False),
+                               ("causal b8_S2048", 8, 2048, True)]:
         compare("hgroup", name, flops_of(bp, b, s, causal),
                 [("all heads", head_groups(0)), ("groups (auto)", head_groups(None)), ("one head", head_groups(1))],
                 case(bp, rng, name, b, s, causal))

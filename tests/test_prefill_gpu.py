@@ -232,8 +232,9 @@ def test_sm90_persistent_ctas_walk_many_units(num_sms, d, causal):
 def test_sm90_persistent_ctas_walk_kv_head_groups(window_kib, group, causal, monkeypatch):
     """KV head groups (scheduler.kv_head_group, the plan header's kv_head_group): with an L2 window shrunk so the
     longest request's K/V (1300 tokens x 512 bytes: 650 KiB a head, 4 heads) fits only `group` heads, the
-    persistent CTAs walk the units group by group; every (item, head) unit is still computed once: every request
-    of a paged and a ragged batch against the reference, on few and on many CTAs."""
+    persistent CTAs walk the units group by group (3 CTAs), or as one group where a group's units would not fill
+    a round (132 CTAs: the kernel's fallback); every (item, head) unit is still computed once: every request of a
+    paged and a ragged batch against the reference."""
     from kvattn import scheduler
     monkeypatch.setattr(scheduler, "PREFILL_L2_WINDOW_BYTES", window_kib << 10)
     qo, kv = ([130, 33, 1, 200, 64, 5], [130, 700, 1, 1300, 64, 900]) if causal else \

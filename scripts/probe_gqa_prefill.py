@@ -1,0 +1,56 @@
+"""Large GQA groups in decode: the decode kernel (mma.sync, m_tiles) against the sm90 prefill kernel (wgmma, one
+query token of `group` packed rows per item, KV split by its scheduler), same paged data, timed in turns.
+
+    PYTHONPATH=. python3 scripts/probe_gqa_prefill.py
+
+Issue 12's GQA 32 case (Hq 32, Hkv 1) runs at 0.55 of copy on the decode kernel: issue-bound on mma.sync with 8
+warps an SM (BENCHMARKS.md, run 20b). A wgmma tile of 64 rows holds a group of 32 at half its rows; if the prefill
+kernel streams such a batch near the copy rate, large groups can take that path. Every figure is checked against
+the float64 reference (bench_decode.sample_error).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from _bench import kvattn, time_rounds
+from bench_decode import build, sample_error
+from kvattn.prefill import BatchPrefillWithPagedKVCache
+from kvattn.timing import copy_bandwidth_tbs
+
+CASES = [("GQA32 Hq32/Hkv1", 32, 1), ("GQA16 Hq64/Hkv4", 64, 4), ("GQA8 Hq64/Hkv8", 64, 8), ("anchor Hq32/Hkv8", 32, 8)]
+
+
+def main():
+    rng = np.random.default_rng(0)
+    copy = copy_bandwidth_tbs()
+    print(f"copy {copy:.3f} TB/s")
+    for name, hq, hkv in CASES:
+        lens = [4096] * 64
+        cfg = dict(hq=hq, hkv=hkv, d=128, dtype="bfloat16", layout="NHD", page=16)
+        pt, q, k, v = build(lens, cfg, rng)
+        qo_indptr = np.arange(len(lens) + 1, dtype=np.int32)
+        outs = {n: kvattn.empty(q.shape, "bfloat16") for n in ("decode", "sm90 prefill", "sm80 prefill")}
+        wd = kvattn.BatchDecodeWithPagedKVCache()
+        wd.plan(pt, hq, hkv, 128, q_dtype="bfloat16")
+        w9 = BatchPrefillWithPagedKVCache(backend="sm90")
+        w9.plan(qo_indptr, pt, hq, hkv, 128, q_dtype="bfloat16", cta_rows=128)
+        w8 = BatchPrefillWithPagedKVCache(backend="sm80")
+        w8.plan(qo_indptr, pt, hq, hkv, 128, q_dtype="bfloat16")
+        ws = {"decode": wd, "sm90 prefill": w9, "sm80 prefill": w8}
+        fns = {n: (lambda w=w, o=outs[n]: w.run(q, k, v, out=o)) for n, w in ws.items()}
+        for f in fns.values():
+            f()
+        us = time_rounds(fns)
+        nbytes = 2 * sum(lens) * hkv * 128 * 2
+        for n in fns:
+            err = sample_error(rng, lens, pt, q, k, v, outs[n], cfg)
+            tbs = nbytes / us[n] / 1e6
+            info = ws[n].last_plan.info
+            sched = info.get("schedule")
+            print(f"{name:18s} {n:13s} {us[n]:8.1f} us {tbs:6.3f} TB/s {tbs / copy:5.3f} of copy  err {err:.1e}"
+                  + (f"  (rows {info['cta_rows']}, items {sched.num_items}, split {sched.split}, grid {info['grid']})"
+                     if n != "decode" else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()
