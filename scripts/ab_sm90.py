@@ -18,8 +18,8 @@
   --split shapes and paged page-16 b8_S2048, with the error.
 --prefetch: TMA tiles with each box's page id loaded a tile ahead (KVATTN_SM90_PREFETCH=1, the default) against
   looked up at each tile (0), paged page 16 and ragged, with the error.
---hgroup: long requests' units walked by KV head groups whose K/V fits an L2 window (kvattn.scheduler.kv_head_group,
-  the default) against all heads together and one head at a time, causal b1_S32768 / b1_S16384 / b2_S16384.
+--hgroup: long requests' units walked one KV head at a time (kvattn.scheduler.kv_head_group, the default) against all
+  heads together and groups of heads that fit an L2 window, b1_S32768 / b1_S16384 / b2_S16384, b8_S2048 (control).
 --order: the prefill item order's L2 windows (kvattn.scheduler.PREFILL_L2_WINDOW_BYTES: 0 = the whole batch
   longest first, else consecutive requests of about that much KV each, longest first inside), batched cases.
 --stream: the persistent consumers' ping-pong turns as one stream over their units (KVATTN_SM90_STREAM=1, the
@@ -299,27 +299,31 @@ def run_order(bp, rng):
     scheduler.PREFILL_L2_WINDOW_BYTES = default
 
 
+def _fitted_group(kv, hkv, bpt):
+    """Run 35a's rule: the most heads (a divisor of hkv) whose K/V of the longest request fits a window."""
+    per_head = int(kv.max()) * int(bpt) // hkv
+    return next((d for d in range(hkv, 0, -1) if hkv % d == 0 and per_head * d <= scheduler.PREFILL_L2_WINDOW_BYTES), 1)
+
+
 def head_groups(fixed):
     """The plan's KV head groups: None = the scheduler's choice (kv_head_group), 0 = off (all heads together),
-    else `fixed` heads a group."""
-    from kvattn import scheduler
-
+    "fit" = run 35a's fitted groups, else `fixed` heads a group."""
     def apply():
         scheduler.PREFILL_HEAD_GROUPS = fixed != 0
-        scheduler.kv_head_group = AUTO_HEAD_GROUP if fixed is None else (lambda kv, hkv, bpt: min(fixed or hkv, hkv))
+        scheduler.kv_head_group = (AUTO_HEAD_GROUP if fixed is None else _fitted_group if fixed == "fit"
+                                   else (lambda kv, hkv, bpt: min(fixed or hkv, hkv)))
     return apply
 
 
 def run_hgroup(bp, rng):
-    """Long requests (K/V over all heads past an L2 window): units walked by KV head groups (the default) against
-    all heads together, and one head at a time; causal b8_S2048 (8 MiB requests: one group by default) as the
-    control."""
-    from kvattn import scheduler
+    """Long requests (K/V over all heads past an L2 window): units walked one KV head at a time (the default since
+    run 35b) against all heads together and (run 35a's default) groups of the most heads that fit a window; causal
+    b8_S2048 (8 MiB requests: one group by default) as the control."""
     for name, b, s, causal in [("causal b1_S32768", 1, 32768, True), ("causal b1_S16384", 1, 16384, True),
                                ("causal b2_S16384", 2, 16384, True), ("non-causal b1_S16384", 1, 16384, False),
                                ("causal b8_S2048", 8, 2048, True)]:
         compare("hgroup", name, flops_of(bp, b, s, causal),
-                [("all heads", head_groups(0)), ("groups (auto)", head_groups(None)), ("one head", head_groups(1))],
+                [("all heads", head_groups(0)), ("fitted groups", head_groups("fit")), ("auto", head_groups(None))],
                 case(bp, rng, name, b, s, causal))
     head_groups(None)()
 

@@ -227,24 +227,26 @@ def test_sm90_persistent_ctas_walk_many_units(num_sms, d, causal):
         assert w.last_plan.info["grid"] == (min(units, num_sms), 1, 1) and units > 4 * num_sms
 
 
-@pytest.mark.parametrize("window_kib, group", [(1400, 2), (700, 1)])
+@pytest.mark.parametrize("group", [None, 2])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sm90_persistent_ctas_walk_kv_head_groups(window_kib, group, causal, monkeypatch):
-    """KV head groups (scheduler.kv_head_group, the plan header's kv_head_group): with an L2 window shrunk so the
-    longest request's K/V (1300 tokens x 512 bytes: 650 KiB a head, 4 heads) fits only `group` heads, the
-    persistent CTAs walk the units group by group (3 CTAs), or as one group where a group's units would not fill
-    a round (132 CTAs: the kernel's fallback); every (item, head) unit is still computed once: every request of a
-    paged and a ragged batch against the reference."""
+def test_sm90_persistent_ctas_walk_kv_head_groups(group, causal, monkeypatch):
+    """KV head groups (the plan header's kv_head_group): with the L2 window shrunk below the longest request's K/V
+    (1300 tokens x 4 heads x 512 bytes: 2.6 MiB), the scheduler's one head at a time (None), or groups of 2 (the
+    kernel takes any divisor of Hkv), the persistent CTAs walk the units group by group (3 CTAs), or as one group
+    where a group's units would not fill a round (132 CTAs: the kernel's fallback); every (item, head) unit is
+    still computed once: every request of a paged and a ragged batch against the reference."""
     from kvattn import scheduler
-    monkeypatch.setattr(scheduler, "PREFILL_L2_WINDOW_BYTES", window_kib << 10)
+    monkeypatch.setattr(scheduler, "PREFILL_L2_WINDOW_BYTES", 1 << 20)
+    if group is not None:
+        monkeypatch.setattr(scheduler, "kv_head_group", lambda kv, hkv, bpt: group)
     qo, kv = ([130, 33, 1, 200, 64, 5], [130, 700, 1, 1300, 64, 900]) if causal else \
         ([130, 33, 1, 200, 64, 5], [300, 0, 129, 1300, 0, 900])
     for paged in (True, False):
         for num_sms in (3, 132):
-            w = run_case(np.random.default_rng(hash((window_kib, causal, paged, num_sms)) % 2**32),
+            w = run_case(np.random.default_rng(hash((group, causal, paged, num_sms)) % 2**32),
                          dtype="bfloat16", d=128, hkv=4, group=2, qo_lens=qo, kv_lens=kv, paged=paged,
                          cta_rows=128, backend="sm90", causal=causal, num_sms=num_sms)
-            assert w.last_plan.info["schedule"].kv_head_group == group
+            assert w.last_plan.info["schedule"].kv_head_group == (group or 1)
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
