@@ -83,10 +83,17 @@ SLIM = False
 #: min_chunk_tokens: the split path's smallest chunk in tokens (None: kvattn.scheduler.MIN_CHUNK_TOKENS, 128; "auto":
 #: auto_min_chunk_tokens, the A/B of run 34d's lead). Small batches take fewer, longer chunks (b1_L2048: 13 a KV
 #: head); smaller chunks put more CTAs on the SMs but give the merge more states (run 34d, BENCHMARKS.md).
+#: sm90_route: a batch of large GQA groups runs on the sm90 prefill kernel (kvattn.prefill, one query token a
+#: request: a unit of `group` packed rows, its idle second consumer warpgroup multiplying nothing), where the decode
+#: kernel's mma.sync tiles are issue-bound (GQA 32: 0.58 of copy, BENCHMARKS.md run 20b). None (auto): groups of at
+#: least SM90_ROUTE_MIN_GROUP at head dim 128 with a 16-bit cache and the built-in plain / soft-cap / window
+#: variants, on an sm_90 GPU, outside graph and deterministic mode; True (those modes raise) or False (the decode
+#: kernel).
+SM90_ROUTE_MIN_GROUP = 32
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=None,
                       refill_first=False, fused_merge=None, wtok=None, merge_lanes=None, merge_programmatic=True,
                       rope_defines=(), ids_ahead=None, trace=False, fused_merge_batch=None, min_chunk_tokens=None,
-                      slim=None)
+                      slim=None, sm90_route=None)
 
 
 def warp_tokens(head_dim: int, kv_dtype: str | None = None, forced: int | None = None,
@@ -249,6 +256,7 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
             raise ValueError(f"tuning: unknown keys {sorted(unknown)}; known: {sorted(DEFAULT_TUNING)}")
         self.tuning = {**DEFAULT_TUNING, **(tuning or {})}
         self.deterministic = bool(deterministic)
+        self._route = None   # (sm90_route) the prefill wrapper the last plan() handed the batch to
 
     # -- plan ------------------------------------------------------------------------------------
     @on_device
@@ -286,6 +294,11 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         variant, vvals = plan_variant(variant, num_qo_heads, batch, logits_soft_cap > 0, window_left >= 0, False,
                                       alibi_slopes, sinks, variant_params, rope, rope_offsets,
                                       int(page_table.kv_lens.max(initial=0)))
+        self._route = self._sm90_route(page_table, num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, sm_scale,
+                                       window_left, logits_soft_cap, variant, stream)
+        if self._route is not None:
+            self._plan = self._route.last_plan   # (its info: the prefill plan's; backend "sm90")
+            return
         self._bake(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, q_dtype=q_dtype,
                    kv_dtype=kv_dtype,
                    page_size=page_table.page_size, sm_scale=sm_scale, window_left=window_left,
@@ -394,6 +407,32 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
             merge_params=mp, s=s, copy_done=copy_done,
             schedule=plan, kernel=kernel, grid=grid, smem=smem, num_kv_heads=num_kv_heads)
 
+    @property
+    def sm90_routed(self) -> bool:
+        """Whether the last plan() handed the batch to the sm90 prefill kernel (tuning sm90_route)."""
+        return self._route is not None
+
+    def _sm90_route(self, page_table, hq, hkv, head_dim, q_dtype, kv_dtype, sm_scale, window_left, cap, variant,
+                    stream):
+        """(sm90_route) The paged prefill wrapper planned for this batch, one query token a request; or None."""
+        from . import prefill
+        on = self.tuning["sm90_route"]
+        if on is None:
+            builtin = not (variant.is_user or variant.rope or variant.alibi or variant.sink or variant.custom_mask)
+            on = (hq // hkv >= SM90_ROUTE_MIN_GROUP and head_dim == 128 and not _dtypes.is_fp8(kv_dtype) and builtin
+                  and not self.use_cuda_graph and not self.deterministic
+                  and prefill.sm90_usable("auto", head_dim, variant, q_dtype, kv_dtype))
+        elif on and (self.use_cuda_graph or self.deterministic):
+            raise ValueError("tuning sm90_route=True: not in graph or deterministic mode (the decode kernel's)")
+        if not on:
+            return None
+        w = prefill.BatchPrefillWithPagedKVCache(kv_layout=self.kv_layout, backend="sm90", num_sms=self._num_sms,
+                                                 device=self._device_arg)
+        w.plan(np.arange(page_table.batch_size + 1, dtype=np.int32), page_table, hq, hkv, head_dim, q_dtype=q_dtype,
+               kv_dtype=kv_dtype, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=cap, cta_rows=128,
+               stream=stream)
+        return w
+
     # -- run -------------------------------------------------------------------------------------
     @on_device
     def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None, k_scale=None,
@@ -413,6 +452,9 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         stream-ordered pool (readable at once by torch.from_dlpack / cupy.asarray, which order after the run).
         Capturable when out (and lse) are given.
         """
+        if self._route is not None:
+            return self._route.run(q, k_cache, v_cache, out=out, lse=lse, return_lse=return_lse, stream=stream,
+                                   k_scale=k_scale, v_scale=v_scale)
         p, s, capturing = self._begin_run(stream)
         q = import_array(q, s, capturing)
         k, v, kv_strides = p.kv.bind(k_cache, v_cache, s, capturing)

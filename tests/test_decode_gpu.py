@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import kvattn
-from kvattn import _dtypes, decode, reference
+from kvattn import _driver, _dtypes, decode, reference
 from _gpu import assert_lse, poisoned, rel_l2, requires_gpu
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
@@ -210,8 +210,9 @@ def test_deterministic_decode_is_batch_invariant():
         assert np.array_equal(lg.numpy(s)[pos].view(np.uint32), l0[0].view(np.uint32)), f"graph {trial}"
 
 
-MERGE_MODES = {"fused": dict(fused_merge=True), "fused_b1": dict(fused_merge=True, fused_merge_batch=1),
-               "apart": dict(fused_merge=False)}
+MERGE_MODES = {"fused": dict(fused_merge=True, sm90_route=False),
+               "fused_b1": dict(fused_merge=True, fused_merge_batch=1, sm90_route=False),
+               "apart": dict(fused_merge=False, sm90_route=False)}   # (the decode kernel's merges, GQA 32 too)
 
 
 @pytest.mark.parametrize("mode", list(MERGE_MODES))
@@ -270,13 +271,14 @@ def test_merge_fused_only_where_the_grid_leaves_sms_idle():
 
 @requires_gpu
 def test_large_groups_take_two_mma_tiles_per_cta():
-    """GQA 32 at head dim 128 (auto m_tiles: 2, one CTA per KV head's 32 query heads) against the reference,
-    with a soft cap and a window too; GQA 16 keeps one tile (two z slices)."""
+    """GQA 32 at head dim 128 on the decode kernel (tuning sm90_route=False; auto m_tiles: 2, one CTA per KV
+    head's 32 query heads) against the reference, with a soft cap and a window too; GQA 16 keeps one tile (two z
+    slices)."""
     rng = np.random.default_rng(32)
     for hq, hkv, kw, tiles in ((32, 1, {}, 2), (64, 2, dict(logits_soft_cap=30.0, window_left=700), 2),
                                (64, 4, {}, 1)):
         pt, q, k, v = make_case(rng, [3000, 17, 1200], 16, hq, hkv, 128, "bfloat16", "NHD")
-        w = kvattn.BatchDecodeWithPagedKVCache()
+        w = kvattn.BatchDecodeWithPagedKVCache(tuning=dict(sm90_route=False))
         w.plan(pt, hq, hkv, 128, **kw)
         assert f"decode_kernel<kvattn::AttnTypes<128, 128, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16>, {tiles}," \
             in w.last_plan.launches[0].kernel.spec.kernel, w.last_plan.launches[0].kernel.spec.kernel
@@ -284,6 +286,46 @@ def test_large_groups_take_two_mma_tiles_per_cta():
         w.run(kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v), out=out)
         ro = reference.batch_attention_paged(q, k, v, np.arange(4, dtype=np.int32), pt, **kw)
         assert rel_l2(out.numpy(), ro) <= TOL["bfloat16"][0], (hq, hkv, kw)
+
+
+@requires_gpu
+@pytest.mark.parametrize("layout, page", [("NHD", 16), ("HND", 5), ("NHD", 1)])
+def test_large_groups_route_to_the_sm90_prefill_kernel(layout, page):
+    """Groups of 32+ at head dim 128 (16-bit cache, plain / soft cap / window) run on the sm90 prefill kernel
+    (tuning sm90_route auto: one query token a request, a unit's second consumer warpgroup idle): empty, one-token,
+    short and split requests against the float64 reference on poisoned out / lse, and with out=None and
+    return_lse; GQA 16 and a graph-mode wrapper stay on the decode kernel, and forcing the route there raises."""
+    if _driver.arch() != "sm_90a":
+        pytest.skip("the sm90 prefill kernel needs an sm_90 GPU")
+    rng = np.random.default_rng(page)
+    lens = [3000, 0, 1, 17, 20000, 129]
+    for hq, hkv, kw in ((32, 1, {}), (64, 2, dict(logits_soft_cap=30.0, window_left=700)), (64, 1, {})):
+        pt, q, k, v = make_case(rng, lens, page, hq, hkv, 128, "bfloat16", layout)
+        w = kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout)
+        w.plan(pt, hq, hkv, 128, **kw)
+        assert w.sm90_routed and w.last_plan.info["backend"] == "sm90"
+        ro, rl = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1, dtype=np.int32), pt,
+                                                 kv_layout=layout, return_lse=True, **kw)
+        qd, kd, vd = kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v)
+        out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
+        w.run(qd, kd, vd, out=out, lse=lse)
+        o2, l2 = w.run(qd, kd, vd, return_lse=True)
+        for got, gl in ((out.numpy(), lse.numpy()), (o2.numpy(), l2.numpy())):
+            for i, n in enumerate(lens):
+                assert (np.all(got[i] == 0) if n == 0 else rel_l2(got[i], ro[i]) <= TOL["bfloat16"][0]), (hq, i)
+            assert_lse(gl, rl, TOL["bfloat16"][1])
+    pt, q, k, v = make_case(rng, lens, page, 64, 4, 128, "bfloat16", layout)
+    w = kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout)
+    w.plan(pt, 64, 4, 128)
+    assert not w.sm90_routed
+    g = kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout, use_cuda_graph=True, max_batch_size=8,
+                                           max_num_pages=pt.num_pages_used)
+    g.plan(pt, 32, 1, 128)
+    assert not g.sm90_routed
+    with pytest.raises(ValueError, match="sm90_route"):
+        kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout, use_cuda_graph=True, max_batch_size=8,
+                                           max_num_pages=pt.num_pages_used,
+                                           tuning=dict(sm90_route=True)).plan(pt, 32, 1, 128)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
