@@ -95,14 +95,6 @@
 #define KVATTN_SM90_PTAIL 1
 #endif
 
-// A unit of at most 64 rows (a decode-like block: one query token of a GQA group of 32, a short request's last
-// block) leaves consumer warpgroup 1 only padding rows: 1 (the default) has it multiply nothing and take no turns
-// (it keeps the ring's accounting: each tile's full wait, its empty arrivals, the Q's qfree), so consumer 0 runs the
-// unit's products alone; 0 = both multiply (the kernel before; scripts/ab_sm90.py --solo).
-#ifndef KVATTN_SM90_SOLO
-#define KVATTN_SM90_SOLO 1
-#endif
-
 // Experiment (scripts/ab_sm90.py --qbuf; 1, the default, builds one Q tile): QBUF = 2 gives persistent CTAs two Q
 // tiles, used by alternate units with tiles, so the producers copy a unit's Q while the unit before it still runs
 // (not after its last Q K^T); with head_dim 128 only 2 K/V stages then fit (KVATTN_SM90_STAGES=2 with it). Runs
@@ -706,37 +698,12 @@ struct PrefillSm90 {
     }
   }
 
-  // (SOLO) Whether the unit's rows all sit in consumer warpgroup 0's 64 (the same for both consumers). Only plain
-  // softmax variants without a custom mask or ALiBi, outside a mixed launch (MIXED): their persistent builds
-  // (custom mask: 8-24 bytes, ALiBi 128, non-softmax 180, a mixed launch's soft cap 52) spill with the idle path.
-  static constexpr bool kSolo = KVATTN_SM90_SOLO && !V::kCustomMask && !V::kPositional && V::kSoftmax;
-  template <bool MIXED>
-  __device__ __forceinline__ static bool is_solo(const Item& it) { return kSolo && !MIXED && it.nrows <= 64; }
-
-  // (SOLO) Consumer warpgroup 1 through a unit whose rows are all consumer 0's: each tile's stage released (after it
-  // has landed, so every arrival counts in its own phase), the Q tile's qfree once the last tile has.
-  __device__ __forceinline__ static void idle_tiles(unsigned long long* full, unsigned long long* empty,
-                                                    unsigned long long* qfree, int g, int ntiles, int lane) {
-    unsigned long long* vfull = v_full(full);
-    unsigned long long* vempty = KVSPLIT ? vfull + STAGES : empty;
-    for (int ti = 0; ti < ntiles; ++ti) {
-      const int st = (g + ti) % STAGES, par = ((g + ti) / STAGES) & 1;
-      mbar_wait(&full[st], par);
-      if constexpr (KVSPLIT) mbar_wait(&vfull[st], par);
-      if (lane == 0) {
-        if (ti == ntiles - 1) mbar_arrive(qfree);
-        if constexpr (KVSPLIT) mbar_arrive(&empty[st]);
-        mbar_arrive(&vempty[st]);
-      }
-    }
-  }
-
   // One unit's tiles (ring positions g ...): every tile's stage is released on `empty` once this warp is done
   // with it, the Q tile on `qfree` after the unit's last Q K^T. STREAM (KVATTN_SM90_STREAM): the unit's turns are
   // part of the CTA's one stream; consumer 1 opens it where `open` (the CTA's first unit with tiles), and the
   // caller closes it after the last unit. w: the unit's plan item; w_next: the next unit's (-1: none), returned
   // in `next` (EARLY).
-  template <bool STREAM, bool MIXED>
+  template <bool STREAM>
   __device__ static void consume(const PrefillParams& p, const Item& it, const Q* qs, const T* kvs,
                                  unsigned long long* full, unsigned long long* empty, unsigned long long* qfree,
                                  int kvh, int w, int g, bool open, int w_next, Item& next, int& pend,
@@ -761,28 +728,23 @@ struct PrefillSm90 {
     float m[1][2], l[1][2];
     reset_state(o, m, l);
     float (&acc)[ON] = reinterpret_cast<float (&)[ON]>(o);
-    const bool solo = is_solo<MIXED>(it);   // (SOLO) consumer 0 alone: no turns; consumer 1 idles through the tiles
 
-    if (ntiles > 0 && solo && cwg == 1) {
-      idle_tiles(full, empty, qfree, g, ntiles, lane);
-      release_o_stage(vempty, pend);
-      if constexpr (EARLY) load_early();
-    } else if (ntiles > 0) {
+    if (ntiles > 0) {
       const unsigned q_addr = smem_addr(qs) + cwg * 64 * 128;
       const unsigned kv_addr = smem_addr(kvs);
       constexpr unsigned STAGE_BYTES = STAGE_ELEMS * sizeof(T);
       float s[SN];
       float sc[2];
-      if (cwg == 1 && (!STREAM || open) && !solo) their_turn(cwg);
+      if (cwg == 1 && (!STREAM || open)) their_turn(cwg);
       mbar_wait(&full[g % STAGES], (g / STAGES) & 1);
       KVATTN_TRACE(128, slot, kTraceStart0);
       KVATTN_TRACE(256, slot, kTraceStart1);
       fence_proxy_async();   // the copies were generic-proxy writes; wgmma reads through the async proxy
-      if (!solo) my_turn(cwg);
+      my_turn(cwg);
       KVATTN_TRACE(128, slot, kTraceTurn0);
       wgmma_fence();
       issue_qk(s, q_addr, kv_addr + (g % STAGES) * STAGE_BYTES);
-      if (!solo) their_turn(cwg);
+      their_turn(cwg);
       wgmma_wait<0>();
       fence_regs(s);
       KVATTN_TRACE(128, slot, kTraceQk0);
@@ -801,11 +763,11 @@ struct PrefillSm90 {
         fence_proxy_async();
         unsigned pa[N / 16][4];
         pack_p(s, pa);
-        if (!solo) my_turn(cwg);
+        my_turn(cwg);
         wgmma_fence();
         issue_qk(s, q_addr, kv_addr + nxt_st * STAGE_BYTES);
         issue_pv(acc, pa, kv_addr + cur_st * STAGE_BYTES + K_ELEMS * sizeof(T));
-        if (!solo) their_turn(cwg);
+        their_turn(cwg);
         wgmma_wait<1>();
         fence_regs(s);
         if (nxt == ntiles - 1 && lane == 0) mbar_arrive(qfree);   // the unit's last Q K^T has completed
@@ -830,12 +792,12 @@ struct PrefillSm90 {
       }
       unsigned pa[N / 16][4];
       pack_p(s, pa);
-      if (!solo) my_turn(cwg);
+      my_turn(cwg);
       wgmma_fence();
       const int last_st = (g + ntiles - 1) % STAGES;
       issue_pv(acc, pa, kv_addr + last_st * STAGE_BYTES + K_ELEMS * sizeof(T));
-      if (!solo) their_turn(cwg);
-      if (!STREAM && cwg == 0 && !solo) my_turn(cwg);   // consumer 1's last arrival
+      their_turn(cwg);
+      if (!STREAM && cwg == 0) my_turn(cwg);   // consumer 1's last arrival
       if constexpr (EARLY) load_early();   // in flight while the last P V runs
       wgmma_wait<0>();
       fence_regs(acc);
@@ -938,9 +900,8 @@ struct PrefillSm90 {
         const Item it = Base::load_item(p, p.plan, blockIdx.x);
         Item none;
         int pend = -1;   // (its stage is never reloaded)
-        consume<STREAM_TURNS, MIXED>(p, it, qs, kvs, full, empty, qfree, blockIdx.y, blockIdx.x, 0, true, -1, none,
-                                     pend);
-        close_turns(it.ke > it.kb && !is_solo<MIXED>(it));
+        consume<STREAM_TURNS>(p, it, qs, kvs, full, empty, qfree, blockIdx.y, blockIdx.x, 0, true, -1, none, pend);
+        close_turns(it.ke > it.kb);
         if (kTmaO && threadIdx.x % 128 == 0) tma_store_wait<0>();
       }
       return;
@@ -971,14 +932,13 @@ struct PrefillSm90 {
         rn = walk.next(r + 1);
         const UnitOf u = walk.of(walk.unit(r));
         Item next;
-        consume<STREAM_TURNS, MIXED>(p, it, qs + (nq % QBUF) * Q_ELEMS, kvs, full, empty, &qfree[nq % QBUF],
-                                     u.head, u.item, g, !opened,
-                                     rn < walk.total ? walk.of(walk.unit(rn)).item : -1, next, pend, (nq / QBUF) & 1,
-                                     r);
+        consume<STREAM_TURNS>(p, it, qs + (nq % QBUF) * Q_ELEMS, kvs, full, empty, &qfree[nq % QBUF], u.head,
+                              u.item, g, !opened, rn < walk.total ? walk.of(walk.unit(rn)).item : -1, next, pend,
+                              (nq / QBUF) & 1, r);
         const int ntiles = (it.ke - it.kb + N - 1) / N;
         g += ntiles;
         nq += ntiles > 0;
-        opened = opened || (ntiles > 0 && !is_solo<MIXED>(it));   // (a solo unit takes no turns)
+        opened = opened || ntiles > 0;
         it = next;
       }
       close_turns(opened);

@@ -84,8 +84,8 @@ SLIM = False
 #: auto_min_chunk_tokens, the A/B of run 34d's lead). Small batches take fewer, longer chunks (b1_L2048: 13 a KV
 #: head); smaller chunks put more CTAs on the SMs but give the merge more states (run 34d, BENCHMARKS.md).
 #: sm90_route: a batch of large GQA groups runs on the sm90 prefill kernel (kvattn.prefill, one query token a
-#: request: a unit of `group` packed rows, its idle second consumer warpgroup multiplying nothing), where the decode
-#: kernel's mma.sync tiles are issue-bound (GQA 32: 0.58 of copy, BENCHMARKS.md run 20b). None (auto): groups of at
+#: request: a unit of `group` packed rows of its 128), where the decode kernel's mma.sync tiles are issue-bound
+#: (run 35c, GQA 32 b64_L4096: 45.2 us against 54.4, 0.695 of copy against 0.578). None (auto): groups of at
 #: least SM90_ROUTE_MIN_GROUP at head dim 128 with a 16-bit cache and the built-in plain / soft-cap / window
 #: variants, on an sm_90 GPU, outside graph and deterministic mode; True (those modes raise) or False (the decode
 #: kernel).

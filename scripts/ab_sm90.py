@@ -1,7 +1,7 @@
 """A/B experiments on the sm90 prefill kernel, each in one process (bf16 unless named, Hq32/Hkv8, ragged):
 
     PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order]
-                                            [--hgroup] [--solo]
+                                            [--hgroup]
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
                                             [--lazy] [--shift] [--ptail]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
@@ -18,8 +18,6 @@
   --split shapes and paged page-16 b8_S2048, with the error.
 --prefetch: TMA tiles with each box's page id loaded a tile ahead (KVATTN_SM90_PREFETCH=1, the default) against
   looked up at each tile (0), paged page 16 and ragged, with the error.
---solo: units of at most 64 rows with consumer warpgroup 1 idle (KVATTN_SM90_SOLO=1, the default) against both
-  multiplying, speculative verification (16-row units) and causal b32_S1024 (the control).
 --hgroup: long requests' units walked one KV head at a time (kvattn.scheduler.kv_head_group, the default) against all
   heads together and groups of heads that fit an L2 window, b1_S32768 / b1_S16384 / b2_S16384, b8_S2048 (control).
 --order: the prefill item order's L2 windows (kvattn.scheduler.PREFILL_L2_WINDOW_BYTES: 0 = the whole batch
@@ -93,10 +91,10 @@ def compile_all():
     prefill.SM90_PERSISTENT = True
     prefill.SM90_TUNING = (("KVATTN_SM90_PREFETCH", 0),)
     prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
-    for defs in (STREAM_OFF, EARLY_OFF, QBUF2, STAGES2, KV_APART, JOINT + STAGES2, LAZY_OFF, SHIFT_OFF, SOLO_OFF):
+    for defs in (STREAM_OFF, EARLY_OFF, QBUF2, STAGES2, KV_APART, JOINT + STAGES2, LAZY_OFF, SHIFT_OFF):
         prefill.SM90_TUNING = defs
         prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
-    for defs in ((), BLOCKS, PTAIL_OFF, SOLO_OFF):   # the paged instances (--kvil, --pages, --ptail, --solo)
+    for defs in ((), BLOCKS, PTAIL_OFF):   # the paged instances (--kvil, --pages, --ptail)
         prefill.SM90_TUNING = defs
         prefill.sm90_spec(128, Variant(), "bfloat16", interleaved=True).compile("sm_90a")
     prefill.SM90_TUNING = ()
@@ -205,23 +203,6 @@ def run_stream(bp, rng):
         compare("stream", name, flops_of(bp, b, s, causal),
                 [("per unit", tuning(STREAM_OFF)), ("one stream", tuning(()))],
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
-
-
-SOLO_OFF = (("KVATTN_SM90_SOLO", 0),)
-
-
-def run_solo(bp, rng):
-    """Units of at most 64 rows: consumer warpgroup 1 idle (KVATTN_SM90_SOLO=1, the default) against both
-    multiplying (0): speculative verification (paged, b64 x 4 query tokens, kv 4096: 16 rows a unit) and the
-    causal b32_S1024 control (its units are 128 rows)."""
-    def verify():
-        w, us, err = bp.paged_case(rng, [4] * 64, [4096] * 64, 128, causal=True, backend="sm90")
-        return us, err
-    compare("solo", "verify b64 x 4, kv 4096", 4 * bp.HQ * bp.D * bp.pairs([4] * 64, [4096] * 64, True),
-            [("both multiply", tuning(SOLO_OFF)), ("solo", tuning(()))], verify)
-    for name, b, s, causal in SPLIT_CASES[3:]:
-        compare("solo", name, flops_of(bp, b, s, causal),
-                [("both multiply", tuning(SOLO_OFF)), ("solo", tuning(()))], case(bp, rng, name, b, s, causal))
 
 
 def run_early(bp, rng):
@@ -437,7 +418,7 @@ def run_otma(bp, rng):
 
 EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma": run_qtma, "otma": run_otma, "pages": run_pages, "kvil": run_kvil, "split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold,
                "persist": run_persist,
-               "prefetch": run_prefetch, "order": run_order, "hgroup": run_hgroup, "solo": run_solo, "stream": run_stream,
+               "prefetch": run_prefetch, "order": run_order, "hgroup": run_hgroup, "stream": run_stream,
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit}
 
 if __name__ == "__main__":

@@ -292,7 +292,7 @@ def test_large_groups_take_two_mma_tiles_per_cta():
 @pytest.mark.parametrize("layout, page", [("NHD", 16), ("HND", 5), ("NHD", 1)])
 def test_large_groups_route_to_the_sm90_prefill_kernel(layout, page):
     """Groups of 32+ at head dim 128 (16-bit cache, plain / soft cap / window) run on the sm90 prefill kernel
-    (tuning sm90_route auto: one query token a request, a unit's second consumer warpgroup idle): empty, one-token,
+    (tuning sm90_route auto: one query token a request, a unit of `group` packed rows): empty, one-token,
     short and split requests against the float64 reference on poisoned out / lse, and with out=None and
     return_lse; GQA 16 and a graph-mode wrapper stay on the decode kernel, and forcing the route there raises."""
     if _driver.arch() != "sm_90a":
