@@ -206,8 +206,12 @@ class BatchMixedWithPagedKVCache:
         stages = self.tuning["decode_stages"] or default_stages(d, kv_dtype)
         subs = self.tuning["decode_ctas_per_sm"] or min(MAX_SUBS,
                                                         MAX_SMEM // decode_smem_bytes(d, 1, stages, kv_dtype))
+        # the decode kernel's instance of one lane's state a round in the one launch (the fused merge's batch of 4
+        # makes the mixed kernel spill 172 bytes: mixed_kernel would refuse it); never the sm90 route (the mixed
+        # launch holds the decode kernel)
         self._dec.tuning = {**self._dec.tuning, "ctas_per_sm": subs if both else None,
-                            "stages": stages if both else None}
+                            "stages": stages if both else None, "fused_merge_batch": 1 if both else None,
+                            "sm90_route": False}
         p_plan = d_plan = None
         if pre.stop > pre.start:
             a = int(qo_indptr[pre.start])
