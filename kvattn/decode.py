@@ -88,12 +88,14 @@ SLIM = False
 #: (run 35c, GQA 32 b64_L4096: 45.2 us against 54.4, 0.695 of copy against 0.578). None (auto): groups of at
 #: least SM90_ROUTE_MIN_GROUP at head dim 128 with a 16-bit cache and the built-in plain / soft-cap / window
 #: variants, on an sm_90 GPU, outside graph and deterministic mode; True (those modes raise) or False (the decode
-#: kernel).
+#: kernel). sm90_route_waves: the routed plan's KV split counted in waves of the SMs (the prefill wrapper's
+#: split_waves; 1: GQA 32 b64_L4096 is 128 units of 2048 tokens, one a CTA; 2: 4 chunks a request, two units a CTA,
+#: the A/B prepared in session 21, not measured yet).
 SM90_ROUTE_MIN_GROUP = 32
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=None,
                       refill_first=False, fused_merge=None, wtok=None, merge_lanes=None, merge_programmatic=True,
                       rope_defines=(), ids_ahead=None, trace=False, fused_merge_batch=None, min_chunk_tokens=None,
-                      slim=None, sm90_route=None)
+                      slim=None, sm90_route=None, sm90_route_waves=1)
 
 
 def warp_tokens(head_dim: int, kv_dtype: str | None = None, forced: int | None = None,
@@ -416,6 +418,9 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
                     stream):
         """(sm90_route) The paged prefill wrapper planned for this batch, one query token a request; or None."""
         from . import prefill
+        waves = self.tuning["sm90_route_waves"]
+        if not isinstance(waves, int) or isinstance(waves, bool) or waves < 1:
+            raise ValueError(f"tuning sm90_route_waves: expected an int >= 1, got {waves!r}")
         on = self.tuning["sm90_route"]
         if on is None:
             builtin = not (variant.is_user or variant.rope or variant.alibi or variant.sink or variant.custom_mask)
@@ -428,6 +433,7 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
             return None
         w = prefill.BatchPrefillWithPagedKVCache(kv_layout=self.kv_layout, backend="sm90", num_sms=self._num_sms,
                                                  device=self._device_arg)
+        w.split_waves = waves
         w.plan(np.arange(page_table.batch_size + 1, dtype=np.int32), page_table, hq, hkv, head_dim, q_dtype=q_dtype,
                kv_dtype=kv_dtype, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=cap, cta_rows=128,
                stream=stream)

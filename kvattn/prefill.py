@@ -339,6 +339,10 @@ class _BatchPrefill(AttentionOp):
                          workspace_bytes, num_sms, device)
         self.backend = backend
         self.deterministic = bool(deterministic)
+        #: KV-split slots the scheduler counts per CTA the SMs hold (1: a batch too small to fill the GPU is cut
+        #: into chunks that fill one wave; 2: two waves, so a persistent CTA has a second unit whose loads overlap
+        #: its first's tail). The decode route's A/B (decode tuning sm90_route_waves); not in graph mode.
+        self.split_waves = 1
 
     # -- plan ------------------------------------------------------------------------------------
     def _plan_common(self, qo_indptr, kv_lens, page_indptr, page_indices, page_size, page_shift, num_qo_heads,
@@ -407,7 +411,8 @@ class _BatchPrefill(AttentionOp):
         kernel._allow_smem(cfg.smem)   # now, not during a graph capture
         occ = cfg.ctas_per_sm
         plan = scheduler.plan_prefill(qo_lens, kv_lens, group, hkv, cta_rows, causal=causal,
-                                      window_left=window_left, num_sms=self.num_sms, ctas_per_sm=occ,
+                                      window_left=window_left, num_sms=self.num_sms,
+                                      ctas_per_sm=occ * (1 if self.use_cuda_graph else self.split_waves),
                                       split_tokens=DETERMINISTIC_SPLIT_TOKENS if self.deterministic else None,
                                       max_split_chunks=DETERMINISTIC_SPLIT_CHUNKS if self.deterministic else None,
                                       kv_bytes_per_token=hkv * 2 * head_dim * _dtypes.to_numpy(kv_dtype).itemsize)

@@ -31,16 +31,18 @@ def main():
         pt, q, k, v = build(lens, cfg, rng)
         qo_indptr = np.arange(len(lens) + 1, dtype=np.int32)
         outs = {n: kvattn.empty(q.shape, "bfloat16")
-                for n in ("decode", "decode (auto)", "sm90 prefill", "sm80 prefill")}
+                for n in ("decode", "decode (auto)", "routed, 2 waves", "sm90 prefill", "sm80 prefill")}
         wd = kvattn.BatchDecodeWithPagedKVCache(tuning=dict(sm90_route=False))   # the decode kernel
         wd.plan(pt, hq, hkv, 128, q_dtype="bfloat16")
         wr = kvattn.BatchDecodeWithPagedKVCache()   # the decode wrapper's default (sm90_route auto)
         wr.plan(pt, hq, hkv, 128, q_dtype="bfloat16")
+        w2 = kvattn.BatchDecodeWithPagedKVCache(tuning=dict(sm90_route_waves=2))   # its KV split over two waves
+        w2.plan(pt, hq, hkv, 128, q_dtype="bfloat16")
         w9 = BatchPrefillWithPagedKVCache(backend="sm90")
         w9.plan(qo_indptr, pt, hq, hkv, 128, q_dtype="bfloat16", cta_rows=128)
         w8 = BatchPrefillWithPagedKVCache(backend="sm80")
         w8.plan(qo_indptr, pt, hq, hkv, 128, q_dtype="bfloat16")
-        ws = {"decode": wd, "decode (auto)": wr, "sm90 prefill": w9, "sm80 prefill": w8}
+        ws = {"decode": wd, "decode (auto)": wr, "routed, 2 waves": w2, "sm90 prefill": w9, "sm80 prefill": w8}
         fns = {n: (lambda w=w, o=outs[n]: w.run(q, k, v, out=o)) for n, w in ws.items()}
         for f in fns.values():
             f()
@@ -51,7 +53,7 @@ def main():
             tbs = nbytes / us[n] / 1e6
             info = ws[n].last_plan.info
             sched = info.get("schedule") if "cta_rows" in info else None   # (a prefill plan's)
-            print(f"{name:18s} {n:13s} {us[n]:8.1f} us {tbs:6.3f} TB/s {tbs / copy:5.3f} of copy  err {err:.1e}"
+            print(f"{name:18s} {n:15s} {us[n]:8.1f} us {tbs:6.3f} TB/s {tbs / copy:5.3f} of copy  err {err:.1e}"
                   + (f"  (rows {info['cta_rows']}, items {sched.num_items}, split {sched.split}, grid {info['grid']})"
                      if sched is not None else ""), flush=True)
 

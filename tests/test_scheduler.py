@@ -762,3 +762,15 @@ def test_prefill_kv_head_groups(tokens, hkv, expect, monkeypatch):
     assert scheduler.plan_prefill(np.array([1, 1, 1]), kv, 4, hkv, 128).kv_head_group == hkv
     monkeypatch.setattr(scheduler, "PREFILL_HEAD_GROUPS", False)
     assert scheduler.kv_head_group(kv, hkv, bpt) == hkv
+
+
+def test_prefill_split_counts_waves_of_slots():
+    """A batch too small to fill the GPU (GQA 32 decode on the prefill kernel: 64 requests of one query token, 4096
+    tokens, one KV head) is cut into chunks that fill one wave of slots (2 a request over 132); counting two slots a
+    CTA (the prefill wrapper's split_waves 2, the decode route's A/B) cuts 4 a request, a unit's worth each."""
+    qo, kv = np.ones(64, np.int64), np.full(64, 4096)
+    one = scheduler.plan_prefill(qo, kv, 32, 1, 128, num_sms=132, ctas_per_sm=1)
+    two = scheduler.plan_prefill(qo, kv, 32, 1, 128, num_sms=132, ctas_per_sm=2)
+    assert one.split and one.num_items == 128 and one.chunk == 2048
+    assert two.split and two.num_items == 256 and two.chunk == 1024
+    assert two.num_merge == one.num_merge == 64
