@@ -37,7 +37,7 @@ def extra_cases():
 TUNINGS = {"default": {}, "l2_256B": dict(l2_prefetch=True), "refill1st": dict(refill_first=True),
            "st3": dict(stages=3), "st3_refill1st": dict(stages=3, refill_first=True),
            "st4_refill1st": dict(stages=4, refill_first=True), "fused_merge": dict(fused_merge=True),
-           "mt2": dict(m_tiles=2), "mt1": dict(m_tiles=1), "wtok16": dict(wtok=16), "merge_1lane": dict(merge_lanes=1),
+           "mt2": dict(m_tiles=2, sm90_route=False), "mt1": dict(m_tiles=1, sm90_route=False), "wtok16": dict(wtok=16), "merge_1lane": dict(merge_lanes=1),
            "merge_plain": dict(merge_programmatic=False),
            "merge_before": dict(merge_lanes=1, merge_programmatic=False), "merge_apart": dict(fused_merge=False),
            # the fused merge loading one state a round a lane (the kernel before run 33b; "fused_merge": 4)
@@ -60,7 +60,10 @@ TUNINGS = {"default": {}, "l2_256B": dict(l2_prefetch=True), "refill1st": dict(r
            # the smallest chunk a sixteenth of the mean request (decode.auto_min_chunk_tokens: run 34d's lead)
            "chunk_auto_fused": dict(min_chunk_tokens="auto", fused_merge=True),
            # head dim 256 (groups <= 8): the slim kernel (8-row Q slots, 3 stages; off by default since run 34c)
-           "slim": dict(slim=True), "slim_off": dict(slim=False)}
+           "slim": dict(slim=True), "slim_off": dict(slim=False),
+           # GQA 32+: the decode kernel instead of the sm90 prefill kernel (the default route since run 35d), and the
+           # route's KV split over two waves of slots (prepared in session 21)
+           "route_off": dict(sm90_route=False), "route_waves2": dict(sm90_route_waves=2)}
 
 
 def build(lens, cfg, rng):
