@@ -37,7 +37,8 @@ def extra_cases():
 TUNINGS = {"default": {}, "l2_256B": dict(l2_prefetch=True), "refill1st": dict(refill_first=True),
            "st3": dict(stages=3), "st3_refill1st": dict(stages=3, refill_first=True),
            "st4_refill1st": dict(stages=4, refill_first=True), "fused_merge": dict(fused_merge=True),
-           "mt2": dict(m_tiles=2, sm90_route=False), "mt1": dict(m_tiles=1, sm90_route=False), "wtok16": dict(wtok=16), "merge_1lane": dict(merge_lanes=1),
+           "mt2": dict(m_tiles=2, sm90_route=False), "mt1": dict(m_tiles=1, sm90_route=False),
+           "wtok16": dict(wtok=16), "merge_1lane": dict(merge_lanes=1),
            "merge_plain": dict(merge_programmatic=False),
            "merge_before": dict(merge_lanes=1, merge_programmatic=False), "merge_apart": dict(fused_merge=False),
            # the fused merge loading one state a round a lane (the kernel before run 33b; "fused_merge": 4)
