@@ -258,7 +258,8 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
             raise ValueError(f"tuning: unknown keys {sorted(unknown)}; known: {sorted(DEFAULT_TUNING)}")
         self.tuning = {**DEFAULT_TUNING, **(tuning or {})}
         self.deterministic = bool(deterministic)
-        self._route = None   # (sm90_route) the prefill wrapper the last plan() handed the batch to
+        self._route = None      # (sm90_route) the prefill wrapper the last plan() handed the batch to
+        self._route_op = None   # that wrapper, kept for later plans (its workspace and staging buffers)
 
     # -- plan ------------------------------------------------------------------------------------
     @on_device
@@ -431,8 +432,10 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
             raise ValueError("tuning sm90_route=True: not in graph or deterministic mode (the decode kernel's)")
         if not on:
             return None
-        w = prefill.BatchPrefillWithPagedKVCache(kv_layout=self.kv_layout, backend="sm90", num_sms=self._num_sms,
-                                                 device=self._device_arg)
+        if self._route_op is None:
+            self._route_op = prefill.BatchPrefillWithPagedKVCache(kv_layout=self.kv_layout, backend="sm90",
+                                                                  num_sms=self._num_sms, device=self._device_arg)
+        w = self._route_op
         w.split_waves = waves
         w.plan(np.arange(page_table.batch_size + 1, dtype=np.int32), page_table, hq, hkv, head_dim, q_dtype=q_dtype,
                kv_dtype=kv_dtype, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=cap, cta_rows=128,

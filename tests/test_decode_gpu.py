@@ -315,16 +315,19 @@ def test_large_groups_route_to_the_sm90_prefill_kernel(layout, page):
             for i, n in enumerate(lens):
                 assert (np.all(got[i] == 0) if n == 0 else rel_l2(got[i], ro[i]) <= TOL["bfloat16"][0]), (hq, i)
             assert_lse(gl, rl, TOL["bfloat16"][1])
-    # the KV split over two waves of slots (tuning sm90_route_waves, the A/B of scripts/probe_gqa_prefill.py)
-    pt, q, k, v = make_case(rng, lens, page, 32, 1, 128, "bfloat16", layout)
+    # the KV split over two waves of slots (tuning sm90_route_waves, the A/B of scripts/probe_gqa_prefill.py), and
+    # a second plan() of the same wrapper (its routed prefill wrapper is reused) on another batch
     w = kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout, tuning=dict(sm90_route_waves=2))
-    w.plan(pt, 32, 1, 128)
-    assert w.sm90_routed
-    out = poisoned(q.shape, "bfloat16")
-    w.run(kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v), out=out)
-    ro = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1, dtype=np.int32), pt, kv_layout=layout)
-    for i, n in enumerate(lens):
-        assert (np.all(out.numpy()[i] == 0) if n == 0 else rel_l2(out.numpy()[i], ro[i]) <= TOL["bfloat16"][0]), i
+    for batch in (lens, [500, 7, 0]):
+        pt, q, k, v = make_case(rng, batch, page, 32, 1, 128, "bfloat16", layout)
+        w.plan(pt, 32, 1, 128)
+        assert w.sm90_routed
+        out = poisoned(q.shape, "bfloat16")
+        w.run(kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v), out=out)
+        ro = reference.batch_attention_paged(q, k, v, np.arange(len(batch) + 1, dtype=np.int32), pt,
+                                             kv_layout=layout)
+        for i, n in enumerate(batch):
+            assert (np.all(out.numpy()[i] == 0) if n == 0 else rel_l2(out.numpy()[i], ro[i]) <= TOL["bfloat16"][0]), i
     with pytest.raises(ValueError, match="sm90_route_waves"):
         kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout, tuning=dict(sm90_route_waves=0)).plan(pt, 32, 1, 128)
     pt, q, k, v = make_case(rng, lens, page, 64, 4, 128, "bfloat16", layout)
