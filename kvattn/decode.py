@@ -20,6 +20,7 @@ import numpy as np
 from . import _dtypes, scheduler
 from .contract import align4, page_size_shift
 from ._attn_args import DTYPES, HEAD_DIMS, check_plan_args
+from ._validate import as_int
 from .compiler import Resources
 from .formats import PageTable
 from .kernels import KernelSpec, Launch, ParamBuffer, attn_types, get_kernel, register
@@ -85,13 +86,12 @@ SLIM = False
 #: head); smaller chunks put more CTAs on the SMs but give the merge more states (run 34d, BENCHMARKS.md).
 #: sm90_route: a batch of large GQA groups runs on the sm90 prefill kernel (kvattn.prefill, one query token a
 #: request: a unit of `group` packed rows of its 128), where the decode kernel's mma.sync tiles are issue-bound
-#: (run 35c, GQA 32 b64_L4096: 45.2 us against 54.4, 0.695 of copy against 0.578). None (auto): groups of at
-#: least SM90_ROUTE_MIN_GROUP at head dim 128 with a 16-bit cache and the built-in plain / soft-cap / window
-#: variants, on an sm_90 GPU, outside graph and deterministic mode; True (those modes raise) or False (the decode
+#: (run 35c, GQA 32 b64_L4096: 45.2 us against 54.4, 0.695 of copy against 0.578). None (auto): large_plain_group
+#: (groups of 32+ at head dim 128 with a 16-bit cache and the built-in plain / soft-cap / window variants), on an
+#: sm_90 GPU, outside graph and deterministic mode; True (those modes raise) or False (the decode
 #: kernel). sm90_route_waves: the routed plan's KV split counted in waves of the SMs (the prefill wrapper's
 #: split_waves; 1: GQA 32 b64_L4096 is 128 units of 2048 tokens, one a CTA; 2: 4 chunks a request, two units a CTA,
 #: the A/B prepared in session 21, not measured yet).
-SM90_ROUTE_MIN_GROUP = 32
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=None,
                       refill_first=False, fused_merge=None, wtok=None, merge_lanes=None, merge_programmatic=True,
                       rope_defines=(), ids_ahead=None, trace=False, fused_merge_batch=None, min_chunk_tokens=None,
@@ -136,14 +136,19 @@ def auto_min_chunk_tokens(kv_lens) -> int:
     return min(128, max(32, mean // 256 * 16))
 
 
+def large_plain_group(group: int, head_dim: int, kv_dtype: str | None, variant: Variant) -> bool:
+    """Groups of 32+ query heads a KV head at head dim 128 with a 16-bit cache and the plain / soft-cap / window
+    kernels: where auto_m_tiles takes 2 tiles, and where the sm90 route applies (sm90_route)."""
+    plain = not (variant.is_user or variant.rope or variant.alibi or variant.sink or variant.custom_mask)
+    return group >= 32 and head_dim == 128 and not _dtypes.is_fp8(kv_dtype) and plain
+
+
 def auto_m_tiles(group: int, head_dim: int, kv_dtype: str | None, variant: Variant) -> int:
     """16-row MMA tiles per CTA: 2 (one CTA takes 32 query heads of a KV head and reads each tile once, where two
     z slices of 16 rows would each read it) for groups of 32+ at head dim 128 (64: not measured) with a 16-bit
     cache and the plain / soft-cap / window kernels (the instances fill_cache builds; run 20d: GQA 32 2.36
     against 2.17 TB/s, while GQA 16 was slower with 2: 3.27 against 3.86), else 1."""
-    plain = not (variant.is_user or variant.rope or variant.alibi or variant.sink or variant.custom_mask)
-    fp8 = _dtypes.is_fp8(kv_dtype)
-    return 2 if group >= 32 and head_dim == 128 and not fp8 and plain else 1
+    return 2 if large_plain_group(group, head_dim, kv_dtype, variant) else 1
 
 
 def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: int | None = None,
@@ -419,13 +424,10 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
                     stream):
         """(sm90_route) The paged prefill wrapper planned for this batch, one query token a request; or None."""
         from . import prefill
-        waves = self.tuning["sm90_route_waves"]
-        if not isinstance(waves, int) or isinstance(waves, bool) or waves < 1:
-            raise ValueError(f"tuning sm90_route_waves: expected an int >= 1, got {waves!r}")
+        waves = as_int(self.tuning["sm90_route_waves"], "tuning sm90_route_waves", min_value=1)
         on = self.tuning["sm90_route"]
         if on is None:
-            builtin = not (variant.is_user or variant.rope or variant.alibi or variant.sink or variant.custom_mask)
-            on = (hq // hkv >= SM90_ROUTE_MIN_GROUP and head_dim == 128 and not _dtypes.is_fp8(kv_dtype) and builtin
+            on = (large_plain_group(hq // hkv, head_dim, kv_dtype, variant)
                   and not self.use_cuda_graph and not self.deterministic
                   and prefill.sm90_usable("auto", head_dim, variant, q_dtype, kv_dtype))
         elif on and (self.use_cuda_graph or self.deterministic):
