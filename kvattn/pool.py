@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import _driver
+from . import memory as _memory   # (a partly initialised module while memory imports this one: read at call time)
 
 if TYPE_CHECKING:
     from .memory import DeviceArray
@@ -106,11 +107,10 @@ def pool_empty(shape: tuple, dtype: np.dtype, stream, device: int | None = None)
     """A contiguous uninitialised array from the pool of `device` (an ordinal; None: the current context's
     device, whose context must be current), ordered on `stream` (a kvattn Stream). shape: a tuple of ints; dtype:
     a numpy dtype. The returned array's `stream` is that stream's handle."""
-    from .memory import DeviceArray, contiguous_strides
     if device is None:
         device = _driver.current_device().ordinal
     itemsize = dtype.itemsize
-    strides = contiguous_strides(shape, itemsize)
+    strides = _memory.contiguous_strides(shape, itemsize)   # (an import statement here cost 1.1 us a call)
     h = stream.ptr
     nbytes = math.prod(shape) * itemsize or 1
     lst = _free_lists.get((nbytes, h, device))
@@ -130,7 +130,7 @@ def pool_empty(shape: tuple, dtype: np.dtype, stream, device: int | None = None)
         ptr = int(ptr)
     block = PoolBlock.__new__(PoolBlock)
     block.ptr, block.nbytes, block.stream, block.used_on, block.device = ptr, nbytes, h, None, device
-    return DeviceArray._make(ptr, shape, dtype, strides, block, h)
+    return _memory.DeviceArray._make(ptr, shape, dtype, strides, block, h)
 
 
 def note_use(array, consumer: int):
