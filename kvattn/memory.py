@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _dlpack, _driver, _dtypes
 from .pool import note_use
-from .stream import as_stream, order_after
+from .stream import Event, as_stream, order_after
 
 ALIGN = 256  # bytes: every allocation and Workspace region starts on this boundary
 _dlpack_types: dict = {}   # numpy dtype -> DLPack (code, bits)
@@ -318,7 +318,6 @@ class StagingRing:
 
     def acquire(self, nbytes: int) -> np.ndarray:
         """This turn's buffer (uint8 view of at least nbytes), once its previous copy is done."""
-        from .stream import Event
         t = self._turn
         if self._events[t] is None:
             self._events[t] = Event(disable_timing=True)
