@@ -2,39 +2,22 @@
 
     PYTHONPATH=. python3 scripts/probe_host.py
 
-b1_L2048 decode (bf16 Hq32/Hkv8/D128, page 16) with torch tensors: the median host time (us) of n calls of each
-piece, the pieces taking turns (rounds) so the machine's drift hits them alike; the device is synchronised between
-turns (untimed) so the launch queue never fills. Pieces: whole run() in each call style, the launch alone, the
-stream lookup, one tensor's import, the pool allocation, and torch's own accessors that the import reads.
+b1_L2048 decode (bf16 Hq32/Hkv8/D128, page 16) with torch tensors: the median host time (us) of 1600 calls of
+each piece, the pieces taking turns (bench_interop.host_us_interleaved: the machine's drift hits them alike, the
+device synchronised between turns so the launch queue never fills). Pieces: whole run() in each call style, the
+launch alone, the stream lookup, one tensor's import, the pool allocation, and torch's own accessors that the
+import reads.
 """
 from __future__ import annotations
-
-import time
 
 import numpy as np
 
 import kvattn
 from kvattn import _interop, pool
 from kvattn._binding import begin
+from bench_interop import host_us_interleaved
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
-
-
-def medians(pieces: dict, rounds=8, n=200) -> dict:
-    sync = kvattn._driver.driver().cuCtxSynchronize
-    got = {k: [] for k in pieces}
-    for r in range(rounds):
-        for name, fn in (pieces.items() if r % 2 == 0 else reversed(pieces.items())):
-            sync()
-            for _ in range(5):
-                fn()
-            sync()
-            for _ in range(n):
-                t0 = time.perf_counter_ns()
-                fn()
-                got[name].append(time.perf_counter_ns() - t0)
-    sync()
-    return {k: float(np.median(v)) / 1e3 for k, v in got.items()}
 
 
 def main():
@@ -78,7 +61,7 @@ def main():
         "torch: current raw stream": lambda: raw(0),
         "empty lambda": lambda: None,
     }
-    us = medians(pieces)
+    us = host_us_interleaved(pieces, rounds=8, per_round=200)
     print(f"{'piece':40s} {'us':>7s}")
     for name, t in us.items():
         print(f"{name:40s} {t:7.2f}")
