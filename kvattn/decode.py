@@ -91,7 +91,7 @@ SLIM = False
 #: sm_90 GPU, outside graph and deterministic mode; True (those modes raise) or False (the decode
 #: kernel). sm90_route_waves: the routed plan's KV split counted in waves of the SMs (the prefill wrapper's
 #: split_waves; 1: GQA 32 b64_L4096 is 128 units of 2048 tokens, one a CTA; 2: 4 chunks a request, two units a CTA,
-#: the A/B prepared in session 21, not measured yet).
+#: the A/B: run 36a 51.2 us against 45.9, so 1).
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=None,
                       refill_first=False, fused_merge=None, wtok=None, merge_lanes=None, merge_programmatic=True,
                       rope_defines=(), ids_ahead=None, trace=False, fused_merge_batch=None, min_chunk_tokens=None,

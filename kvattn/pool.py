@@ -109,7 +109,7 @@ def pool_empty(shape: tuple, dtype: np.dtype, stream, device: int | None = None)
     if device is None:
         device = _driver.current_device().ordinal
     itemsize = dtype.itemsize
-    strides = _memory.contiguous_strides(shape, itemsize)   # (an import statement here cost 1.1 us a call)
+    strides = _memory.contiguous_strides(shape, itemsize)
     h = stream.ptr
     nbytes = math.prod(shape) * itemsize or 1
     lst = _free_lists.get((nbytes, h, device))

@@ -691,7 +691,8 @@ PREFILL_ITEM_FIELDS = 8
 #: TFLOP/s, b64_S512 233 / 260 / 258 / 250, b8_S2048 457 / 432 / 465 / 476, paged b8_S2048 411 / 370 / 402 / 417
 #: (a window of one 8 MB request is worse there); b1 cases unchanged. 32 MiB: the best or within 4% of it.
 PREFILL_L2_WINDOW_BYTES = 32 << 20
-#: Whether the prefill units are walked by KV head groups that fit an L2 window (False: all heads together).
+#: Whether the prefill units of a request whose K/V outgrows an L2 window are walked one KV head at a time
+#: (kv_head_group; False: all heads together).
 PREFILL_HEAD_GROUPS = True
 
 
