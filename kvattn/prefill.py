@@ -341,7 +341,8 @@ class _BatchPrefill(AttentionOp):
         self.deterministic = bool(deterministic)
         #: KV-split slots the scheduler counts per CTA the SMs hold (1: a batch too small to fill the GPU is cut
         #: into chunks that fill one wave; 2: two waves, so a persistent CTA has a second unit whose loads overlap
-        #: its first's tail). The decode route's A/B (decode tuning sm90_route_waves: 2 lost, run 36a); not in graph mode.
+        #: its first's tail). The decode route's A/B (decode tuning sm90_route_waves: 2 lost, run 36a); not in
+        #: graph mode.
         self.split_waves = 1
 
     # -- plan ------------------------------------------------------------------------------------
