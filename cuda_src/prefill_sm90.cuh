@@ -95,6 +95,13 @@
 #define KVATTN_SM90_PTAIL 1
 #endif
 
+// 1 = every unit's rows fit one warpgroup (at most 64) and the two consumer warpgroups split its KV tiles
+// (PrefillSm90::consume_split); the instance the decode wrapper's sm90 route of large GQA groups runs. Set by the
+// host (kvattn.prefill.sm90_spec's wg_split), never a default.
+#ifndef KVATTN_SM90_WGSPLIT
+#define KVATTN_SM90_WGSPLIT 0
+#endif
+
 // Experiment (scripts/ab_sm90.py --qbuf; 1, the default, builds one Q tile): QBUF = 2 gives persistent CTAs two Q
 // tiles, used by alternate units with tiles, so the producers copy a unit's Q while the unit before it still runs
 // (not after its last Q K^T); with head_dim 128 only 2 K/V stages then fit (KVATTN_SM90_STAGES=2 with it). Runs
@@ -226,6 +233,11 @@ struct PrefillSm90 {
 #else
   static constexpr bool KVSPLIT = STAGES < 3;
 #endif
+  // KVATTN_SM90_WGSPLIT (kvattn.prefill's wg_split: the decode wrapper's sm90 route of large GQA groups): every
+  // unit's rows fit one warpgroup and the two consumer warpgroups split its KV tiles (consume_split).
+  static constexpr bool kWgSplit = KVATTN_SM90_WGSPLIT;
+  static_assert(!kWgSplit || (!KVSPLIT && (4 * CHUNKS + 4) * 128 * 4 <= STAGE_ELEMS * (int)sizeof(T)),
+                "wg split: one K/V ring (no KVSPLIT), and a stage holds a warpgroup's state for the merge");
   static constexpr int SMEM_BYTES =
       (QBUF * Q_ELEMS + STAGES * STAGE_ELEMS) * (int)sizeof(T) + (2 * STAGES + QBUF + (KVSPLIT ? 2 * STAGES : 0)) * 8;
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: at most 227 KB per CTA (fewer stages, or one Q tile)");
@@ -708,6 +720,10 @@ struct PrefillSm90 {
                                  unsigned long long* full, unsigned long long* empty, unsigned long long* qfree,
                                  int kvh, int w, int g, bool open, int w_next, Item& next, int& pend,
                                  int qpar = 0, int slot = 0) {
+    if constexpr (kWgSplit) {
+      consume_split(p, it, qs, kvs, full, empty, qfree, kvh, w, g, w_next, next, qpar);
+      return;
+    }
     unsigned long long* vfull = v_full(full);
     unsigned long long* vempty = KVSPLIT ? vfull + STAGES : empty;
     constexpr bool EARLY = KVATTN_SM90_EARLY;
@@ -824,6 +840,122 @@ struct PrefillSm90 {
     KVATTN_TRACE(256, slot, kTraceEnd1);
   }
 
+  // (kWgSplit) One unit whose rows fit one warpgroup (at most 64: a decode batch's large GQA group, one query token
+  // a request), its KV tiles split between the two consumer warpgroups: each runs the unit's rows (Q rows 0-63)
+  // against every other tile, so no product is spent on a second warpgroup of padding rows (the 128-row ping-pong
+  // would give warpgroup 1 only padding). No turns: each warpgroup issues its products as its tiles land. Units
+  // alternate which warpgroup takes tile 0 (qpar). At the unit's end the warpgroup without the last tile (B) puts
+  // its state into the last tile's stage, still held, and the other (A) merges it with its own, stores the rows
+  // and releases that stage. Every other stage is released by the 4 warps of the warpgroup that used it (2 arrivals
+  // each: `empty` counts 8); each warp arrives on qfree after its warpgroup's last Q K^T, at once where it has none.
+  __device__ static void consume_split(const PrefillParams& p, const Item& it, const Q* qs, const T* kvs,
+                                       unsigned long long* full, unsigned long long* empty,
+                                       unsigned long long* qfree, int kvh, int w, int g, int w_next, Item& next,
+                                       int qpar) {
+    const int lane = threadIdx.x % 32, cwg = (threadIdx.x / 32 - 4) / 4, rw = (threadIdx.x / 32) % 4;  // row warp
+    const int ntiles = (it.ke - it.kb + N - 1) / N;
+    const int first = cwg ^ qpar;                        // this warpgroup's first tile (0 or 1)
+    const int mine = ntiles > first ? (ntiles - first + 1) / 2 : 0;
+    const bool owner_last = ntiles > 0 && ((ntiles - 1) & 1) == first;   // whether the unit's last tile is this one's
+    int tok[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) tok[r] = (it.row0 + min(rw * 16 + lane / 4 + 8 * r, it.nrows - 1)) / p.group_size;
+    float rc[1][2];
+    Base::row_consts(p, it, kvh, rw * 16, lane, rc);
+    float o[1][CHUNKS][4];
+    float m[1][2], l[1][2];
+    reset_state(o, m, l);
+    float (&acc)[ON] = reinterpret_cast<float (&)[ON]>(o);
+    constexpr unsigned STAGE_BYTES = STAGE_ELEMS * sizeof(T);
+    const unsigned q_addr = smem_addr(qs), kv_addr = smem_addr(kvs);
+    if (ntiles > 0 && mine == 0 && lane == 0) mbar_arrive(qfree);   // (no Q K^T here)
+    if (mine > 0) {
+      float s[SN];
+      float sc[2];
+      int t = first;
+      mbar_wait(&full[(g + t) % STAGES], ((g + t) / STAGES) & 1);
+      fence_proxy_async();
+      wgmma_fence();
+      issue_qk(s, q_addr, kv_addr + ((g + t) % STAGES) * STAGE_BYTES);
+      wgmma_wait<0>();
+      fence_regs(s);
+      if (mine == 1 && lane == 0) mbar_arrive(qfree);
+      softmax_tile(p, it, s, it.kb + t * N, tok, rc[0], lane, m, l, sc);
+      for (int i = 1; i < mine; ++i, t += 2) {
+        const int nxt = t + 2, cur_st = (g + t) % STAGES, nxt_st = (g + nxt) % STAGES;
+        mbar_wait(&full[nxt_st], ((g + nxt) / STAGES) & 1);
+        fence_proxy_async();
+        unsigned pa[N / 16][4];
+        pack_p(s, pa);
+        wgmma_fence();
+        issue_qk(s, q_addr, kv_addr + nxt_st * STAGE_BYTES);
+        issue_pv(acc, pa, kv_addr + cur_st * STAGE_BYTES + K_ELEMS * sizeof(T));
+        wgmma_wait<1>();
+        fence_regs(s);
+        if (i == mine - 1 && lane == 0) mbar_arrive(qfree);   // this warpgroup's last Q K^T has completed
+        softmax_tile(p, it, s, kShift ? box_start(p, it, it.kb + nxt * N) : it.kb + nxt * N, tok, rc[0], lane, m, l,
+                     sc);
+        wgmma_wait<0>();
+        fence_regs(acc);
+        if (lane == 0) mbar_arrive_n(&empty[cur_st], 2);
+        if (sc[0] != 1.f || sc[1] != 1.f) {
+#pragma unroll
+          for (int j = 0; j < ON / 4; ++j) {
+            acc[4 * j + 0] *= sc[0]; acc[4 * j + 1] *= sc[0];
+            acc[4 * j + 2] *= sc[1]; acc[4 * j + 3] *= sc[1];
+          }
+        }
+      }
+      unsigned pa[N / 16][4];
+      pack_p(s, pa);
+      wgmma_fence();
+      issue_pv(acc, pa, kv_addr + ((g + t) % STAGES) * STAGE_BYTES + K_ELEMS * sizeof(T));
+      wgmma_wait<0>();
+      fence_regs(acc);
+      if (!owner_last && lane == 0) mbar_arrive_n(&empty[(g + t) % STAGES], 2);
+    }
+    if (ntiles >= 2) {   // both warpgroups hold a state: B's goes through the last tile's stage to A
+      const int last_st = (g + ntiles - 1) % STAGES;
+      float* x = reinterpret_cast<float*>(const_cast<T*>(kvs) + last_st * STAGE_ELEMS) + threadIdx.x % 128;
+      named_sync(1, 256);   // A's last P V has completed: nothing reads the stage any more
+      if (!owner_last) {
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) x[(4 * c + e) * 128] = o[0][c][e];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          x[(4 * CHUNKS + r) * 128] = m[0][r];
+          x[(4 * CHUNKS + 2 + r) * 128] = l[0][r];
+        }
+        fence_proxy_async();   // (the producers' next copies into this stage come through the async proxy)
+      }
+      named_sync(1, 256);
+      if (owner_last) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float mb = x[(4 * CHUNKS + r) * 128], lb = x[(4 * CHUNKS + 2 + r) * 128];
+          const float mx = fmaxf(m[0][r], mb);
+          // (a row empty in both stays empty: no -inf - -inf)
+          const float fa = mx == KVATTN_NEG_INF ? 0.f : exp2f(m[0][r] - mx);
+          const float fb = mx == KVATTN_NEG_INF ? 0.f : exp2f(mb - mx);
+          m[0][r] = mx;
+          l[0][r] = l[0][r] * fa + lb * fb;
+#pragma unroll
+          for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+            for (int e = 2 * r; e < 2 * r + 2; ++e) o[0][c][e] = o[0][c][e] * fa + x[(4 * c + e) * 128] * fb;
+        }
+        fence_proxy_async();
+        if (lane == 0) mbar_arrive_n(&empty[last_st], 2);
+      }
+    }
+    // The rows go out from A (the last tile's warpgroup; warpgroup 0 where the unit has no tiles).
+    const Item again = Base::load_item(p, static_cast<const volatile int*>(p.plan), w);
+    if (ntiles > 0 ? owner_last : cwg == 0) Base::store_rows(p, again, kvh, rw, lane, o, m, l);
+    if (w_next >= 0) next = Base::load_item(p, p.plan, w_next);
+  }
+
   // The CTA's walk over the (item, KV head) units: rounds of nb units (nb: the grid, or in a mixed launch (mixed.cuh)
   // its first `ctas`), CTA b taking unit b of every even round and unit nb - 1 - b of every odd one (snake order:
   // the rounds' sums even out). The units come head group by head group (hg KV heads, the plan header's
@@ -862,7 +994,7 @@ struct PrefillSm90 {
   };
 
   // Closes the consumers' stream of turns (STREAM): consumer 0 takes consumer 1's last arrival.
-  static constexpr bool STREAM_TURNS = KVATTN_SM90_STREAM;
+  static constexpr bool STREAM_TURNS = KVATTN_SM90_STREAM && !kWgSplit;
   __device__ __forceinline__ static void close_turns(bool opened) {
     if (STREAM_TURNS && opened && (threadIdx.x / 32 - 4) / 4 == 0) my_turn(0);
   }

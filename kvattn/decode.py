@@ -91,11 +91,14 @@ SLIM = False
 #: sm_90 GPU, outside graph and deterministic mode; True (those modes raise) or False (the decode
 #: kernel). sm90_route_waves: the routed plan's KV split counted in waves of the SMs (the prefill wrapper's
 #: split_waves; 1: GQA 32 b64_L4096 is 128 units of 2048 tokens, one a CTA; 2: 4 chunks a request, two units a CTA,
-#: the A/B: run 36a 51.2 us against 45.9, so 1).
+#: the A/B: run 36a 51.2 us against 45.9, so 1). sm90_route_wg_split: the route's groups of at most 64 (a request's
+#: rows fit one consumer warpgroup) run on the sm90 instance whose two consumer warpgroups split each unit's KV tiles
+#: (kvattn.prefill wg_split), so no product is spent on a warpgroup of padding rows; False: the 128-row ping-pong.
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=None,
                       refill_first=False, fused_merge=None, wtok=None, merge_lanes=None, merge_programmatic=True,
                       rope_defines=(), ids_ahead=None, trace=False, fused_merge_batch=None, min_chunk_tokens=None,
-                      slim=None, sm90_route=None, sm90_route_waves=1)
+                      slim=None, sm90_route=None, sm90_route_waves=1,
+                      sm90_route_wg_split=True)
 
 
 def warp_tokens(head_dim: int, kv_dtype: str | None = None, forced: int | None = None,
@@ -439,6 +442,7 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
                                                                   num_sms=self._num_sms, device=self._device_arg)
         w = self._route_op
         w.split_waves = waves
+        w.wg_split = bool(self.tuning["sm90_route_wg_split"]) and hq // hkv <= prefill.WG_ROWS
         w.plan(np.arange(page_table.batch_size + 1, dtype=np.int32), page_table, hq, hkv, head_dim, q_dtype=q_dtype,
                kv_dtype=kv_dtype, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=cap, cta_rows=128,
                stream=stream)

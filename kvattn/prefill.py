@@ -89,6 +89,10 @@ SM90_TUNING: tuple = ()
 SM90_PERSIST_DEFINE = ("KVATTN_SM90_PERSIST", 1)
 #: The define of the sm90 instance with interleaved K / V tiles (paged tensor maps: kvattn.tma.interleaved_tiles).
 SM90_KVIL_DEFINE = ("KVATTN_SM90_KVIL", 1)
+#: The define of the sm90 instance whose two consumer warpgroups split each unit's KV tiles (wg_split).
+SM90_WGSPLIT_DEFINE = ("KVATTN_SM90_WGSPLIT", 1)
+#: Query rows of one consumer warpgroup: a plan's wg_split needs every unit to fit in them.
+WG_ROWS = 64
 #: Bytes after a custom mask the kernels may read (the sm90 kernel loads each row's bits of a tile as aligned 32-bit
 #: words, up to 20 bytes past the last mask byte; the bits read there belong to no kept pair).
 MASK_PAD = 32
@@ -109,11 +113,13 @@ def prefill_spec(head_dim: int, cta_rows: int, variant: Variant, dtype: str, kv_
 
 def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None = None,
               persistent: bool | None = None, head_dim_vo: int | None = None,
-              interleaved: bool = False) -> KernelSpec:
+              interleaved: bool = False, wg_split: bool = False) -> KernelSpec:
     """The wgmma kernel (backend "sm90") of prefill_sm90.cuh: 128-row query tiles, head_dim 64, 128 or 256;
     persistent (None: sm90_persistent's choice) builds the persistent instance. head_dim_vo: as prefill_spec's.
     interleaved: the instance for paged tensor maps (kvattn.tma.interleaved_tiles: K / V tiles in 8-row groups of
-    every 64-column block, one box a page); a KVATTN_SM90_KVIL in SM90_TUNING overrides it (the A/B)."""
+    every 64-column block, one box a page); a KVATTN_SM90_KVIL in SM90_TUNING overrides it (the A/B).
+    wg_split: the instance for units of at most WG_ROWS rows whose two consumer warpgroups split the KV tiles
+    (PrefillSm90::consume_split), head_dim up to 128."""
     args = f"{attn_types(head_dim, dtype, kv_dtype, head_dim_vo)}, {variant.prefill_type()}"
     traits = f"kvattn::PrefillSm90<{args}>"
     if persistent is None:
@@ -122,7 +128,8 @@ def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None 
     kvil = tuning.pop("KVATTN_SM90_KVIL", int(interleaved))
     return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{args}>",
                       defines=(tuple(tuning.items()) + ((SM90_KVIL_DEFINE,) if kvil else ())
-                               + ((SM90_PERSIST_DEFINE,) if persistent else ())),
+                               + ((SM90_PERSIST_DEFINE,) if persistent else ())
+                               + ((SM90_WGSPLIT_DEFINE,) if wg_split else ())),
                       prelude=variant.prelude(),
                       checks=((f"{traits}::SMEM_BYTES", sm90_smem_bytes(head_dim, head_dim_vo)),
                               (f"{traits}::THREADS", SM90_THREADS), (f"{traits}::ROWS", 128)))
@@ -210,15 +217,18 @@ class LaunchConfig:
 
 
 def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, dtype: str,
-                  kv_dtype: str | None = None, interleaved: bool = False) -> LaunchConfig:
+                  kv_dtype: str | None = None, interleaved: bool = False, wg_split: bool = False) -> LaunchConfig:
     """backend "sm90" (the wgmma kernel) takes 128-row tiles of head_dim 64/128/256 on sm_90 GPUs; "auto" takes
     it there unless its ptxas report shows spills (sm90_choice), else "sm80". interleaved: sm90_spec's (a paged
-    cache that takes tensor maps)."""
+    cache that takes tensor maps). wg_split: sm90_spec's (the sm90 kernel only)."""
     sm90_ok = cta_rows == 128 and head_dim in SM90_HEAD_DIMS and _driver.arch() == "sm_90a"
     if backend == "sm90" and not sm90_ok:
         raise ValueError(f"backend: 'sm90' needs an sm_90 GPU, head_dim in {SM90_HEAD_DIMS} and cta_rows 128 "
                          f"(got {_driver.arch()}, head_dim {head_dim}, cta_rows {cta_rows})")
-    spec = sm90_choice(backend, head_dim, variant, dtype, kv_dtype, interleaved) if sm90_ok else None
+    spec = sm90_choice(backend, head_dim, variant, dtype, kv_dtype, interleaved, wg_split) if sm90_ok else None
+    if wg_split and spec is None:
+        raise ValueError(f"wg_split: needs the sm90 kernel (backend {backend!r}, head_dim {head_dim}, "
+                         f"cta_rows {cta_rows}, {_driver.arch()})")
     if spec is not None:
         return LaunchConfig("sm90", spec, SM90_THREADS, sm90_smem_bytes(head_dim), 1)
     if head_dim == 256 and cta_rows == 128:
@@ -232,7 +242,8 @@ def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, 
 
 
 def sm90_choice(backend: str, head_dim: int, variant: Variant, dtype: str,
-                kv_dtype: str | None = None, interleaved: bool = False) -> KernelSpec | None:
+                kv_dtype: str | None = None, interleaved: bool = False,
+                wg_split: bool = False) -> KernelSpec | None:
     """The wgmma instance a 128-row tile of this head dim and variant runs on, or None (the mma.sync kernel): on an
     sm_90 GPU and a head dim it covers, with backend "sm90" the persistent instance where sm90_persistent allows
     it, else the one-unit one; with "auto" the first of those two that compiles without spills (a user variant
@@ -242,9 +253,9 @@ def sm90_choice(backend: str, head_dim: int, variant: Variant, dtype: str,
         return None
     persistent = sm90_persistent(head_dim, variant, kv_dtype)
     if backend == "sm90":
-        return sm90_spec(head_dim, variant, dtype, kv_dtype, persistent, interleaved=interleaved)
+        return sm90_spec(head_dim, variant, dtype, kv_dtype, persistent, interleaved=interleaved, wg_split=wg_split)
     for p in ((True, False) if persistent else (False,)):
-        spec = sm90_spec(head_dim, variant, dtype, kv_dtype, p, interleaved=interleaved)
+        spec = sm90_spec(head_dim, variant, dtype, kv_dtype, p, interleaved=interleaved, wg_split=wg_split)
         kernel = get_kernel(spec)
         if kernel.resources is None or kernel.resources.spill_stores == 0:
             return spec
@@ -263,7 +274,9 @@ register("prefill", [prefill_spec(128, r, Variant(), "bfloat16") for r in (128, 
          + [sm90_spec(128, Variant(), t) for t in ("bfloat16", "float16")] + [sm90_spec(64, Variant(), "bfloat16")]
          + [sm90_spec(128, Variant(custom_mask=True), "bfloat16"), sm90_spec(256, Variant(), "bfloat16")]
          + [sm90_spec(128, v, "bfloat16", interleaved=True)   # paged caches' instances
-            for v in (Variant(), Variant(soft_cap=True, window=True, custom_mask=True))])
+            for v in (Variant(), Variant(soft_cap=True, window=True, custom_mask=True))]
+         + [sm90_spec(128, v, "bfloat16", interleaved=True, wg_split=True)   # the decode route of large GQA groups
+            for v in (Variant(), Variant(soft_cap=True, window=True))])
 
 
 # -- one prefill launch's share of a plan buffer (the paged / ragged ops have one, cascade one per level) -----
@@ -344,6 +357,10 @@ class _BatchPrefill(AttentionOp):
         #: its first's tail). The decode route's A/B (decode tuning sm90_route_waves: 2 lost, run 36a); not in
         #: graph mode.
         self.split_waves = 1
+        #: The sm90 instance whose two consumer warpgroups split each unit's KV tiles, for batches whose every
+        #: request has at most WG_ROWS packed query rows (the decode wrapper's route of GQA groups of 32 and 64:
+        #: a 128-row tile would be 3/4 padding). plan() raises where the batch does not fit it.
+        self.wg_split = False
 
     # -- plan ------------------------------------------------------------------------------------
     def _plan_common(self, qo_indptr, kv_lens, page_indptr, page_indices, page_size, page_shift, num_qo_heads,
@@ -404,7 +421,15 @@ class _BatchPrefill(AttentionOp):
         else:
             kv = RaggedKV(self.kv_layout, int(kv_lens.sum()), hkv, head_dim, npdtype)
         kvil = tma.interleaved_tiles(kv, sm90_tile(head_dim)[0]) and not variant.rope
-        cfg = launch_config(self.backend, head_dim, cta_rows, variant, q_dtype, kv_dtype, kvil)
+        wg_split = bool(self.wg_split)
+        if wg_split:
+            rows = int(qo_lens.max(initial=0)) * group
+            if (rows > WG_ROWS or cta_rows != 128 or head_dim > 128 or variant.rope or _dtypes.is_fp8(kv_dtype)
+                    or self.use_cuda_graph):
+                raise ValueError(f"wg_split: needs at most {WG_ROWS} packed query rows a request (got {rows}), "
+                                 f"cta_rows 128 (got {cta_rows}), head_dim <= 128 (got {head_dim}), a 16-bit cache "
+                                 f"(got {kv_dtype}), no fused RoPE and no graph mode")
+        cfg = launch_config(self.backend, head_dim, cta_rows, variant, q_dtype, kv_dtype, kvil, wg_split)
         if cfg.backend == "sm80" and variant.rope and auto_rows and cta_rows == 128:
             cta_rows = 64   # the 128-row mma.sync tile has no registers left for the rotation (ptxas spills)
             cfg = launch_config(self.backend, head_dim, cta_rows, variant, q_dtype, kv_dtype)
@@ -473,7 +498,7 @@ class _BatchPrefill(AttentionOp):
             params=p, merge=merge, merge_params=mp, s=s, copy_done=copy_done, bind_tma=tma.binder(q_map, maps, o_map),
             schedule=plan, backend=cfg.backend, cta_rows=cta_rows, variant=variant, kernel=kernel,
             grid=grid, smem=cfg.smem, threads=cfg.threads, num_kv_heads=hkv, tma=maps is not None,
-            tma_q=q_map is not None, tma_o=o_map is not None)
+            tma_q=q_map is not None, tma_o=o_map is not None, wg_split=wg_split)
 
     @staticmethod
     def _mask(custom_mask, mask_indptr, qo_lens, kv_lens):

@@ -304,7 +304,7 @@ def test_large_groups_route_to_the_sm90_prefill_kernel(layout, page):
         pt, q, k, v = make_case(rng, lens, page, hq, hkv, 128, "bfloat16", layout)
         w = kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout)
         w.plan(pt, hq, hkv, 128, **kw)
-        assert w.sm90_routed and w.last_plan.info["backend"] == "sm90"
+        assert w.sm90_routed and w.last_plan.info["backend"] == "sm90" and w.last_plan.info["wg_split"]
         ro, rl = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1, dtype=np.int32), pt,
                                                  kv_layout=layout, return_lse=True, **kw)
         qd, kd, vd = kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v)
@@ -330,6 +330,16 @@ def test_large_groups_route_to_the_sm90_prefill_kernel(layout, page):
             assert (np.all(out.numpy()[i] == 0) if n == 0 else rel_l2(out.numpy()[i], ro[i]) <= TOL["bfloat16"][0]), i
     with pytest.raises(ValueError, match="sm90_route_waves"):
         kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout, tuning=dict(sm90_route_waves=0)).plan(pt, 32, 1, 128)
+    # the 128-row ping-pong instance (tuning sm90_route_wg_split=False, the A/B of scripts/probe_gqa_prefill.py)
+    w = kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout, tuning=dict(sm90_route_wg_split=False))
+    pt, q, k, v = make_case(rng, lens, page, 32, 1, 128, "bfloat16", layout)
+    w.plan(pt, 32, 1, 128)
+    assert w.sm90_routed and not w.last_plan.info["wg_split"]
+    out = poisoned(q.shape, "bfloat16")
+    w.run(kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v), out=out)
+    ro = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1, dtype=np.int32), pt, kv_layout=layout)
+    for i, n in enumerate(lens):
+        assert (np.all(out.numpy()[i] == 0) if n == 0 else rel_l2(out.numpy()[i], ro[i]) <= TOL["bfloat16"][0]), i
     pt, q, k, v = make_case(rng, lens, page, 64, 4, 128, "bfloat16", layout)
     w = kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout)
     w.plan(pt, 64, 4, 128)
@@ -342,6 +352,36 @@ def test_large_groups_route_to_the_sm90_prefill_kernel(layout, page):
         kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout, use_cuda_graph=True, max_batch_size=8,
                                            max_num_pages=pt.num_pages_used,
                                            tuning=dict(sm90_route=True)).plan(pt, 32, 1, 128)
+
+
+@requires_gpu
+@pytest.mark.parametrize("layout, page, causal", [("NHD", 16, False), ("HND", 5, True)])
+def test_wg_split_units_many_a_cta(layout, page, causal):
+    """The sm90 instance whose two consumer warpgroups split a unit's KV tiles (prefill wrapper wg_split, the decode
+    route's), on 3 SMs so each persistent CTA walks many units of odd and even tile counts (which warpgroup takes
+    tile 0 alternates, the last tile's owner merges): one and two query tokens a request (32 and 64 packed rows),
+    causal or not, empty and one-tile requests, against the float64 reference on poisoned out / lse."""
+    if _driver.arch() != "sm_90a":
+        pytest.skip("the sm90 prefill kernel needs an sm_90 GPU")
+    from kvattn.prefill import BatchPrefillWithPagedKVCache
+    rng = np.random.default_rng(7 + page)
+    lens = [3000, 0, 2, 17, 9000, 129, 128, 256, 384, 1000]
+    qo = [0 if n == 0 else 1 + i % 2 for i, n in enumerate(lens)]
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    pt, _, k, v = make_case(rng, lens, page, 32, 1, 128, "bfloat16", layout)
+    q = rng.standard_normal((int(qo_indptr[-1]), 32, 128)).astype(_dtypes.to_numpy("bfloat16"))
+    w = BatchPrefillWithPagedKVCache(kv_layout=layout, backend="sm90", num_sms=3)
+    w.wg_split = True
+    w.plan(qo_indptr, pt, 32, 1, 128, causal=causal, cta_rows=128)
+    assert w.last_plan.info["wg_split"] and w.last_plan.info["backend"] == "sm90"
+    out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
+    w.run(kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v), out=out, lse=lse)
+    ro, rl = reference.batch_attention_paged(q, k, v, qo_indptr, pt, kv_layout=layout, causal=causal,
+                                             return_lse=True)
+    assert rel_l2(out.numpy(), ro) <= TOL["bfloat16"][0]
+    assert_lse(lse.numpy(), rl, TOL["bfloat16"][1])
+    with pytest.raises(ValueError, match="at most 64 packed query rows"):
+        w.plan(np.array([0, 3] + [3] * (len(lens) - 1), np.int32), pt, 32, 1, 128, cta_rows=128)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

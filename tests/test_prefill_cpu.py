@@ -339,3 +339,46 @@ def test_auto_falls_back_from_a_spilling_persistent_instance(monkeypatch, one_un
         assert prefill.launch_grid(cfg, 40, 8, 132) == (40, 8, 1)
     forced = prefill.launch_config("sm90", 128, 128, Variant(), "bfloat16")
     assert forced.persistent and prefill.launch_grid(forced, 40, 8, 132) == (132, 1, 1)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_wg_split_instances_compile_without_spills(d):
+    """The instance whose two consumer warpgroups split each unit's KV tiles (wg_split: the decode route of large
+    GQA groups), persistent and not, ragged and paged (interleaved) tiles, plain and soft cap + window."""
+    for variant in (Variant(), Variant(soft_cap=True, window=True)):
+        for persistent in (True, False):
+            for interleaved in (False, True):
+                spec = sm90_spec(d, variant, "bfloat16", persistent=persistent, interleaved=interleaved,
+                                 wg_split=True)
+                assert ("KVATTN_SM90_WGSPLIT", 1) in spec.defines
+                compiled, _ = spec.compile("sm_90a")
+                assert all(r.spill_stores == 0 for r in compiled.resources.values()), compiled.log
+                assert "serialized" not in compiled.log, compiled.log
+    assert ("KVATTN_SM90_WGSPLIT", 1) not in sm90_spec(d, Variant(), "bfloat16").defines
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(qo_indptr=[0, 3, 4], num_qo_heads=32, num_kv_heads=1), "at most 64 packed query rows a request .got 96"),
+    (dict(head_dim=256), "head_dim <= 128 .got 256"),
+    (dict(cta_rows=64), "cta_rows 128 .got 64"),
+    (dict(kv_dtype="float8_e4m3fn"), "a 16-bit cache .got float8_e4m3"),
+])
+def test_wg_split_plan_refuses_what_it_does_not_fit(monkeypatch, kw, match):
+    """wg_split: every request's packed rows within one warpgroup's 64, checked before any kernel is chosen."""
+    _fake_launch_env(monkeypatch)
+    w = _ragged()
+    w.wg_split = True
+    args = dict(qo_indptr=[0, 1, 2], kv_indptr=[0, 300, 700], num_qo_heads=32, num_kv_heads=1, head_dim=128,
+                cta_rows=128)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        w.plan(**args)
+
+
+def test_wg_split_needs_the_sm90_kernel(monkeypatch):
+    prefill = _fake_launch_env(monkeypatch, "sm_80")
+    with pytest.raises(ValueError, match="wg_split: needs the sm90 kernel"):
+        prefill.launch_config("auto", 128, 128, Variant(), "bfloat16", wg_split=True)
+    prefill = _fake_launch_env(monkeypatch, "sm_90a")
+    cfg = prefill.launch_config("auto", 128, 128, Variant(), "bfloat16", wg_split=True)
+    assert cfg.backend == "sm90" and ("KVATTN_SM90_WGSPLIT", 1) in cfg.spec.defines
