@@ -847,7 +847,10 @@ struct PrefillSm90 {
   // alternate which warpgroup takes tile 0 (qpar). At the unit's end the warpgroup without the last tile (B) puts
   // its state into the last tile's stage, still held, and the other (A) merges it with its own, stores the rows
   // and releases that stage. Every other stage is released by the 4 warps of the warpgroup that used it (2 arrivals
-  // each: `empty` counts 8); each warp arrives on qfree after its warpgroup's last Q K^T, at once where it has none.
+  // each: `empty` counts 8), but tile 0's by each warp of both (1 each): the other warpgroup waits on tile 0's `full`
+  // first (its phase covers the Q rows, the previous unit's qfree phase and the stage's previous use; a later tile's
+  // does not), and its arrival keeps the stage from being refilled before it looked. Each warp arrives on qfree
+  // after its warpgroup's last Q K^T, or after that wait where it has none.
   __device__ static void consume_split(const PrefillParams& p, const Item& it, const Q* qs, const T* kvs,
                                        unsigned long long* full, unsigned long long* empty,
                                        unsigned long long* qfree, int kvh, int w, int g, int w_next, Item& next,
@@ -868,7 +871,14 @@ struct PrefillSm90 {
     float (&acc)[ON] = reinterpret_cast<float (&)[ON]>(o);
     constexpr unsigned STAGE_BYTES = STAGE_ELEMS * sizeof(T);
     const unsigned q_addr = smem_addr(qs), kv_addr = smem_addr(kvs);
-    if (ntiles > 0 && mine == 0 && lane == 0) mbar_arrive(qfree);   // (no Q K^T here)
+    auto release = [&](int t) {
+      if (lane == 0) mbar_arrive_n(&empty[(g + t) % STAGES], t == 0 ? 1 : 2);
+    };
+    if (ntiles > 0 && first == 1) {   // tile 0 is the other warpgroup's: Q has landed once it has
+      mbar_wait(&full[g % STAGES], (g / STAGES) & 1);
+      release(0);
+      if (mine == 0 && lane == 0) mbar_arrive(qfree);   // (no Q K^T here)
+    }
     if (mine > 0) {
       float s[SN];
       float sc[2];
@@ -880,7 +890,7 @@ struct PrefillSm90 {
       wgmma_wait<0>();
       fence_regs(s);
       if (mine == 1 && lane == 0) mbar_arrive(qfree);
-      softmax_tile(p, it, s, it.kb + t * N, tok, rc[0], lane, m, l, sc);
+      softmax_tile(p, it, s, kShift ? box_start(p, it, it.kb + t * N) : it.kb + t * N, tok, rc[0], lane, m, l, sc);
       for (int i = 1; i < mine; ++i, t += 2) {
         const int nxt = t + 2, cur_st = (g + t) % STAGES, nxt_st = (g + nxt) % STAGES;
         mbar_wait(&full[nxt_st], ((g + nxt) / STAGES) & 1);
@@ -897,7 +907,7 @@ struct PrefillSm90 {
                      sc);
         wgmma_wait<0>();
         fence_regs(acc);
-        if (lane == 0) mbar_arrive_n(&empty[cur_st], 2);
+        release(t);
         if (sc[0] != 1.f || sc[1] != 1.f) {
 #pragma unroll
           for (int j = 0; j < ON / 4; ++j) {
@@ -912,7 +922,7 @@ struct PrefillSm90 {
       issue_pv(acc, pa, kv_addr + ((g + t) % STAGES) * STAGE_BYTES + K_ELEMS * sizeof(T));
       wgmma_wait<0>();
       fence_regs(acc);
-      if (!owner_last && lane == 0) mbar_arrive_n(&empty[(g + t) % STAGES], 2);
+      if (!owner_last || ntiles == 1) release(t);
     }
     if (ntiles >= 2) {   // both warpgroups hold a state: B's goes through the last tile's stage to A
       const int last_st = (g + ntiles - 1) % STAGES;
@@ -947,7 +957,7 @@ struct PrefillSm90 {
             for (int e = 2 * r; e < 2 * r + 2; ++e) o[0][c][e] = o[0][c][e] * fa + x[(4 * c + e) * 128] * fb;
         }
         fence_proxy_async();
-        if (lane == 0) mbar_arrive_n(&empty[last_st], 2);
+        release(ntiles - 1);
       }
     }
     // The rows go out from A (the last tile's warpgroup; warpgroup 0 where the unit has no tiles).
