@@ -879,50 +879,35 @@ struct PrefillSm90 {
       release(0);
       if (mine == 0 && lane == 0) mbar_arrive(qfree);   // (no Q K^T here)
     }
-    if (mine > 0) {
+    // Each tile whole (Q K^T, softmax, P V, release) before the next: the other warpgroup's tile overlaps it, and
+    // a warpgroup that held its tile until its next one landed (Q K^T of the next issued with P V of this one, as
+    // in consume) would leave the ring one stage to load into (run 37a: 54.9 us against 45.9 for GQA 32).
+    for (int i = 0; i < mine; ++i) {
+      const int t = first + 2 * i, st = (g + t) % STAGES;
+      mbar_wait(&full[st], ((g + t) / STAGES) & 1);
+      fence_proxy_async();
       float s[SN];
       float sc[2];
-      int t = first;
-      mbar_wait(&full[(g + t) % STAGES], ((g + t) / STAGES) & 1);
-      fence_proxy_async();
       wgmma_fence();
-      issue_qk(s, q_addr, kv_addr + ((g + t) % STAGES) * STAGE_BYTES);
+      issue_qk(s, q_addr, kv_addr + st * STAGE_BYTES);
       wgmma_wait<0>();
       fence_regs(s);
-      if (mine == 1 && lane == 0) mbar_arrive(qfree);
+      if (i == mine - 1 && lane == 0) mbar_arrive(qfree);   // this warpgroup's last Q K^T has completed
       softmax_tile(p, it, s, kShift ? box_start(p, it, it.kb + t * N) : it.kb + t * N, tok, rc[0], lane, m, l, sc);
-      for (int i = 1; i < mine; ++i, t += 2) {
-        const int nxt = t + 2, cur_st = (g + t) % STAGES, nxt_st = (g + nxt) % STAGES;
-        mbar_wait(&full[nxt_st], ((g + nxt) / STAGES) & 1);
-        fence_proxy_async();
-        unsigned pa[N / 16][4];
-        pack_p(s, pa);
-        wgmma_fence();
-        issue_qk(s, q_addr, kv_addr + nxt_st * STAGE_BYTES);
-        issue_pv(acc, pa, kv_addr + cur_st * STAGE_BYTES + K_ELEMS * sizeof(T));
-        wgmma_wait<1>();
-        fence_regs(s);
-        if (i == mine - 1 && lane == 0) mbar_arrive(qfree);   // this warpgroup's last Q K^T has completed
-        softmax_tile(p, it, s, kShift ? box_start(p, it, it.kb + nxt * N) : it.kb + nxt * N, tok, rc[0], lane, m, l,
-                     sc);
-        wgmma_wait<0>();
-        fence_regs(acc);
-        release(t);
-        if (sc[0] != 1.f || sc[1] != 1.f) {
+      if (sc[0] != 1.f || sc[1] != 1.f) {
 #pragma unroll
-          for (int j = 0; j < ON / 4; ++j) {
-            acc[4 * j + 0] *= sc[0]; acc[4 * j + 1] *= sc[0];
-            acc[4 * j + 2] *= sc[1]; acc[4 * j + 3] *= sc[1];
-          }
+        for (int j = 0; j < ON / 4; ++j) {
+          acc[4 * j + 0] *= sc[0]; acc[4 * j + 1] *= sc[0];
+          acc[4 * j + 2] *= sc[1]; acc[4 * j + 3] *= sc[1];
         }
       }
       unsigned pa[N / 16][4];
       pack_p(s, pa);
       wgmma_fence();
-      issue_pv(acc, pa, kv_addr + ((g + t) % STAGES) * STAGE_BYTES + K_ELEMS * sizeof(T));
+      issue_pv(acc, pa, kv_addr + st * STAGE_BYTES + K_ELEMS * sizeof(T));
       wgmma_wait<0>();
       fence_regs(acc);
-      if (!owner_last || ntiles == 1) release(t);
+      if (t != ntiles - 1 || ntiles == 1) release(t);   // (the last tile's stage, held for the merge)
     }
     if (ntiles >= 2) {   // both warpgroups hold a state: B's goes through the last tile's stage to A
       const int last_st = (g + ntiles - 1) % STAGES;
