@@ -236,8 +236,9 @@ struct PrefillSm90 {
   // KVATTN_SM90_WGSPLIT (kvattn.prefill's wg_split: the decode wrapper's sm90 route of large GQA groups): every
   // unit's rows fit one warpgroup and the two consumer warpgroups split its KV tiles (consume_split).
   static constexpr bool kWgSplit = KVATTN_SM90_WGSPLIT;
-  static_assert(!kWgSplit || (!KVSPLIT && (4 * CHUNKS + 4) * 128 * 4 <= STAGE_ELEMS * (int)sizeof(T)),
-                "wg split: one K/V ring (no KVSPLIT), and a stage holds a warpgroup's state for the merge");
+  static_assert(!kWgSplit || (!KVSPLIT && STAGES % 2 == 1 && (4 * CHUNKS + 4) * 128 * 4 <= STAGE_ELEMS * (int)sizeof(T)),
+                "wg split: one K/V ring (no KVSPLIT) of an odd number of stages (consume_split's waits), and a stage "
+                "holds a warpgroup's state for the merge");
   static constexpr int SMEM_BYTES =
       (QBUF * Q_ELEMS + STAGES * STAGE_ELEMS) * (int)sizeof(T) + (2 * STAGES + QBUF + (KVSPLIT ? 2 * STAGES : 0)) * 8;
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: at most 227 KB per CTA (fewer stages, or one Q tile)");
@@ -884,6 +885,9 @@ struct PrefillSm90 {
     // in consume) would leave the ring one stage to load into (run 37a: 54.9 us against 45.9 for GQA 32).
     for (int i = 0; i < mine; ++i) {
       const int t = first + 2 * i, st = (g + t) % STAGES;
+      // The stage's previous tile is the other warpgroup's (STAGES is odd): a parity wait two phases ahead of the
+      // stage would pass at once, so its phase is waited for first.
+      if (t >= STAGES) mbar_wait(&full[st], ((g + t - STAGES) / STAGES) & 1);
       mbar_wait(&full[st], ((g + t) / STAGES) & 1);
       fence_proxy_async();
       float s[SN];

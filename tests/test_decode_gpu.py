@@ -382,6 +382,18 @@ def test_wg_split_units_many_a_cta(layout, page, causal):
     assert_lse(lse.numpy(), rl, TOL["bfloat16"][1])
     with pytest.raises(ValueError, match="at most 64 packed query rows"):
         w.plan(np.array([0, 3] + [3] * (len(lens) - 1), np.int32), pt, 32, 1, 128, cta_rows=128)
+    # long units on a full grid, run back to back (each warpgroup waits on its stage's previous phase first: without
+    # that wait a warpgroup ahead of the ring passed a parity wait two phases early and the launch failed, run 37c)
+    pt, q, k, v = make_case(rng, [4096] * 64, 16, 32, 1, 128, "bfloat16", "NHD")
+    w = kvattn.BatchDecodeWithPagedKVCache()
+    w.plan(pt, 32, 1, 128)
+    assert w.sm90_routed and w.last_plan.info["wg_split"]
+    qd, kd, vd = kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v)
+    out = poisoned(q.shape, "bfloat16")
+    for _ in range(30):
+        w.run(qd, kd, vd, out=out)
+    ro = reference.batch_attention_paged(q, k, v, np.arange(65, dtype=np.int32), pt, kv_layout="NHD")
+    assert rel_l2(out.numpy(), ro) <= TOL["bfloat16"][0]
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
