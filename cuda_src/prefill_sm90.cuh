@@ -236,9 +236,8 @@ struct PrefillSm90 {
   // KVATTN_SM90_WGSPLIT (kvattn.prefill's wg_split: the decode wrapper's sm90 route of large GQA groups): every
   // unit's rows fit one warpgroup and the two consumer warpgroups split its KV tiles (consume_split).
   static constexpr bool kWgSplit = KVATTN_SM90_WGSPLIT;
-  static_assert(!kWgSplit || (!KVSPLIT && STAGES % 2 == 1 && (4 * CHUNKS + 4) * 128 * 4 <= STAGE_ELEMS * (int)sizeof(T)),
-                "wg split: one K/V ring (no KVSPLIT) of an odd number of stages (consume_split's waits), and a stage "
-                "holds a warpgroup's state for the merge");
+  static_assert(!kWgSplit || (!KVSPLIT && (4 * CHUNKS + 4) * 128 * 4 <= STAGE_ELEMS * (int)sizeof(T)),
+                "wg split: one K/V ring (no KVSPLIT), and a stage holds a warpgroup's state for the merge");
   static constexpr int SMEM_BYTES =
       (QBUF * Q_ELEMS + STAGES * STAGE_ELEMS) * (int)sizeof(T) + (2 * STAGES + QBUF + (KVSPLIT ? 2 * STAGES : 0)) * 8;
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: at most 227 KB per CTA (fewer stages, or one Q tile)");
@@ -847,11 +846,11 @@ struct PrefillSm90 {
   // would give warpgroup 1 only padding). No turns: each warpgroup issues its products as its tiles land. Units
   // alternate which warpgroup takes tile 0 (qpar). At the unit's end the warpgroup without the last tile (B) puts
   // its state into the last tile's stage, still held, and the other (A) merges it with its own, stores the rows
-  // and releases that stage. Every other stage is released by the 4 warps of the warpgroup that used it (2 arrivals
-  // each: `empty` counts 8), but tile 0's by each warp of both (1 each): the other warpgroup waits on tile 0's `full`
-  // first (its phase covers the Q rows, the previous unit's qfree phase and the stage's previous use; a later tile's
-  // does not), and its arrival keeps the stage from being refilled before it looked. Each warp arrives on qfree
-  // after its warpgroup's last Q K^T, or after that wait where it has none.
+  // and releases that stage. Every tile's stage is released by each warp of both warpgroups (`empty` counts 8): the
+  // one that does not run it waits on its `full` barrier first, in tile order. So each warpgroup sees every phase of
+  // every stage (a parity wait two phases ahead of a stage would pass at once: the stages alternate between the
+  // warpgroups; run 37c's launch failure), and it sees tile 0's, whose phase covers the Q rows. Each warp arrives
+  // on qfree after its warpgroup's last Q K^T, or after tile 0's wait where it has none.
   __device__ static void consume_split(const PrefillParams& p, const Item& it, const Q* qs, const T* kvs,
                                        unsigned long long* full, unsigned long long* empty,
                                        unsigned long long* qfree, int kvh, int w, int g, int w_next, Item& next,
@@ -859,7 +858,7 @@ struct PrefillSm90 {
     const int lane = threadIdx.x % 32, cwg = (threadIdx.x / 32 - 4) / 4, rw = (threadIdx.x / 32) % 4;  // row warp
     const int ntiles = (it.ke - it.kb + N - 1) / N;
     const int first = cwg ^ qpar;                        // this warpgroup's first tile (0 or 1)
-    const int mine = ntiles > first ? (ntiles - first + 1) / 2 : 0;
+    const int mine = ntiles > first ? (ntiles - first + 1) / 2 : 0;   // tiles it runs
     const bool owner_last = ntiles > 0 && ((ntiles - 1) & 1) == first;   // whether the unit's last tile is this one's
     int tok[2];
 #pragma unroll
@@ -873,11 +872,14 @@ struct PrefillSm90 {
     constexpr unsigned STAGE_BYTES = STAGE_ELEMS * sizeof(T);
     const unsigned q_addr = smem_addr(qs), kv_addr = smem_addr(kvs);
     auto release = [&](int t) {
-      if (lane == 0) mbar_arrive_n(&empty[(g + t) % STAGES], t == 0 ? 1 : 2);
+      if (lane == 0) mbar_arrive(&empty[(g + t) % STAGES]);
+    };
+    auto ack = [&](int t) {   // the other warpgroup's tile t: waited for in order, then released
+      mbar_wait(&full[(g + t) % STAGES], ((g + t) / STAGES) & 1);
+      release(t);
     };
     if (ntiles > 0 && first == 1) {   // tile 0 is the other warpgroup's: Q has landed once it has
-      mbar_wait(&full[g % STAGES], (g / STAGES) & 1);
-      release(0);
+      ack(0);
       if (mine == 0 && lane == 0) mbar_arrive(qfree);   // (no Q K^T here)
     }
     // Each tile whole (Q K^T, softmax, P V, release) before the next: the other warpgroup's tile overlaps it, and
@@ -885,9 +887,6 @@ struct PrefillSm90 {
     // in consume) would leave the ring one stage to load into (run 37a: 54.9 us against 45.9 for GQA 32).
     for (int i = 0; i < mine; ++i) {
       const int t = first + 2 * i, st = (g + t) % STAGES;
-      // The stage's previous tile is the other warpgroup's (STAGES is odd): a parity wait two phases ahead of the
-      // stage would pass at once, so its phase is waited for first.
-      if (t >= STAGES) mbar_wait(&full[st], ((g + t - STAGES) / STAGES) & 1);
       mbar_wait(&full[st], ((g + t) / STAGES) & 1);
       fence_proxy_async();
       float s[SN];
@@ -912,6 +911,7 @@ struct PrefillSm90 {
       wgmma_wait<0>();
       fence_regs(acc);
       if (t != ntiles - 1 || ntiles == 1) release(t);   // (the last tile's stage, held for the merge)
+      if (t + 1 < ntiles) ack(t + 1);
     }
     if (ntiles >= 2) {   // both warpgroups hold a state: B's goes through the last tile's stage to A
       const int last_st = (g + ntiles - 1) % STAGES;

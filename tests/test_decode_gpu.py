@@ -382,7 +382,7 @@ def test_wg_split_units_many_a_cta(layout, page, causal):
     assert_lse(lse.numpy(), rl, TOL["bfloat16"][1])
     with pytest.raises(ValueError, match="at most 64 packed query rows"):
         w.plan(np.array([0, 3] + [3] * (len(lens) - 1), np.int32), pt, 32, 1, 128, cta_rows=128)
-    # long units on a full grid, run back to back (each warpgroup waits on its stage's previous phase first: without
+    # long units on a full grid, run back to back (each warpgroup waits on every tile in order: without
     # that wait a warpgroup ahead of the ring passed a parity wait two phases early and the launch failed, run 37c)
     pt, q, k, v = make_case(rng, [4096] * 64, 16, 32, 1, 128, "bfloat16", "NHD")
     w = kvattn.BatchDecodeWithPagedKVCache()
