@@ -91,14 +91,15 @@ SLIM = False
 #: sm_90 GPU, outside graph and deterministic mode; True (those modes raise) or False (the decode
 #: kernel). sm90_route_waves: the routed plan's KV split counted in waves of the SMs (the prefill wrapper's
 #: split_waves; 1: GQA 32 b64_L4096 is 128 units of 2048 tokens, one a CTA; 2: 4 chunks a request, two units a CTA,
-#: the A/B: run 36a 51.2 us against 45.9, so 1). sm90_route_wg_split: the route's groups of at most 64 (a request's
-#: rows fit one consumer warpgroup) run on the sm90 instance whose two consumer warpgroups split each unit's KV tiles
-#: (kvattn.prefill wg_split), so no product is spent on a warpgroup of padding rows; False: the 128-row ping-pong.
+#: the A/B: run 36a 51.2 us against 45.9, so 1). sm90_route_wg_split: True runs the route's groups of at most 64 (a
+#: request's rows fit one consumer warpgroup) on the sm90 instance whose two consumer warpgroups split each unit's
+#: KV tiles (kvattn.prefill wg_split: no product spent on a warpgroup of padding rows); off by default: run 37e,
+#: GQA 32 b64_L4096 46.8 us against the 128-row ping-pong's 45.8 (the padded products are not what limits it).
 DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas_per_sm=None, m_tiles=None,
                       refill_first=False, fused_merge=None, wtok=None, merge_lanes=None, merge_programmatic=True,
                       rope_defines=(), ids_ahead=None, trace=False, fused_merge_batch=None, min_chunk_tokens=None,
                       slim=None, sm90_route=None, sm90_route_waves=1,
-                      sm90_route_wg_split=True)
+                      sm90_route_wg_split=False)
 
 
 def warp_tokens(head_dim: int, kv_dtype: str | None = None, forced: int | None = None,

@@ -304,7 +304,7 @@ def test_large_groups_route_to_the_sm90_prefill_kernel(layout, page):
         pt, q, k, v = make_case(rng, lens, page, hq, hkv, 128, "bfloat16", layout)
         w = kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout)
         w.plan(pt, hq, hkv, 128, **kw)
-        assert w.sm90_routed and w.last_plan.info["backend"] == "sm90" and w.last_plan.info["wg_split"]
+        assert w.sm90_routed and w.last_plan.info["backend"] == "sm90" and not w.last_plan.info["wg_split"]
         ro, rl = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1, dtype=np.int32), pt,
                                                  kv_layout=layout, return_lse=True, **kw)
         qd, kd, vd = kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v)
@@ -330,11 +330,12 @@ def test_large_groups_route_to_the_sm90_prefill_kernel(layout, page):
             assert (np.all(out.numpy()[i] == 0) if n == 0 else rel_l2(out.numpy()[i], ro[i]) <= TOL["bfloat16"][0]), i
     with pytest.raises(ValueError, match="sm90_route_waves"):
         kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout, tuning=dict(sm90_route_waves=0)).plan(pt, 32, 1, 128)
-    # the 128-row ping-pong instance (tuning sm90_route_wg_split=False, the A/B of scripts/probe_gqa_prefill.py)
-    w = kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout, tuning=dict(sm90_route_wg_split=False))
+    # the instance whose consumer warpgroups split the KV tiles (tuning sm90_route_wg_split, the A/B of
+    # scripts/probe_gqa_prefill.py)
+    w = kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout, tuning=dict(sm90_route_wg_split=True))
     pt, q, k, v = make_case(rng, lens, page, 32, 1, 128, "bfloat16", layout)
     w.plan(pt, 32, 1, 128)
-    assert w.sm90_routed and not w.last_plan.info["wg_split"]
+    assert w.sm90_routed and w.last_plan.info["wg_split"]
     out = poisoned(q.shape, "bfloat16")
     w.run(kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v), out=out)
     ro = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1, dtype=np.int32), pt, kv_layout=layout)
@@ -385,7 +386,7 @@ def test_wg_split_units_many_a_cta(layout, page, causal):
     # long units on a full grid, run back to back (each warpgroup waits on every tile in order: without
     # that wait a warpgroup ahead of the ring passed a parity wait two phases early and the launch failed, run 37c)
     pt, q, k, v = make_case(rng, [4096] * 64, 16, 32, 1, 128, "bfloat16", "NHD")
-    w = kvattn.BatchDecodeWithPagedKVCache()
+    w = kvattn.BatchDecodeWithPagedKVCache(tuning=dict(sm90_route_wg_split=True))
     w.plan(pt, 32, 1, 128)
     assert w.sm90_routed and w.last_plan.info["wg_split"]
     qd, kd, vd = kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v)
