@@ -120,7 +120,8 @@
 
 // Timing experiment only (scripts/trace_sm90.py; never set by the library): 1 = persistent CTAs stamp clock64()
 // at each unit's boundary events (KVATTN_TRACE_* below) into kvattn_sm90_trace, read back by the script through
-// cuModuleGetGlobal. Off, the stamps compile to nothing.
+// cuModuleGetGlobal; 2 = the same stamps from the global timer (ns, comparable across CTAs: scripts/trace_route.py).
+// Off, the stamps compile to nothing.
 #ifndef KVATTN_SM90_TRACE
 #define KVATTN_SM90_TRACE 0
 #endif
@@ -157,11 +158,21 @@ enum TraceEvent {
   kTraceORows0 = 17,   //   its rows normalised and staged in shared memory (the LSE stored)
   kTraceOSync0 = 18,   //   its warpgroup's barrier passed (the bulk store issued next)
 };
+// KVATTN_SM90_TRACE 1: the SM's cycle counter; 2: the global timer in ns (comparable across CTAs).
+__device__ __forceinline__ unsigned long long kvattn_trace_now() {
+#if KVATTN_SM90_TRACE == 2
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+#else
+  return (unsigned long long)clock64();
+#endif
+}
 __device__ __forceinline__ void trace_stamp(int slot, int e, long long value = -1) {
 #if KVATTN_SM90_TRACE
   if (slot < KVATTN_TRACE_UNITS && blockIdx.x < KVATTN_TRACE_CTAS)
     kvattn_sm90_trace[(blockIdx.x * KVATTN_TRACE_UNITS + slot) * KVATTN_TRACE_EVENTS + e] =
-        value >= 0 ? (unsigned long long)value : (unsigned long long)clock64();
+        value >= 0 ? (unsigned long long)value : kvattn_trace_now();
 #endif
 }
 #define KVATTN_TRACE(thread, slot, e) \
