@@ -1,6 +1,6 @@
 """GQA 32 decode on the sm90 route (b64, Hq32/Hkv1): global-timer stamps (KVATTN_SM90_TRACE=2, ns, comparable across
 CTAs) of each CTA's first unit: the start spread, when the first K/V tile landed, the last P V, the last end, against
-the call's time (run 37h: L4096 47.8 us a call, 40.0 from the first CTA's start to the last end).
+the call's time (run 37j: L4096 47.8 us a call, 40.0 from the first CTA's start to the last end).
 
     PYTHONPATH=. python3 scripts/trace_route.py
 """
