@@ -274,9 +274,7 @@ register("prefill", [prefill_spec(128, r, Variant(), "bfloat16") for r in (128, 
          + [sm90_spec(128, Variant(), t) for t in ("bfloat16", "float16")] + [sm90_spec(64, Variant(), "bfloat16")]
          + [sm90_spec(128, Variant(custom_mask=True), "bfloat16"), sm90_spec(256, Variant(), "bfloat16")]
          + [sm90_spec(128, v, "bfloat16", interleaved=True)   # paged caches' instances
-            for v in (Variant(), Variant(soft_cap=True, window=True, custom_mask=True))]
-         + [sm90_spec(128, v, "bfloat16", interleaved=True, wg_split=True)   # the decode route of large GQA groups
-            for v in (Variant(), Variant(soft_cap=True, window=True))])
+            for v in (Variant(), Variant(soft_cap=True, window=True, custom_mask=True))])
 
 
 # -- one prefill launch's share of a plan buffer (the paged / ragged ops have one, cascade one per level) -----
