@@ -341,20 +341,17 @@ def test_auto_falls_back_from_a_spilling_persistent_instance(monkeypatch, one_un
     assert forced.persistent and prefill.launch_grid(forced, 40, 8, 132) == (132, 1, 1)
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_wg_split_instances_compile_without_spills(d):
-    """The instance whose two consumer warpgroups split each unit's KV tiles (wg_split: the decode route of large
-    GQA groups), persistent and not, ragged and paged (interleaved) tiles, plain and soft cap + window."""
-    for variant in (Variant(), Variant(soft_cap=True, window=True)):
-        for persistent in (True, False):
-            for interleaved in (False, True):
-                spec = sm90_spec(d, variant, "bfloat16", persistent=persistent, interleaved=interleaved,
-                                 wg_split=True)
-                assert ("KVATTN_SM90_WGSPLIT", 1) in spec.defines
-                compiled, _ = spec.compile("sm_90a")
-                assert all(r.spill_stores == 0 for r in compiled.resources.values()), compiled.log
-                assert "serialized" not in compiled.log, compiled.log
-    assert ("KVATTN_SM90_WGSPLIT", 1) not in sm90_spec(d, Variant(), "bfloat16").defines
+@pytest.mark.parametrize("d, variant, interleaved", [(128, Variant(), True), (128, Variant(soft_cap=True, window=True), True),
+                                                     (128, Variant(), False), (64, Variant(), False)])
+def test_wg_split_instances_compile_without_spills(d, variant, interleaved):
+    """The persistent instance whose two consumer warpgroups split each unit's KV tiles (wg_split: tuning
+    sm90_route_wg_split of the decode route of large GQA groups): paged (interleaved) and ragged tiles."""
+    spec = sm90_spec(d, variant, "bfloat16", persistent=True, interleaved=interleaved, wg_split=True)
+    assert ("KVATTN_SM90_WGSPLIT", 1) in spec.defines
+    assert ("KVATTN_SM90_WGSPLIT", 1) not in sm90_spec(d, variant, "bfloat16", interleaved=interleaved).defines
+    compiled, _ = spec.compile("sm_90a")
+    assert all(r.spill_stores == 0 for r in compiled.resources.values()), compiled.log
+    assert "serialized" not in compiled.log, compiled.log
 
 
 @pytest.mark.parametrize("kw, match", [
