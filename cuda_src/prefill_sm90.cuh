@@ -543,6 +543,17 @@ struct PrefillSm90 {
     else softmax<false>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
   }
 
+  // The O accumulators of this thread's two rows times the softmax's rescale factors (skipped where both are 1).
+  __device__ __forceinline__ static void rescale(float (&acc)[ON], const float (&sc)[2]) {
+    if (sc[0] != 1.f || sc[1] != 1.f) {
+#pragma unroll
+      for (int i = 0; i < ON / 4; ++i) {
+        acc[4 * i + 0] *= sc[0]; acc[4 * i + 1] *= sc[0];
+        acc[4 * i + 2] *= sc[1]; acc[4 * i + 3] *= sc[1];
+      }
+    }
+  }
+
   // P (the probabilities in s) as the A fragments of the k16 steps of P V.
   __device__ __forceinline__ static void pack_p(const float (&s)[SN], unsigned (&pa)[N / 16][4]) {
 #pragma unroll
@@ -805,13 +816,7 @@ struct PrefillSm90 {
         wgmma_wait<0>();
         fence_regs(acc);
         if (lane == 0) mbar_arrive(&vempty[cur_st]);   // this warp is done with tile ti's stage (KVSPLIT: its V)
-        if (sc[0] != 1.f || sc[1] != 1.f) {
-#pragma unroll
-          for (int i = 0; i < ON / 4; ++i) {
-            acc[4 * i + 0] *= sc[0]; acc[4 * i + 1] *= sc[0];
-            acc[4 * i + 2] *= sc[1]; acc[4 * i + 3] *= sc[1];
-          }
-        }
+        rescale(acc, sc);
       }
       if constexpr (KVSPLIT) {
         mbar_wait(&vfull[(g + ntiles - 1) % STAGES], ((g + ntiles - 1) / STAGES) & 1);
@@ -908,13 +913,7 @@ struct PrefillSm90 {
       fence_regs(s);
       if (i == mine - 1 && lane == 0) mbar_arrive(qfree);   // this warpgroup's last Q K^T has completed
       softmax_tile(p, it, s, kShift ? box_start(p, it, it.kb + t * N) : it.kb + t * N, tok, rc[0], lane, m, l, sc);
-      if (sc[0] != 1.f || sc[1] != 1.f) {
-#pragma unroll
-        for (int j = 0; j < ON / 4; ++j) {
-          acc[4 * j + 0] *= sc[0]; acc[4 * j + 1] *= sc[0];
-          acc[4 * j + 2] *= sc[1]; acc[4 * j + 3] *= sc[1];
-        }
-      }
+      rescale(acc, sc);
       unsigned pa[N / 16][4];
       pack_p(s, pa);
       wgmma_fence();
