@@ -110,6 +110,11 @@
 #ifndef KVATTN_SM90_FP8TMA
 #define KVATTN_SM90_FP8TMA 1
 #endif
+// Experiment (bench_fp8.py --prefill-ab): with KVATTN_SM90_FP8TMA, 1 = the boxes of the tile after the one issued
+// are prefetched into L2 at the same time, so that tile's boxes (issued once its stage is free) land sooner.
+#ifndef KVATTN_SM90_FP8PF
+#define KVATTN_SM90_FP8PF 0
+#endif
 
 // Experiment (scripts/ab_sm90.py --qbuf; 1, the default, builds one Q tile): QBUF = 2 gives persistent CTAs two Q
 // tiles, used by alternate units with tiles, so the producers copy a unit's Q while the unit before it still runs
@@ -491,20 +496,27 @@ struct PrefillSm90 {
   // at t0 into the stage's landing rows, on `land`, which lane 0 makes expect the tile's bytes and arrives on (its one
   // arrival). Rows past the item come too (the item's last page again, or the ragged box moved back: box_start);
   // the expansion zeroes rows past the item. id: the box's page id (box_page).
+  // PF (KVATTN_SM90_FP8PF): the box is prefetched into L2 instead (no shared memory, no barrier).
+  template <bool PF = false>
   __device__ __forceinline__ static void issue_kv8_tma(const PrefillParams& p, T* stage, int t0, int box, int id,
                                                        int kvh, unsigned long long* land) {
     unsigned char* v8 = landed_v8(stage);
-    if (box == 0) mbar_expect_tx(land, 2 * N * 128);
+    if (!PF && box == 0) mbar_expect_tx(land, 2 * N * 128);
     const int r0 = box * p.tma_rows;
     if (r0 < N) {
       int pg, in;
       Base::page_slot(p, t0 + r0, pg, in);
       const int slot = p.tma_mode == 1 ? id + in : in, page = p.tma_mode == 1 ? 0 : id;
       const int c1 = p.tma_hnd ? slot : kvh, c2 = p.tma_hnd ? kvh : slot;
-      tma_load_4d(v8 + N * 128 + r0 * 128, &p.tma_k, 0, c1, c2, page, land);
-      tma_load_4d(v8 + r0 * 128, &p.tma_v, 0, c1, c2, page, land);
+      if constexpr (PF) {
+        tma_prefetch_4d(&p.tma_k, 0, c1, c2, page);
+        tma_prefetch_4d(&p.tma_v, 0, c1, c2, page);
+      } else {
+        tma_load_4d(v8 + N * 128 + r0 * 128, &p.tma_k, 0, c1, c2, page, land);
+        tma_load_4d(v8 + r0 * 128, &p.tma_v, 0, c1, c2, page, land);
+      }
     }
-    if (box == 0) mbar_arrive(land);
+    if (!PF && box == 0) mbar_arrive(land);
   }
 
   // (kTma8) Producer warp pw's RPW rows of the tile at t0 copied into the stage's landing rows per thread
@@ -751,7 +763,13 @@ struct PrefillSm90 {
           T* stage = kvs + st * STAGE_ELEMS;
           const int tt = it.kb + t * N, t0 = kShift ? box_start(p, it, tt) : tt;
           if (tma8 && (p.tma_mode == 2 || t0 + N <= it.ke)) {
-            if (pw == 0) issue_kv8_tma(p, stage, t0, lane, box_page(p, it, t0, lane), kvh, &land[st]);
+            if (pw == 0) {
+              issue_kv8_tma(p, stage, t0, lane, box_page(p, it, t0, lane), kvh, &land[st]);
+              if (KVATTN_SM90_FP8PF && tt + N < it.ke) {   // the next tile's boxes into L2
+                const int t1 = kShift ? box_start(p, it, tt + N) : tt + N;
+                issue_kv8_tma<true>(p, stage, t1, lane, box_page(p, it, t1, lane), kvh, nullptr);
+              }
+            }
             mbar_wait(&land[st], (u / STAGES) & 1);
           } else {
             if (threadIdx.x == 0) mbar_arrive(&land[st]);

@@ -120,7 +120,8 @@ def prefill_data(rng, b, s_len):
     tv = torch.randn((b * s_len, HKV, D), dtype=torch.bfloat16, device="cuda")
     pt = kvattn.PageTable.from_kv_lens(np.full(b, s_len), 16, rng=rng)
     pk = torch.zeros((pt.num_pages_used * 16, HKV, D), dtype=torch.bfloat16, device="cuda")
-    order = torch.from_numpy(np.concatenate([np.arange(p * 16, p * 16 + 16) for p in pt.indices])).cuda()
+    order = torch.from_numpy(np.concatenate([(pt.pages(i)[:, None] * 16 + np.arange(16)).ravel()[:s_len]
+                                             for i in range(b)])).cuda()
     pv = torch.zeros_like(pk)
     pk[order], pv[order] = tk, tv
     return indptr, tq, tk, tv, pt, pk.view(-1, 16, HKV, D), pv.view(-1, 16, HKV, D)
@@ -147,23 +148,35 @@ def prefill_error(rng, w, tq, k, v, s_len, run_kv=None, **sc):
     return float(np.linalg.norm(o0[r] - ro) / np.linalg.norm(ro))
 
 
-def prefill_ab(rng, rounds=3):
+N64 = (("KVATTN_SM90_N", 64), ("KVATTN_SM90_STAGES", 6))
+#: prefill_ab's builds: name -> (cache type, SM90_TUNING); "bf16" first (the reference column)
+AB_BUILDS = {"bf16": ("bfloat16", ()), "fp8 landed": ("float8_e4m3fn", ()),
+             "fp8 registers": ("float8_e4m3fn", (("KVATTN_SM90_FP8TMA", 0),)),
+             "fp8 landed+pf": ("float8_e4m3fn", (("KVATTN_SM90_FP8PF", 1),)),
+             "bf16 N64x6": ("bfloat16", N64), "fp8 N64x6": ("float8_e4m3fn", N64),
+             "fp8 N64x6+pf": ("float8_e4m3fn", N64 + (("KVATTN_SM90_FP8PF", 1),))}
+AB_SHAPES = {"b1_S8192": (1, 8192), "b8_S2048": (8, 2048), "b32_S1024": (32, 1024), "b64_S100": (64, 100)}
+
+
+def prefill_ab(rng, names=("bf16", "fp8 landed", "fp8 registers"), shapes=tuple(AB_SHAPES), layouts=("ragged", "paged"),
+               rounds=3):
     """The sm90 kernel's fp8 tiles landed in their stages and expanded in place (KVATTN_SM90_FP8TMA=1, persistent,
-    the default) against the producers' register loads (0, one CTA per unit), beside the bf16 cache, e4m3, causal,
-    ragged and paged (page 16, scattered); builds timed in `rounds` rounds of alternating order, each checked
-    against the float64 reference."""
+    the default) against the producers' register loads (0, one CTA per unit), and the other AB_BUILDS, beside the
+    bf16 cache, e4m3, causal, ragged and paged (page 16, scattered); builds timed in `rounds` rounds of alternating
+    order, each checked against the float64 reference."""
     import torch
     from kvattn import prefill, tma
-    builds = [("bf16", "bfloat16", ()), ("fp8 landed", "float8_e4m3fn", ()),
-              ("fp8 registers", "float8_e4m3fn", (("KVATTN_SM90_FP8TMA", 0),))]
-    for b, s_len in ((1, 8192), (8, 2048), (32, 1024), (64, 100)):
+    builds = [(n, *AB_BUILDS[n]) for n in names]
+    for shape in shapes:
+        b, s_len = AB_SHAPES[shape]
         indptr, tq, tk, tv, pt, pk, pv = prefill_data(rng, b, s_len)
         flops = 2 * b * HQ * s_len * s_len * D
-        for paged in (False, True):
+        for paged in (x == "paged" for x in layouts):
             rates, errs = {n: [] for n, _, _ in builds}, {}
             for r in range(rounds):
                 for name, kv, defs in (builds if r % 2 == 0 else builds[::-1]):
-                    prefill.SM90_TUNING, tma.FP8_MAPS = defs, not defs
+                    prefill.SM90_TUNING = defs
+                    tma.FP8_MAPS = dict(defs).get("KVATTN_SM90_FP8TMA", 1) == 1
                     sc = {} if kv == "bfloat16" else dict(k_scale=SCALE, v_scale=SCALE)
                     if paged:
                         w = kvattn.BatchPrefillWithPagedKVCache(backend="sm90")
@@ -179,12 +192,13 @@ def prefill_ab(rng, rounds=3):
                         errs[name] = prefill_error(rng, w, tq, quantised(tk, kv), quantised(tv, kv), s_len,
                                                    run_kv=(k, v), **sc)
             prefill.SM90_TUNING, tma.FP8_MAPS = (), True
-            base = np.median(rates["bf16"])
+            base = np.median(rates[builds[0][0]])
             for name, _, _ in builds:
                 med = np.median(rates[name])
                 print(f"fp8tma causal b{b}_S{s_len}{' paged' if paged else ''}: {name:14s} "
                       + " ".join(f"{x:6.1f}" for x in rates[name])
-                      + f"  median {med:6.1f} TFLOP/s ({med / base:.3f} of bf16)  err {errs[name]:.1e}", flush=True)
+                      + f"  median {med:6.1f} TFLOP/s ({med / base:.3f} of {builds[0][0]})  err {errs[name]:.1e}",
+                      flush=True)
 
 
 def prefill_rows(rng, ceiling):
@@ -234,6 +248,9 @@ def main():
     ap.add_argument("--prefill", action="store_true", help="only the prefill table (fp8 cache vs bf16, TFLOP/s)")
     ap.add_argument("--prefill-ab", action="store_true",
                     help="only the sm90 fp8 prefill A/B: landed + expanded in place vs register loads (prefill_ab)")
+    ap.add_argument("--builds", default="bf16,fp8 landed,fp8 registers", help="--prefill-ab: AB_BUILDS names")
+    ap.add_argument("--shapes", default=",".join(AB_SHAPES), help="--prefill-ab: AB_SHAPES names")
+    ap.add_argument("--layouts", default="ragged,paged", help="--prefill-ab: ragged and / or paged")
     args = ap.parse_args()
     import torch
     if args.warm_peers:
@@ -242,7 +259,7 @@ def main():
     ceiling = copy_bandwidth_tbs()
     print(f"copy ceiling {ceiling:.3f} TB/s; GPU {kvattn._driver.device_name()}")
     if args.prefill_ab:
-        return prefill_ab(rng)
+        return prefill_ab(rng, *(a.split(",") for a in (args.builds, args.shapes, args.layouts)))
     if args.prefill:
         rows = prefill_rows(rng, ceiling)
         print("\nfp8 cache in causal prefill, bf16 q, Hq32/Hkv8/D128, TFLOP/s (2 B Hq S^2 D); paged: page 16, scattered")
