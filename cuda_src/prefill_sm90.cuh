@@ -106,14 +106,28 @@
 // tensor maps of the cache, else per-thread asynchronous copies) and the producers expand them there, in place, into
 // the 16-bit K and V tiles (expand_kv8_smem), with no fp8 bytes in registers across a global load; the instance is
 // then persistent (kvattn.prefill.sm90_persistent). 0: the producers load the fp8 rows into registers and expand
-// them (expand_kv8; one CTA per unit), the A/B of scripts/ab_sm90.py --fp8tma.
+// them (expand_kv8; one CTA per unit), the A/B of scripts/bench_fp8.py --prefill-ab.
 #ifndef KVATTN_SM90_FP8TMA
 #define KVATTN_SM90_FP8TMA 1
 #endif
+
+// With KVATTN_SM90_FP8TMA: bf16 tiles expanded by bit placement, one float multiply per value and one conversion a
+// pair (dequant8_bf16), 0: with 4 conversion instructions a pair (dequant16; the A/B of bench_fp8.py --prefill-ab).
+#ifndef KVATTN_SM90_FP8BITS
+#define KVATTN_SM90_FP8BITS 1
+#endif
+
 // Experiment (bench_fp8.py --prefill-ab): with KVATTN_SM90_FP8TMA, 1 = the boxes of the tile after the one issued
 // are prefetched into L2 at the same time, so that tile's boxes (issued once its stage is free) land sooner.
 #ifndef KVATTN_SM90_FP8PF
 #define KVATTN_SM90_FP8PF 0
+#endif
+
+// Timing experiment only (wrong results; bench_fp8.py --prefill-ab): with KVATTN_SM90_FP8TMA, 1 = the producers do
+// not expand the landed bytes (the consumers read whatever the stage holds), 2 = they copy each 16-byte fp8 chunk
+// into both of its 16-bit chunks without converting it (the expansion's shared-memory traffic, not its arithmetic).
+#ifndef KVATTN_SM90_FP8X
+#define KVATTN_SM90_FP8X 0
 #endif
 
 // Experiment (scripts/ab_sm90.py --qbuf; 1, the default, builds one Q tile): QBUF = 2 gives persistent CTAs two Q
@@ -542,6 +556,9 @@ struct PrefillSm90 {
   // 16-bit tile is apart from the landed bytes), then V: row r's 16-bit V goes where row r's fp8 V and K landed, so a
   // row's V stores overwrite only its own fp8 bytes, each after the row's 8 lanes loaded them (__syncwarp). One
   // 16-byte chunk at a time: the persistent loop leaves the producers 40 registers.
+  // Bf16 tiles expand with one conversion instruction a pair (dequant8_bf16), where KVATTN_SM90_FP8BITS (the
+  // default); f16 ones (fp16 queries) with four (dequant16).
+  static constexpr bool kBitsExpand = KVATTN_SM90_FP8BITS && KVATTN_SM90_FP8X != 2 && IsBf16<T>::value;
   __device__ __forceinline__ static void expand_kv8_smem(const PrefillParams& p, T* stage, int valid, int kvh, int pw,
                                                          int lane) {
     const unsigned char* v8 = landed_v8(stage);
@@ -550,6 +567,7 @@ struct PrefillSm90 {
     for (int part = 0; part < 2; ++part) {   // 0: K, 1: V
       const float sc = part == 0 ? kv_cache_scale(p.k_scale_ptr, p.k_scale, kvh)
                                  : kv_cache_scale(p.v_scale_ptr, p.v_scale, kvh);
+      const float s2 = kBitsExpand ? bits_scale<KV>(sc) : sc;
       const unsigned char* src = v8 + (part == 0 ? N * 128 : 0);
       T* dst = stage + (part == 0 ? 0 : K_ELEMS);
       if (part == 1) __syncwarp();   // every lane's K loads before the V stores over K's landed rows
@@ -558,10 +576,16 @@ struct PrefillSm90 {
         const int row = RPW * pw + j * 4 + sub;
         const uint4 w = row < valid ? *reinterpret_cast<const uint4*>(src + at8(row, c)) : make_uint4(0, 0, 0, 0);
         if (part == 1) __syncwarp();
-        uint4 lo, hi;
-        dequant16<KV, T>(w, sc, lo, hi);
-        *reinterpret_cast<uint4*>(dst + sw<N>(row, 2 * c)) = lo;
-        *reinterpret_cast<uint4*>(dst + sw<N>(row, 2 * c + 1)) = hi;
+        if constexpr (kBitsExpand) {   // each 16-bit chunk stored once converted (registers)
+          *reinterpret_cast<uint4*>(dst + sw<N>(row, 2 * c)) = dequant8_bf16<KV>(w.x, w.y, s2);
+          *reinterpret_cast<uint4*>(dst + sw<N>(row, 2 * c + 1)) = dequant8_bf16<KV>(w.z, w.w, s2);
+        } else {
+          uint4 lo, hi;
+          if constexpr (KVATTN_SM90_FP8X == 2) lo = hi = w;
+          else dequant16<KV, T>(w, sc, lo, hi);
+          *reinterpret_cast<uint4*>(dst + sw<N>(row, 2 * c)) = lo;
+          *reinterpret_cast<uint4*>(dst + sw<N>(row, 2 * c + 1)) = hi;
+        }
       }
     }
   }
@@ -776,7 +800,7 @@ struct PrefillSm90 {
             copy_kv8(p, it, stage, t0, kvh, pw, lane);
             asm volatile("cp.async.wait_all;\n" ::: "memory");
           }
-          expand_kv8_smem(p, stage, it.ke - t0, kvh, pw, lane);
+          if (KVATTN_SM90_FP8X != 1) expand_kv8_smem(p, stage, it.ke - t0, kvh, pw, lane);
         } else {
           expand_kv8(p, kvs + st * STAGE_ELEMS, off, it.kb + t * N, it.ke, kvh, pw, lane);
         }
