@@ -125,7 +125,9 @@
 
 // Timing experiment only (wrong results; bench_fp8.py --prefill-ab): with KVATTN_SM90_FP8TMA, 1 = the producers do
 // not expand the landed bytes (the consumers read whatever the stage holds), 2 = they copy each 16-byte fp8 chunk
-// into both of its 16-bit chunks without converting it (the expansion's shared-memory traffic, not its arithmetic).
+// into both of its 16-bit chunks without converting it (the expansion's shared-memory traffic, not its arithmetic),
+// 3 = they expand while the tile's boxes land (its wait after the expansion: a tile's landing and expansion
+// overlapped, the bound of a producer that expands one tile while the next lands).
 #ifndef KVATTN_SM90_FP8X
 #define KVATTN_SM90_FP8X 0
 #endif
@@ -794,13 +796,15 @@ struct PrefillSm90 {
                 issue_kv8_tma<true>(p, stage, t1, lane, box_page(p, it, t1, lane), kvh, nullptr);
               }
             }
-            mbar_wait(&land[st], (u / STAGES) & 1);
+            if (KVATTN_SM90_FP8X != 3) mbar_wait(&land[st], (u / STAGES) & 1);
           } else {
             if (threadIdx.x == 0) mbar_arrive(&land[st]);
             copy_kv8(p, it, stage, t0, kvh, pw, lane);
             asm volatile("cp.async.wait_all;\n" ::: "memory");
           }
           if (KVATTN_SM90_FP8X != 1) expand_kv8_smem(p, stage, it.ke - t0, kvh, pw, lane);
+          if (KVATTN_SM90_FP8X == 3 && tma8 && (p.tma_mode == 2 || t0 + N <= it.ke))
+            mbar_wait(&land[st], (u / STAGES) & 1);   // (timing: the landing's wait after the expansion)
         } else {
           expand_kv8(p, kvs + st * STAGE_ELEMS, off, it.kb + t * N, it.ke, kvh, pw, lane);
         }

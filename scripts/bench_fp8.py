@@ -158,6 +158,7 @@ AB_BUILDS = {"bf16": ("bfloat16", ()), "fp8 landed": ("float8_e4m3fn", ()),
              # timing only (wrong results): no expansion; the expansion's copies without its arithmetic
              "fp8 no expansion": ("float8_e4m3fn", (("KVATTN_SM90_FP8X", 1),)),
              "fp8 copy only": ("float8_e4m3fn", (("KVATTN_SM90_FP8X", 2),)),
+             "fp8 expand || land": ("float8_e4m3fn", (("KVATTN_SM90_FP8X", 3),)),
              "fp8 landed float": ("float8_e4m3fn", (("KVATTN_SM90_FP8BITS", 0),)),
              "e5m2 landed": ("float8_e5m2", ()), "e5m2 landed float": ("float8_e5m2", (("KVATTN_SM90_FP8BITS", 0),))}
 AB_SHAPES = {"b1_S8192": (1, 8192), "b8_S2048": (8, 2048), "b32_S1024": (32, 1024), "b64_S100": (64, 100)}
