@@ -68,33 +68,6 @@ __device__ __forceinline__ void dequant16(const uint4& w, float scale, uint4& lo
   hi = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
-// fp8 -> bf16 with one conversion instruction a pair, not four (the sm90 prefill producers' expansion, whose
-// conversions ran at the conversion units' rate, not the ALUs'). A byte's sign and exponent / mantissa bits placed as
-// bf16 bits are the value times 2^-BIAS (e4m3: 2^-120, e5m2: 2^-112; fp8 subnormals become bf16 subnormals, exactly;
-// fp8 NaN / inf become finite), widened to float by a shift; times scale * 2^BIAS in float and rounded once to bf16:
-// the same values as dequant16 (the product of an fp8 value and a float, rounded once).
-template <typename KV> struct Fp8Bits;
-template <> struct Fp8Bits<__nv_fp8_e4m3> { static constexpr int SHIFT = 4, BIAS = 120; };
-template <> struct Fp8Bits<__nv_fp8_e5m2> { static constexpr int SHIFT = 3, BIAS = 112; };
-
-// The factor dequant8_bf16 multiplies by: scale * 2^BIAS.
-template <typename KV> __device__ __forceinline__ float bits_scale(float scale) {
-  return scale * __int_as_float((127 + Fp8Bits<KV>::BIAS) << 23);
-}
-
-// 8 fp8 values (words a, b: bytes in order) -> 8 bf16 values (one 16-byte chunk), times the scale (s: bits_scale).
-template <typename KV> __device__ __forceinline__ uint4 dequant8_bf16(unsigned a, unsigned b, float s) {
-  const unsigned src[2] = {a, b};
-  unsigned out[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const unsigned p = prmt(src[i / 2], i % 2 ? 0x3424u : 0x1404u);   // two bytes, each a 16-bit lane's high byte
-    const unsigned x = ((p & 0x7f007f00u) >> Fp8Bits<KV>::SHIFT) | (p & 0x80008000u);   // as bf16 bits
-    out[i] = Mma<__nv_bfloat16>::pack(__uint_as_float(x << 16) * s, __uint_as_float(x & 0xffff0000u) * s);
-  }
-  return make_uint4(out[0], out[1], out[2], out[3]);
-}
-
 __device__ __forceinline__ float kv_cache_scale(const float* per_head, float f, int kv_head) {
   return per_head ? __ldg(per_head + kv_head) * f : f;
 }

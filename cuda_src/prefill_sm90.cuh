@@ -102,36 +102,6 @@
 #define KVATTN_SM90_WGSPLIT 0
 #endif
 
-// An fp8 cache at head_dim 128: each K/V tile's fp8 bytes land in the V half of its stage (TMA boxes where run() bound
-// tensor maps of the cache, else per-thread asynchronous copies) and the producers expand them there, in place, into
-// the 16-bit K and V tiles (expand_kv8_smem), with no fp8 bytes in registers across a global load; the instance is
-// then persistent (kvattn.prefill.sm90_persistent). 0: the producers load the fp8 rows into registers and expand
-// them (expand_kv8; one CTA per unit), the A/B of scripts/bench_fp8.py --prefill-ab.
-#ifndef KVATTN_SM90_FP8TMA
-#define KVATTN_SM90_FP8TMA 1
-#endif
-
-// With KVATTN_SM90_FP8TMA: bf16 tiles expanded by bit placement, one float multiply per value and one conversion a
-// pair (dequant8_bf16), 0: with 4 conversion instructions a pair (dequant16; the A/B of bench_fp8.py --prefill-ab).
-#ifndef KVATTN_SM90_FP8BITS
-#define KVATTN_SM90_FP8BITS 1
-#endif
-
-// Experiment (bench_fp8.py --prefill-ab): with KVATTN_SM90_FP8TMA, 1 = the boxes of the tile after the one issued
-// are prefetched into L2 at the same time, so that tile's boxes (issued once its stage is free) land sooner.
-#ifndef KVATTN_SM90_FP8PF
-#define KVATTN_SM90_FP8PF 0
-#endif
-
-// Timing experiment only (wrong results; bench_fp8.py --prefill-ab): with KVATTN_SM90_FP8TMA, 1 = the producers do
-// not expand the landed bytes (the consumers read whatever the stage holds), 2 = they copy each 16-byte fp8 chunk
-// into both of its 16-bit chunks without converting it (the expansion's shared-memory traffic, not its arithmetic),
-// 3 = they expand while the tile's boxes land (its wait after the expansion: a tile's landing and expansion
-// overlapped, the bound of a producer that expands one tile while the next lands).
-#ifndef KVATTN_SM90_FP8X
-#define KVATTN_SM90_FP8X 0
-#endif
-
 // Experiment (scripts/ab_sm90.py --qbuf; 1, the default, builds one Q tile): QBUF = 2 gives persistent CTAs two Q
 // tiles, used by alternate units with tiles, so the producers copy a unit's Q while the unit before it still runs
 // (not after its last Q K^T); with head_dim 128 only 2 K/V stages then fit (KVATTN_SM90_STAGES=2 with it). Runs
@@ -219,9 +189,6 @@ struct PrefillSm90 {
   static constexpr bool kFp8 = A::kFp8;
   // Full K/V tiles by TMA where run() bound tensor maps (kvattn/tma.py): 16-bit caches whose keys need no transform.
   static constexpr bool kTma = !kFp8 && !V::kQK && KVATTN_SM90_X == 0;
-  // An fp8 cache's tiles landed in their stage and expanded there (KVATTN_SM90_FP8TMA): head_dim 128, where a
-  // 128-byte fp8 row is one swizzled 128-byte line, V's first and second 64-column blocks hold V's and K's fp8 rows.
-  static constexpr bool kTma8 = kFp8 && KVATTN_SM90_FP8TMA && A::D_QK == 128 && A::D_VO == 128 && KVATTN_SM90_X == 0;
   // Persistent CTAs (see the top; kvattn.prefill.sm90_persistent decides: 16-bit caches, no fused RoPE, head_dim
   // <= 128, where the loop's state fits), their producers given 40 registers (24 spill); else one CTA per unit.
   static constexpr bool kPersist = KVATTN_SM90_PERSIST;
@@ -234,10 +201,8 @@ struct PrefillSm90 {
   static constexpr int THREADS = 384;                 // producer warpgroup + two consumer warpgroups
   static constexpr int PRODUCERS = 128;
   // A query / key transform (fused RoPE) or the fp8 expansion runs in the producers: they get the registers for it.
-  // (kTma8: the expansion holds 4 chunks, not 16, and fits the persistent loop's 40.)
-  static constexpr bool kBigProducers = V::kQK || (kFp8 && !(kTma8 && kPersist));
-  static constexpr int PRODUCER_REGS = kBigProducers ? 56 : kPersist ? 40 : 24;
-  static constexpr int CONSUMER_REGS = kBigProducers ? 224 : kPersist ? 232 : 240;
+  static constexpr int PRODUCER_REGS = V::kQK || kFp8 ? 56 : kPersist ? 40 : 24;
+  static constexpr int CONSUMER_REGS = V::kQK || kFp8 ? 224 : kPersist ? 232 : 240;
   static_assert(!(kFp8 && V::kQK), "fused RoPE needs a 16-bit cache");
   static_assert(!V::kQK || PRODUCERS % (D_QK / 16) == 0,
                 "a query / key transform's threads (D_QK / 16 a row) tile the producers: D_QK 64, 128 or 256");
@@ -284,8 +249,8 @@ struct PrefillSm90 {
   static constexpr bool kWgSplit = KVATTN_SM90_WGSPLIT;
   static_assert(!kWgSplit || (!KVSPLIT && (4 * CHUNKS + 4) * 128 * 4 <= STAGE_ELEMS * (int)sizeof(T)),
                 "wg split: one K/V ring (no KVSPLIT), and a stage holds a warpgroup's state for the merge");
-  static constexpr int SMEM_BYTES = (QBUF * Q_ELEMS + STAGES * STAGE_ELEMS) * (int)sizeof(T) +
-                                    (2 * STAGES + QBUF + (KVSPLIT ? 2 * STAGES : 0) + (kTma8 ? STAGES : 0)) * 8;
+  static constexpr int SMEM_BYTES =
+      (QBUF * Q_ELEMS + STAGES * STAGE_ELEMS) * (int)sizeof(T) + (2 * STAGES + QBUF + (KVSPLIT ? 2 * STAGES : 0)) * 8;
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: at most 227 KB per CTA (fewer stages, or one Q tile)");
   // LPR adjacent lanes copy one token's K and V rows (LPR divides both rows' 16-byte chunks and 32): lane l
   // chunks l % LPR + k LPR (equal rows up to head dim 256: LPR = CHUNKS, one chunk of each row per lane).
@@ -316,10 +281,6 @@ struct PrefillSm90 {
   // empty[STAGES]. Without KVSPLIT, V shares K's: v_full is `full`.
   __device__ __forceinline__ static unsigned long long* v_full(unsigned long long* full) {
     return KVSPLIT ? full + 2 * STAGES + QBUF : full;
-  }
-  // (kTma8) land[STAGES], after all of those: a stage's fp8 bytes have landed (one arrival and their bytes).
-  __device__ __forceinline__ static unsigned long long* land_bars(unsigned long long* full) {
-    return full + 2 * STAGES + QBUF + (KVSPLIT ? 2 * STAGES : 0);
   }
 
   __device__ __forceinline__ static void load_q(const PrefillParams& p, const Item& it, Q* qs, int kvh) {
@@ -352,7 +313,7 @@ struct PrefillSm90 {
   // item, on a ragged cache (one run of tokens per request: the rows are the item's own), of an item longer than a
   // tile, is the box that ends at the item's end; else t0.
   // (Not the paged caches' instance, KVIL; nor custom mask + window, whose persistent build then spills 48 bytes.)
-  static constexpr bool kShift = KVATTN_SM90_SHIFT && (kTma || kTma8) && !KVIL && !(V::kCustomMask && V::kWindow);
+  static constexpr bool kShift = KVATTN_SM90_SHIFT && kTma && !KVIL && !(V::kCustomMask && V::kWindow);
   // (KVATTN_SM90_PTAIL) A paged item's partial last tile: its whole pages by TMA.
   static constexpr bool kPagedTail = KVATTN_SM90_PTAIL && kTma && !KVSPLIT;
   __device__ __forceinline__ static int box_start(const PrefillParams& p, const Item& it, int t0) {
@@ -501,97 +462,6 @@ struct PrefillSm90 {
     }
   }
 
-  // (kTma8) Where a stage's fp8 rows land: V's in V's first 64-column block, K's in its second (row r of each at
-  // byte r * 128, its 16-byte chunk c at chunk c ^ (r % 8): the swizzle of the 128-byte TMA boxes and of kvsw).
-  __device__ __forceinline__ static unsigned char* landed_v8(T* stage) {
-    return reinterpret_cast<unsigned char*>(stage + K_ELEMS);
-  }
-  __device__ __forceinline__ static int at8(int row, int c) { return row * 128 + ((c ^ (row & 7)) << 4); }
-
-  // (kTma8) Lane `box` of producer warp 0: box `box` (rows box * p.tma_rows ...) of the fp8 K and V rows of the tile
-  // at t0 into the stage's landing rows, on `land`, which lane 0 makes expect the tile's bytes and arrives on (its one
-  // arrival). Rows past the item come too (the item's last page again, or the ragged box moved back: box_start);
-  // the expansion zeroes rows past the item. id: the box's page id (box_page).
-  // PF (KVATTN_SM90_FP8PF): the box is prefetched into L2 instead (no shared memory, no barrier).
-  template <bool PF = false>
-  __device__ __forceinline__ static void issue_kv8_tma(const PrefillParams& p, T* stage, int t0, int box, int id,
-                                                       int kvh, unsigned long long* land) {
-    unsigned char* v8 = landed_v8(stage);
-    if (!PF && box == 0) mbar_expect_tx(land, 2 * N * 128);
-    const int r0 = box * p.tma_rows;
-    if (r0 < N) {
-      int pg, in;
-      Base::page_slot(p, t0 + r0, pg, in);
-      const int slot = p.tma_mode == 1 ? id + in : in, page = p.tma_mode == 1 ? 0 : id;
-      const int c1 = p.tma_hnd ? slot : kvh, c2 = p.tma_hnd ? kvh : slot;
-      if constexpr (PF) {
-        tma_prefetch_4d(&p.tma_k, 0, c1, c2, page);
-        tma_prefetch_4d(&p.tma_v, 0, c1, c2, page);
-      } else {
-        tma_load_4d(v8 + N * 128 + r0 * 128, &p.tma_k, 0, c1, c2, page, land);
-        tma_load_4d(v8 + r0 * 128, &p.tma_v, 0, c1, c2, page, land);
-      }
-    }
-    if (!PF && box == 0) mbar_arrive(land);
-  }
-
-  // (kTma8) Producer warp pw's RPW rows of the tile at t0 copied into the stage's landing rows per thread
-  // (asynchronous, zero past ke), by the lanes that expand them; each lane looks its rows up (no offsets kept live
-  // across the tile loop: the persistent producers have 40 registers).
-  __device__ __forceinline__ static void copy_kv8(const PrefillParams& p, const Item& it, T* stage, int t0, int kvh,
-                                                  int pw, int lane) {
-    unsigned char* v8 = landed_v8(stage);
-    const int c = lane % 8, sub = lane / 8;
-#pragma unroll 1
-    for (int j = 0; j < RPW / 4; ++j) {
-      const int row = RPW * pw + j * 4 + sub;
-      const long long o = Base::tok_offset(p, it.pages, min(t0 + row, it.ke - 1)) +
-                          (long long)kvh * p.kv_stride_head + c * 16;
-      const int bytes = t0 + row < it.ke ? 16 : 0;
-      cp_async16(v8 + N * 128 + at8(row, c), static_cast<const KV*>(p.k) + o, bytes);
-      cp_async16(v8 + at8(row, c), static_cast<const KV*>(p.v) + o, bytes);
-    }
-  }
-
-  // (kTma8) In place: producer warp pw's RPW landed fp8 rows of K and V expanded (times k_scale / v_scale, rounded
-  // once to T, as expand_kv8) into the stage's 16-bit K and V tiles; rows from `valid` on become zeros. K first (its
-  // 16-bit tile is apart from the landed bytes), then V: row r's 16-bit V goes where row r's fp8 V and K landed, so a
-  // row's V stores overwrite only its own fp8 bytes, each after the row's 8 lanes loaded them (__syncwarp). One
-  // 16-byte chunk at a time: the persistent loop leaves the producers 40 registers.
-  // Bf16 tiles expand with one conversion instruction a pair (dequant8_bf16), where KVATTN_SM90_FP8BITS (the
-  // default); f16 ones (fp16 queries) with four (dequant16).
-  static constexpr bool kBitsExpand = KVATTN_SM90_FP8BITS && KVATTN_SM90_FP8X != 2 && IsBf16<T>::value;
-  __device__ __forceinline__ static void expand_kv8_smem(const PrefillParams& p, T* stage, int valid, int kvh, int pw,
-                                                         int lane) {
-    const unsigned char* v8 = landed_v8(stage);
-    const int c = lane % 8, sub = lane / 8;
-#pragma unroll 1
-    for (int part = 0; part < 2; ++part) {   // 0: K, 1: V
-      const float sc = part == 0 ? kv_cache_scale(p.k_scale_ptr, p.k_scale, kvh)
-                                 : kv_cache_scale(p.v_scale_ptr, p.v_scale, kvh);
-      const float s2 = kBitsExpand ? bits_scale<KV>(sc) : sc;
-      const unsigned char* src = v8 + (part == 0 ? N * 128 : 0);
-      T* dst = stage + (part == 0 ? 0 : K_ELEMS);
-      if (part == 1) __syncwarp();   // every lane's K loads before the V stores over K's landed rows
-#pragma unroll 1
-      for (int j = 0; j < RPW / 4; ++j) {
-        const int row = RPW * pw + j * 4 + sub;
-        const uint4 w = row < valid ? *reinterpret_cast<const uint4*>(src + at8(row, c)) : make_uint4(0, 0, 0, 0);
-        if (part == 1) __syncwarp();
-        if constexpr (kBitsExpand) {   // each 16-bit chunk stored once converted (registers)
-          *reinterpret_cast<uint4*>(dst + sw<N>(row, 2 * c)) = dequant8_bf16<KV>(w.x, w.y, s2);
-          *reinterpret_cast<uint4*>(dst + sw<N>(row, 2 * c + 1)) = dequant8_bf16<KV>(w.z, w.w, s2);
-        } else {
-          uint4 lo, hi;
-          if constexpr (KVATTN_SM90_FP8X == 2) lo = hi = w;
-          else dequant16<KV, T>(w, sc, lo, hi);
-          *reinterpret_cast<uint4*>(dst + sw<N>(row, 2 * c)) = lo;
-          *reinterpret_cast<uint4*>(dst + sw<N>(row, 2 * c + 1)) = hi;
-        }
-      }
-    }
-  }
-
   // S = Q K^T for this warpgroup's 64 rows (issued and committed, not waited for).
   __device__ __forceinline__ static void issue_qk(float (&s)[SN], unsigned q_addr, unsigned k_addr) {
 #pragma unroll
@@ -733,12 +603,9 @@ struct PrefillSm90 {
     }
     KVATTN_TRACE(0, slot, kTraceQIssued);
     const int my_row = RPW * pw + min(lane, RPW - 1);   // the tile row whose offset this lane holds
-    long long off = kTma8 ? 0 : Base::tok_offset(p, it.pages, min(it.kb + my_row, it.ke - 1));
+    long long off = Base::tok_offset(p, it.pages, min(it.kb + my_row, it.ke - 1));
     // full tiles as TMA boxes (16-bit cache, no key transform, a map bound by run(), item on a box boundary)
     const bool tma = kTma && p.tma_mode != 0 && (p.tma_mode == 1 || it.kb % p.tma_rows == 0);
-    // (kTma8) the fp8 tiles by boxes where run() bound maps and the item starts on a box boundary
-    const bool tma8 = kTma8 && p.tma_mode != 0 && (p.tma_mode == 1 || it.kb % p.tma_rows == 0);
-    unsigned long long* land = land_bars(full);
     // (TMA, warp 0) this lane's box page id of the next tile, loaded a tile ahead (KVATTN_SM90_PREFETCH)
     int box_id = KVATTN_SM90_PREFETCH && tma && pw == 0 ? box_page(p, it, it.kb, lane) : 0;
     if (KVATTN_SM90_TRACE && threadIdx.x == 0 && (box_id | (int)off) == -12345) trace_stamp(slot, 0);   // (use both)
@@ -783,31 +650,7 @@ struct PrefillSm90 {
         mbar_arrive(&full[st]);
         if constexpr (KVSPLIT) mbar_arrive(&vfull[st]);
       } else if constexpr (kFp8) {
-        if constexpr (kTma8) {
-          // the tile's fp8 rows land in its stage (boxes: paged, block-sparse and whole or moved ragged tiles; else
-          // per-thread copies), then expand there; `land` completes one phase per use of the stage either way
-          T* stage = kvs + st * STAGE_ELEMS;
-          const int tt = it.kb + t * N, t0 = kShift ? box_start(p, it, tt) : tt;
-          if (tma8 && (p.tma_mode == 2 || t0 + N <= it.ke)) {
-            if (pw == 0) {
-              issue_kv8_tma(p, stage, t0, lane, box_page(p, it, t0, lane), kvh, &land[st]);
-              if (KVATTN_SM90_FP8PF && tt + N < it.ke) {   // the next tile's boxes into L2
-                const int t1 = kShift ? box_start(p, it, tt + N) : tt + N;
-                issue_kv8_tma<true>(p, stage, t1, lane, box_page(p, it, t1, lane), kvh, nullptr);
-              }
-            }
-            if (KVATTN_SM90_FP8X != 3) mbar_wait(&land[st], (u / STAGES) & 1);
-          } else {
-            if (threadIdx.x == 0) mbar_arrive(&land[st]);
-            copy_kv8(p, it, stage, t0, kvh, pw, lane);
-            asm volatile("cp.async.wait_all;\n" ::: "memory");
-          }
-          if (KVATTN_SM90_FP8X != 1) expand_kv8_smem(p, stage, it.ke - t0, kvh, pw, lane);
-          if (KVATTN_SM90_FP8X == 3 && tma8 && (p.tma_mode == 2 || t0 + N <= it.ke))
-            mbar_wait(&land[st], (u / STAGES) & 1);   // (timing: the landing's wait after the expansion)
-        } else {
-          expand_kv8(p, kvs + st * STAGE_ELEMS, off, it.kb + t * N, it.ke, kvh, pw, lane);
-        }
+        expand_kv8(p, kvs + st * STAGE_ELEMS, off, it.kb + t * N, it.ke, kvh, pw, lane);
         if (t == 0) asm volatile("cp.async.wait_all;\n" ::: "memory");   // this thread's Q copies, before tile 0
         fence_proxy_async();   // the stores (generic proxy) before the tensor cores' reads (async proxy)
         mbar_arrive(&full[st]);
@@ -830,7 +673,7 @@ struct PrefillSm90 {
           if constexpr (KVSPLIT) cp_async_mbar_arrive(&vfull[st]);
         }
       }
-      if (!kTma8 && t + 1 < ntiles) off = Base::tok_offset(p, it.pages, min(it.kb + (t + 1) * N + my_row, it.ke - 1));
+      if (t + 1 < ntiles) off = Base::tok_offset(p, it.pages, min(it.kb + (t + 1) * N + my_row, it.ke - 1));
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     if constexpr (V::kQK) transform_and_announce(p, it, qs, kvs, full, vfull, ntiles - 1, g, qk_state);
@@ -1185,9 +1028,6 @@ struct PrefillSm90 {
         }
       }
       for (int i = 0; i < QBUF; ++i) mbar_init(&qfree[i], 8);
-      if constexpr (kTma8) {
-        for (int i = 0; i < STAGES; ++i) mbar_init(&land_bars(full)[i], 1);
-      }
     }
     __syncthreads();
     const int items = plan_header(p.plan).num_items;   // a padded grid (graph mode) walks only these

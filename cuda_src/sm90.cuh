@@ -28,12 +28,6 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const void* tmap, int c0,
       ::"r"(smem_addr(dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar)) : "memory");
 }
 
-// The box of a 4-dim tensor map at (c0..c3) prefetched into L2 (no shared memory, no barrier).
-__device__ __forceinline__ void tma_prefetch_4d(const void* tmap, int c0, int c1, int c2, int c3) {
-  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n"
-               ::"l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
-}
-
 // The same for a 5-dim tensor map.
 __device__ __forceinline__ void tma_load_5d(void* dst, const void* tmap, int c0, int c1, int c2, int c3, int c4,
                                             unsigned long long* bar) {

@@ -131,7 +131,7 @@ def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None 
                                + ((SM90_PERSIST_DEFINE,) if persistent else ())
                                + ((SM90_WGSPLIT_DEFINE,) if wg_split else ())),
                       prelude=variant.prelude(),
-                      checks=((f"{traits}::SMEM_BYTES", sm90_smem_bytes(head_dim, head_dim_vo, kv_dtype)),
+                      checks=((f"{traits}::SMEM_BYTES", sm90_smem_bytes(head_dim, head_dim_vo)),
                               (f"{traits}::THREADS", SM90_THREADS), (f"{traits}::ROWS", 128)))
 
 
@@ -165,37 +165,27 @@ def sm90_tile(head_dim: int, head_dim_vo: int | None = None) -> tuple[int, int]:
     return (over.get("KVATTN_SM90_N", 80 if big else 128), over.get("KVATTN_SM90_STAGES", 2 if big else 3))
 
 
-def sm90_fp8_landing(head_dim: int, head_dim_vo: int | None = None, kv_dtype: str | None = None) -> bool:
-    """Whether the sm90 instance lands an fp8 cache's tiles in its stages and expands them there (mirrors
-    PrefillSm90::kTma8: KVATTN_SM90_FP8TMA, head_dim 128)."""
-    return (_dtypes.is_fp8(kv_dtype) and head_dim == 128 and (head_dim_vo or head_dim) == 128
-            and bool(dict(SM90_TUNING).get("KVATTN_SM90_FP8TMA", 1)))
-
-
-def sm90_smem_bytes(head_dim: int, head_dim_vo: int | None = None, kv_dtype: str | None = None) -> int:
+def sm90_smem_bytes(head_dim: int, head_dim_vo: int | None = None) -> int:
     """Dynamic shared memory of prefill_sm90_kernel (mirrors PrefillSm90::SMEM_BYTES: Q, the ring of K and V
     tiles, a full and an empty mbarrier per stage, each Q tile's `qfree` mbarrier; KVATTN_SM90_QBUF Q tiles;
-    V's own full and empty mbarriers per stage with 2 stages, or as KVATTN_SM90_KVSPLIT says; an fp8 landing
-    mbarrier per stage where sm90_fp8_landing)."""
+    V's own full and empty mbarriers per stage with 2 stages, or as KVATTN_SM90_KVSPLIT says)."""
     n, stages = sm90_tile(head_dim, head_dim_vo)
     over = dict(SM90_TUNING)
     qbuf, split = over.get("KVATTN_SM90_QBUF", 1), over.get("KVATTN_SM90_KVSPLIT", stages < 3)
-    bars = 2 * stages * (2 if split else 1) + qbuf + (stages if sm90_fp8_landing(head_dim, head_dim_vo, kv_dtype) else 0)
+    bars = 2 * stages * (2 if split else 1) + qbuf
     return (qbuf * 128 * head_dim + stages * n * (head_dim + (head_dim_vo or head_dim))) * 2 + bars * 8
 
 
 #: Persistent sm90 CTAs (prefill_sm90.cuh: at most one CTA per SM, each walking its share of the (item, KV head)
-#: units, the next unit's loads under the current one's last tile and epilogue) where they apply: 16-bit caches
-#: and fp8 ones the kernel expands in place (sm90_fp8_landing), no fused RoPE, head_dim <= 128 (elsewhere the
-#: loop's state does not fit the warpgroups' registers). False: one CTA per unit everywhere (the A/B of
-#: scripts/ab_sm90.py --persist).
+#: units, the next unit's loads under the current one's last tile and epilogue) where they apply: 16-bit caches,
+#: no fused RoPE, head_dim <= 128 (elsewhere the loop's state does not fit the warpgroups' registers). False: one
+#: CTA per unit everywhere (the A/B of scripts/ab_sm90.py --persist).
 SM90_PERSISTENT = True
 
 
 def sm90_persistent(head_dim: int, variant: Variant, kv_dtype: str | None = None) -> bool:
     """Whether the sm90 instance of this head dim, variant and cache type is the persistent one."""
-    return (SM90_PERSISTENT and head_dim <= 128 and not variant.rope
-            and (not _dtypes.is_fp8(kv_dtype) or sm90_fp8_landing(head_dim, None, kv_dtype)))
+    return SM90_PERSISTENT and head_dim <= 128 and not variant.rope and not _dtypes.is_fp8(kv_dtype)
 
 
 def launch_grid(cfg, items: int, num_kv_heads: int, num_sms: int) -> tuple[int, int, int]:
@@ -240,7 +230,7 @@ def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, 
         raise ValueError(f"wg_split: needs the sm90 kernel (backend {backend!r}, head_dim {head_dim}, "
                          f"cta_rows {cta_rows}, {_driver.arch()})")
     if spec is not None:
-        return LaunchConfig("sm90", spec, SM90_THREADS, sm90_smem_bytes(head_dim, None, kv_dtype), 1)
+        return LaunchConfig("sm90", spec, SM90_THREADS, sm90_smem_bytes(head_dim), 1)
     if head_dim == 256 and cta_rows == 128:
         raise ValueError("cta_rows: 128 with head_dim 256 needs the sm90 kernel (an sm_90 GPU, backend 'auto' or "
                          "'sm90', a variant that compiles there without spills); use 64")

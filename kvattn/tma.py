@@ -35,9 +35,6 @@ MODE_OFF, MODE_RAGGED, MODE_PAGED = 0, 1, 2
 QUERY_MAPS = True
 #: False: sm90 plans store O per thread, not by its tensor map (the A/B of scripts/ab_sm90.py --otma)
 OUTPUT_MAPS = True
-#: fp8 caches of this head dim take tensor maps (the sm90 kernel's KVATTN_SM90_FP8TMA instances); False: none do
-#: (the A/B of scripts/ab_sm90.py --fp8tma).
-FP8_HEAD_DIM, FP8_MAPS = 128, True
 #: The packed rows of one box: the sm90 CTA's query tile, a consumer warpgroup's output rows
 Q_BOX_ROWS, O_BOX_ROWS = 128, 64
 
@@ -51,11 +48,10 @@ _MAP_BYTES = 128    # sizeof(CUtensorMap)
 def tma_mode(kv, tile: int, contiguous: bool) -> tuple[int, int]:
     """(mode, box rows) for a plan's KV accessor and the kernel's KV tile; contiguous: a RaggedKV read as one
     run of tokens per request (the ragged op). Block-sparse columns (a RaggedKV of C-token pages) are paged.
-    fp8 caches: head_dim 128 only (a box of 128 one-byte columns, landed where the kernel expands it in place:
-    KVATTN_SM90_FP8TMA). MODE_OFF where whole boxes cannot cover a tile: other fp8 caches, page (or
+    MODE_OFF where whole boxes cannot cover a tile: fp8 caches (their producers expand the bytes), page (or
     column block) sizes that are not a multiple of 8 (a box's rows must span whole 1024-byte swizzle atoms) or
     neither divide nor are divided by the tile."""
-    if not (kv.dtype.itemsize == 2 or (kv.dtype.itemsize == 1 and kv.head_dim == FP8_HEAD_DIM and FP8_MAPS)):
+    if kv.dtype.itemsize != 2:
         return MODE_OFF, 0
     if isinstance(kv, RaggedKV) and kv.tokens_per_page == 1:
         return (MODE_RAGGED, tile) if contiguous else (MODE_OFF, 0)
@@ -67,13 +63,10 @@ def tma_mode(kv, tile: int, contiguous: bool) -> tuple[int, int]:
 
 
 def _encode(dtype, a, dims, strides, box) -> bytes:
-    """cuTensorMapEncodeTiled of array a (16-bit dtype, or an fp8 cache's bytes; 128-byte swizzle) as the 128-byte
-    map."""
+    """cuTensorMapEncodeTiled of array a (16-bit dtype, 128-byte swizzle) as the 128-byte map."""
     drv = _driver.driver()
-    types = drv.CUtensorMapDataType
-    dt = (types.CU_TENSOR_MAP_DATA_TYPE_UINT8 if dtype.itemsize == 1 else
-          types.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if dtype.name == "bfloat16" else
-          types.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
+    dt = (drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if dtype.name == "bfloat16" else
+          drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
     u64, u32 = drv.cuuint64_t, drv.cuuint32_t
     tmap = _driver.call("cuTensorMapEncodeTiled", dt, len(dims), a.ptr, [u64(x) for x in dims],
                         [u64(x) for x in strides], [u32(x) for x in box], [u32(1)] * len(dims),
@@ -90,7 +83,7 @@ def interleaved_tiles(kv, tile: int) -> bool:
     whole head dim (a page-16 tile of head dim 128: 16 boxes instead of 32; run 29b, causal b1_S8192: 563 -> 632
     TFLOP/s, 0.97 of ragged). Ragged K / V keeps the other layout: its tiles start at any token, not on 8-row
     groups."""
-    return isinstance(kv, PagedKV) and kv.dtype.itemsize == 2 and tma_mode(kv, tile, False)[0] == MODE_PAGED
+    return isinstance(kv, PagedKV) and tma_mode(kv, tile, False)[0] == MODE_PAGED
 
 
 def _slots(n: int, stride: int) -> int:
@@ -108,28 +101,27 @@ def _pages(n: int, stride: int) -> int:
 
 
 def _dims(kv, a, rows: int):
-    """(global dims, global byte strides of dims 1..3, box dims) of array a (a DeviceArray of the cache): a box is
-    128 bytes of a row (64 16-bit columns, 128 fp8 ones)."""
-    d, w = kv.head_dim, 128 // kv.dtype.itemsize
+    """(global dims, global byte strides of dims 1..3, box dims) of array a (a DeviceArray of the cache)."""
+    d = kv.head_dim
     s = a.strides
     if isinstance(kv, RaggedKV) and kv.tokens_per_page > 1:   # block-sparse: [n, H, D] / [H, n, D] as pages of C
         c = kv.tokens_per_page
         if kv.layout == "NHD":
             h, pages = a.shape[1], _pages(a.shape[0] // c, s[0] * c)
-            return (d, h, c, pages), (s[1], s[0], s[0] * c), (w, 1, rows, 1)
+            return (d, h, c, pages), (s[1], s[0], s[0] * c), (64, 1, rows, 1)
         h, pages = a.shape[0], _pages(a.shape[1] // c, s[1] * c)
-        return (d, c, h, pages), (s[1], s[0], s[1] * c), (w, rows, 1, 1)
+        return (d, c, h, pages), (s[1], s[0], s[1] * c), (64, rows, 1, 1)
     if isinstance(kv, RaggedKV):   # NHD [n, H, D] / HND [H, n, D]: one page of (many) slots
         if kv.layout == "NHD":
             h, ext = a.shape[1], _slots(a.shape[0], s[0])
-            return (d, h, ext, 1), (s[1], s[0], s[0] * ext), (w, 1, rows, 1)
+            return (d, h, ext, 1), (s[1], s[0], s[0] * ext), (64, 1, rows, 1)
         h, ext = a.shape[0], _slots(a.shape[1], s[1])
-        return (d, ext, h, 1), (s[1], s[0], s[0] * h), (w, rows, 1, 1)
+        return (d, ext, h, 1), (s[1], s[0], s[0] * h), (64, rows, 1, 1)
     if kv.layout == "NHD":         # [P, ps, H, D]
         p, ps, h = a.shape[0], a.shape[1], a.shape[2]
-        return (d, h, ps, p), (s[2], s[1], s[0]), (w, 1, rows, 1)
+        return (d, h, ps, p), (s[2], s[1], s[0]), (64, 1, rows, 1)
     p, h, ps = a.shape[0], a.shape[1], a.shape[2]   # HND [P, H, ps, D]
-    return (d, ps, h, p), (s[2], s[1], s[0]), (w, rows, 1, 1)
+    return (d, ps, h, p), (s[2], s[1], s[0]), (64, rows, 1, 1)
 
 
 def _dims_interleaved(kv, a, rows: int):

@@ -107,125 +107,37 @@ def warm_peers(torch, kv_dtypes):
             print("warm", kv, tc, flush=True)
 
 
-HQ, HKV, D = 32, 8, 128
-
-
-def prefill_data(rng, b, s_len):
-    """(indptr, q, k, v, page table, paged k, paged v): random bf16 torch tensors of b requests of s_len tokens,
-    the paged copies in scattered 16-token pages."""
-    import torch
-    indptr = np.arange(0, (b + 1) * s_len, s_len, dtype=np.int32)
-    tq = torch.randn((b * s_len, HQ, D), dtype=torch.bfloat16, device="cuda")
-    tk = torch.randn((b * s_len, HKV, D), dtype=torch.bfloat16, device="cuda")
-    tv = torch.randn((b * s_len, HKV, D), dtype=torch.bfloat16, device="cuda")
-    pt = kvattn.PageTable.from_kv_lens(np.full(b, s_len), 16, rng=rng)
-    pk = torch.zeros((pt.num_pages_used * 16, HKV, D), dtype=torch.bfloat16, device="cuda")
-    order = torch.from_numpy(np.concatenate([(pt.pages(i)[:, None] * 16 + np.arange(16)).ravel()[:s_len]
-                                             for i in range(b)])).cuda()
-    pv = torch.zeros_like(pk)
-    pk[order], pv[order] = tk, tv
-    return indptr, tq, tk, tv, pt, pk.view(-1, 16, HKV, D), pv.view(-1, 16, HKV, D)
-
-
-def quantised(t, kv):
-    """The bf16 tensor t as an fp8 cache of scale SCALE (kv: a torch float8 dtype name), or t itself (bf16)."""
-    import torch
-    return t if kv == "bfloat16" else (t.float() / SCALE).to(getattr(torch, kv))
-
-
-def prefill_error(rng, w, tq, k, v, s_len, run_kv=None, **sc):
-    """Relative L2 error of sampled rows of request 0 against the float64 reference on the dequantised cache: k / v
-    ragged [tokens, Hkv, D] (the reference's), run_kv: what w.run takes (a paged plan's caches; None: k, v)."""
-    import torch
-    from _prefill_ref import request_ref, sample_rows
-    o = w.run(tq, *(run_kv or (k, v)), **sc)
-    o0 = torch.from_dlpack(o)[:s_len].float().cpu().numpy()
-    q0 = tq[:s_len].float().cpu().numpy()
-    f = SCALE if sc else 1.0
-    kd, vd = k[:s_len].float().cpu().numpy() * f, v[:s_len].float().cpu().numpy() * f
-    r = sample_rows(s_len, 32, rng)
-    ro, _ = request_ref(q0, kd, vd, r, True, -1, 0.0, 1 / np.sqrt(D))
-    return float(np.linalg.norm(o0[r] - ro) / np.linalg.norm(ro))
-
-
-N64 = (("KVATTN_SM90_N", 64), ("KVATTN_SM90_STAGES", 6))
-#: prefill_ab's builds: name -> (cache type, SM90_TUNING); "bf16" first (the reference column)
-AB_BUILDS = {"bf16": ("bfloat16", ()), "fp8 landed": ("float8_e4m3fn", ()),
-             "fp8 registers": ("float8_e4m3fn", (("KVATTN_SM90_FP8TMA", 0),)),
-             "fp8 landed+pf": ("float8_e4m3fn", (("KVATTN_SM90_FP8PF", 1),)),
-             "bf16 N64x6": ("bfloat16", N64), "fp8 N64x6": ("float8_e4m3fn", N64),
-             "fp8 N64x6+pf": ("float8_e4m3fn", N64 + (("KVATTN_SM90_FP8PF", 1),)),
-             # timing only (wrong results): no expansion; the expansion's copies without its arithmetic
-             "fp8 no expansion": ("float8_e4m3fn", (("KVATTN_SM90_FP8X", 1),)),
-             "fp8 copy only": ("float8_e4m3fn", (("KVATTN_SM90_FP8X", 2),)),
-             "fp8 expand || land": ("float8_e4m3fn", (("KVATTN_SM90_FP8X", 3),)),
-             "fp8 landed float": ("float8_e4m3fn", (("KVATTN_SM90_FP8BITS", 0),)),
-             "e5m2 landed": ("float8_e5m2", ()), "e5m2 landed float": ("float8_e5m2", (("KVATTN_SM90_FP8BITS", 0),))}
-AB_SHAPES = {"b1_S8192": (1, 8192), "b8_S2048": (8, 2048), "b32_S1024": (32, 1024), "b64_S100": (64, 100)}
-
-
-def prefill_ab(rng, names=("bf16", "fp8 landed", "fp8 registers"), shapes=tuple(AB_SHAPES), layouts=("ragged", "paged"),
-               rounds=3):
-    """The sm90 kernel's fp8 tiles landed in their stages and expanded in place (KVATTN_SM90_FP8TMA=1, persistent,
-    the default) against the producers' register loads (0, one CTA per unit), and the other AB_BUILDS, beside the
-    bf16 cache, e4m3, causal, ragged and paged (page 16, scattered); builds timed in `rounds` rounds of alternating
-    order, each checked against the float64 reference."""
-    import torch
-    from kvattn import prefill, tma
-    builds = [(n, *AB_BUILDS[n]) for n in names]
-    for shape in shapes:
-        b, s_len = AB_SHAPES[shape]
-        indptr, tq, tk, tv, pt, pk, pv = prefill_data(rng, b, s_len)
-        flops = 2 * b * HQ * s_len * s_len * D
-        for paged in (x == "paged" for x in layouts):
-            rates, errs = {n: [] for n, _, _ in builds}, {}
-            for r in range(rounds):
-                for name, kv, defs in (builds if r % 2 == 0 else builds[::-1]):
-                    prefill.SM90_TUNING = defs
-                    tma.FP8_MAPS = dict(defs).get("KVATTN_SM90_FP8TMA", 1) == 1
-                    sc = {} if kv == "bfloat16" else dict(k_scale=SCALE, v_scale=SCALE)
-                    if paged:
-                        w = kvattn.BatchPrefillWithPagedKVCache(backend="sm90")
-                        w.plan(indptr, pt, HQ, HKV, D, causal=True, kv_dtype=kv)
-                        k, v = quantised(pk, kv), quantised(pv, kv)
-                    else:
-                        w = kvattn.BatchPrefillWithRaggedKVCache(backend="sm90")
-                        w.plan(indptr, indptr, HQ, HKV, D, causal=True, kv_dtype=kv)
-                        k, v = quantised(tk, kv), quantised(tv, kv)
-                    out = torch.empty_like(tq)
-                    rates[name].append(flops / time_us(lambda: w.run(tq, k, v, out=out, **sc)) / 1e6)
-                    if r == 0:
-                        errs[name] = prefill_error(rng, w, tq, quantised(tk, kv), quantised(tv, kv), s_len,
-                                                   run_kv=(k, v), **sc)
-            prefill.SM90_TUNING, tma.FP8_MAPS = (), True
-            base = np.median(rates[builds[0][0]])
-            for name, _, _ in builds:
-                med = np.median(rates[name])
-                print(f"fp8tma causal b{b}_S{s_len}{' paged' if paged else ''}: {name:14s} "
-                      + " ".join(f"{x:6.1f}" for x in rates[name])
-                      + f"  median {med:6.1f} TFLOP/s ({med / base:.3f} of {builds[0][0]})  err {errs[name]:.1e}",
-                      flush=True)
-
-
 def prefill_rows(rng, ceiling):
     """Causal prefill with an fp8 cache against the bf16 cache, ragged and paged (page 16, scattered), per backend:
     TFLOP/s (2 B Hq S^2 D) and the error of sampled rows against the float64 reference on the dequantised cache."""
     import torch
+    from _prefill_ref import request_ref, sample_rows
     rows = []
-    hq, hkv, d = HQ, HKV, D
+    hq, hkv, d = 32, 8, 128
     for b, s_len in ((1, 8192), (8, 2048)):
-        indptr, tq, tk, tv, pt, pk, pv = prefill_data(rng, b, s_len)
+        indptr = np.arange(0, (b + 1) * s_len, s_len, dtype=np.int32)
+        tq = torch.randn((b * s_len, hq, d), dtype=torch.bfloat16, device="cuda")
+        tk = torch.randn((b * s_len, hkv, d), dtype=torch.bfloat16, device="cuda")
+        tv = torch.randn((b * s_len, hkv, d), dtype=torch.bfloat16, device="cuda")
         flops = 2 * b * hq * s_len * s_len * d
+        pt = kvattn.PageTable.from_kv_lens(np.full(b, s_len), 16, rng=rng)
+        pk = torch.zeros((pt.num_pages_used * 16, hkv, d), dtype=torch.bfloat16, device="cuda")
+        order = torch.from_numpy(np.concatenate([np.arange(p * 16, p * 16 + 16) for p in pt.indices])).cuda()
+        pv = torch.zeros_like(pk)
+        pk[order], pv[order] = tk, tv
+        pk, pv = pk.view(-1, 16, hkv, d), pv.view(-1, 16, hkv, d)
         for backend in ("sm90", "sm80"):
             row = dict(case=f"prefill causal b{b}_S{s_len}", backend=backend)
             for kv in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
-                k, v = quantised(tk, kv), quantised(tv, kv)
+                t8 = getattr(torch, kv)
+                k, v = (tk, tv) if kv == "bfloat16" else ((tk.float() / SCALE).to(t8), (tv.float() / SCALE).to(t8))
                 sc = {} if kv == "bfloat16" else dict(k_scale=SCALE, v_scale=SCALE)
                 for paged in (False, True):
                     if paged:
                         w = kvattn.BatchPrefillWithPagedKVCache(backend=backend)
                         w.plan(indptr, pt, hq, hkv, d, causal=True, kv_dtype=kv)
-                        kk, vv = quantised(pk, kv), quantised(pv, kv)
+                        kk, vv = ((pk, pv) if kv == "bfloat16" else
+                                  ((pk.float() / SCALE).to(t8), (pv.float() / SCALE).to(t8)))
                     else:
                         w = kvattn.BatchPrefillWithRaggedKVCache(backend=backend)
                         w.plan(indptr, indptr, hq, hkv, d, causal=True, kv_dtype=kv)
@@ -234,9 +146,14 @@ def prefill_rows(rng, ceiling):
                     us = time_us(lambda: w.run(tq, kk, vv, out=out, **sc))
                     row[f"{kv[:9] if kv != 'bfloat16' else 'bf16'}{'_paged' if paged else ''}"] = round(flops / us / 1e6, 1)
                 if kv != "bfloat16":   # sampled rows of request 0 against the dequantised reference
-                    w = kvattn.BatchPrefillWithRaggedKVCache(backend=backend)
-                    w.plan(indptr, indptr, hq, hkv, d, causal=True, kv_dtype=kv)
-                    row[f"err_{kv[7:11]}"] = f"{prefill_error(rng, w, tq, k, v, s_len, **sc):.1e}"
+                    o = w.run(tq, kk, vv, **sc)
+                    o0 = torch.from_dlpack(o)[:s_len].float().cpu().numpy()
+                    q0 = tq[:s_len].float().cpu().numpy()
+                    kd = k[:s_len].float().cpu().numpy() * SCALE
+                    vd = v[:s_len].float().cpu().numpy() * SCALE
+                    r = sample_rows(s_len, 32, rng)
+                    ro, _ = request_ref(q0, kd, vd, r, True, -1, 0.0, 1 / np.sqrt(d))
+                    row[f"err_{kv[7:11]}"] = f"{np.linalg.norm(o0[r] - ro) / np.linalg.norm(ro):.1e}"
             row["e4m3/bf16"] = round(row["float8_e4"] / row["bf16"], 3)
             row["e4m3/bf16_paged"] = round(row["float8_e4_paged"] / row["bf16_paged"], 3)
             print(row, flush=True)
@@ -252,11 +169,6 @@ def main():
     ap.add_argument("--kv", default="float8_e4m3fn,float8_e5m2")
     ap.add_argument("--warm-peers", action="store_true", help="only JIT-compile FlashInfer's modules for the cases")
     ap.add_argument("--prefill", action="store_true", help="only the prefill table (fp8 cache vs bf16, TFLOP/s)")
-    ap.add_argument("--prefill-ab", action="store_true",
-                    help="only the sm90 fp8 prefill A/B: landed + expanded in place vs register loads (prefill_ab)")
-    ap.add_argument("--builds", default="bf16,fp8 landed,fp8 registers", help="--prefill-ab: AB_BUILDS names")
-    ap.add_argument("--shapes", default=",".join(AB_SHAPES), help="--prefill-ab: AB_SHAPES names")
-    ap.add_argument("--layouts", default="ragged,paged", help="--prefill-ab: ragged and / or paged")
     args = ap.parse_args()
     import torch
     if args.warm_peers:
@@ -264,8 +176,6 @@ def main():
     rng = np.random.default_rng(0)
     ceiling = copy_bandwidth_tbs()
     print(f"copy ceiling {ceiling:.3f} TB/s; GPU {kvattn._driver.device_name()}")
-    if args.prefill_ab:
-        return prefill_ab(rng, *(a.split(",") for a in (args.builds, args.shapes, args.layouts)))
     if args.prefill:
         rows = prefill_rows(rng, ceiling)
         print("\nfp8 cache in causal prefill, bf16 q, Hq32/Hkv8/D128, TFLOP/s (2 B Hq S^2 D); paged: page 16, scattered")

@@ -558,24 +558,6 @@ def test_fp8_cache_matches_reference(c, seed, kv, paged):
     run_case(np.random.default_rng(seed), paged=paged, kv_dtype=kv, **c)
 
 
-@pytest.mark.parametrize("kv", ["float8_e4m3fn", "float8_e5m2"])
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("paged, page_size", [(False, 16), (True, 16), (True, 5), (True, 256)])
-def test_fp8_tiles_landed_and_expanded_in_place(kv, layout, paged, page_size):
-    """The sm90 kernel's head_dim-128 fp8 tiles land in their stage and are expanded there (KVATTN_SM90_FP8TMA): by
-    TMA boxes (ragged whole tiles and last tiles moved back to the request's end; pages, the slots past each
-    request's end on its last page and the unused pages poisoned with NaN) or by per-thread copies (a ragged request
-    shorter than a tile; page size 5, which no box covers), on persistent CTAs that each walk many units (3 SMs),
-    every request checked against the float64 reference on the dequantised cache."""
-    for causal, window in ((True, -1), (False, 300)):
-        w = run_case(np.random.default_rng(page_size + paged), dtype="bfloat16", d=128, hkv=2, group=4,
-                     qo_lens=[300, 1, 100, 640], kv_lens=[1000, 77, 100, 2500], paged=paged, layout=layout,
-                     page_size=page_size, causal=causal, window_left=window, backend="sm90", kv_dtype=kv,
-                     poison_tails=paged, num_sms=3)
-        assert w.last_plan.info["tma"] == (page_size != 5)
-        assert ("KVATTN_SM90_PERSIST", 1) in w.last_plan.info["kernel"].spec.defines
-
-
 @pytest.mark.parametrize("backend", ["sm80", "sm90"])
 @pytest.mark.parametrize("kv", ["float8_e4m3fn", "float8_e5m2"])
 def test_fp8_cache_long_causal(backend, kv):

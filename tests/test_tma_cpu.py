@@ -26,9 +26,7 @@ def paged(ps, layout="NHD", dtype=BF16):
     (RaggedKV("NHD", 1000, 2, 128, BF16, tokens_per_page=16), 128, False, (tma.MODE_PAGED, 16)),
     (RaggedKV("NHD", 1000, 2, 128, BF16, tokens_per_page=24), 128, False, (tma.MODE_OFF, 0)),   # 24 ∤ 128
     (RaggedKV("NHD", 1000, 2, 128, BF16, tokens_per_page=4), 128, False, (tma.MODE_OFF, 0)),    # under 8 rows
-    (RaggedKV("NHD", 1000, 2, 128, F8), 128, True, (tma.MODE_RAGGED, 128)),    # fp8 bytes land, then expand in place
-    (RaggedKV("NHD", 1000, 2, 64, F8), 128, True, (tma.MODE_OFF, 0)),           # fp8: head_dim 128 only
-    (RaggedKV("NHD", 1000, 2, 256, F8), 128, True, (tma.MODE_OFF, 0)),
+    (RaggedKV("NHD", 1000, 2, 128, F8), 128, True, (tma.MODE_OFF, 0)),                       # fp8: producers expand
     (paged(16), 128, False, (tma.MODE_PAGED, 16)),
     (paged(8, "HND"), 64, False, (tma.MODE_PAGED, 8)),
     (paged(256), 128, False, (tma.MODE_PAGED, 128)),
@@ -37,8 +35,7 @@ def paged(ps, layout="NHD", dtype=BF16):
     (paged(5), 128, False, (tma.MODE_OFF, 0)),
     (paged(48), 128, False, (tma.MODE_OFF, 0)),
     (paged(512), 128, False, (tma.MODE_OFF, 0)),
-    (paged(16, dtype=F8), 128, False, (tma.MODE_PAGED, 16)),
-    (paged(1, dtype=F8), 128, False, (tma.MODE_OFF, 0)),
+    (paged(16, dtype=F8), 128, False, (tma.MODE_OFF, 0)),
 ])
 def test_tma_mode(kv, tile, contiguous, want):
     assert tma.tma_mode(kv, tile, contiguous) == want
@@ -48,18 +45,6 @@ def fake(shape, itemsize=2):
     """A contiguous DeviceArray stand-in: shape and byte strides."""
     strides = tuple(int(np.prod(shape[i + 1:])) * itemsize for i in range(len(shape)))
     return types.SimpleNamespace(shape=shape, strides=strides, ptr=0, itemsize=itemsize)
-
-
-def test_fp8_maps_box_128_byte_columns_and_take_no_interleaved_tiles():
-    # an fp8 row of head_dim 128 is one 128-byte box column: V's bytes land in V's first 64-column block, K's in its
-    # second, where the kernel expands them in place (prefill_sm90.cuh, kTma8)
-    n, h, d = 1000, 2, 128
-    dims, _, box = tma._dims(RaggedKV("NHD", n, h, d, F8), fake((n, h, d), itemsize=1), 128)
-    assert dims[0] == d and box == (128, 1, 128, 1)
-    dims, strides, box = tma._dims(paged(16, "HND", F8), fake((10, 2, 16, d), itemsize=1), 16)
-    assert dims == (d, 16, 2, 10) and strides == (d, 16 * d, 2 * 16 * d) and box == (128, 16, 1, 1)
-    assert not tma.interleaved_tiles(paged(16, dtype=F8), 128)
-    assert tma.interleaved_tiles(paged(16), 128)
 
 
 def test_tensor_map_geometry_of_every_layout():
