@@ -199,6 +199,42 @@ def test_torch_tensors_read_directly_and_ordered_like_torch(monkeypatch, waits):
         _interop.import_array(t, st.as_stream(None), False)
 
 
+# -- cupy arrays, duck-typed (a fake cupy module) --------------------------------------------------------------
+def test_cupy_arrays_read_directly_and_ordered_like_their_cai(monkeypatch, waits):
+    import ml_dtypes
+    fake = types.ModuleType("cupy")
+    current = {"stream": 0}
+    fake.cuda = types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(ptr=current["stream"]))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(_interop, "_cupy", {})
+    monkeypatch.setattr(_interop, "_strategy", {})
+
+    class ndarray:
+        __module__ = "cupy._core.core"
+        dtype = np.dtype(ml_dtypes.bfloat16)
+        shape = (3, 2, 8)
+        strides = (32, 16, 2)
+        data = types.SimpleNamespace(ptr=0x50000)
+
+        @property
+        def __cuda_array_interface__(self):
+            raise AssertionError("the dict is not built")
+
+    x = ndarray()
+    a = _interop.import_array(x, st.as_stream(None), False)   # CuPy's null stream (0) is the legacy stream
+    assert (a.ptr, a.shape, a.strides, a.dtype_name, a.owner) == (0x50000, (3, 2, 8), (32, 16, 2), "bfloat16", x)
+    current["stream"] = 0x9100                                 # inside `with cupy.cuda.Stream():`
+    _interop.import_array(x, st.as_stream(0x9100), False)      # same stream: nothing
+    _interop.import_array(x, st.as_stream(None), False)        # legacy consumer waits for CuPy's stream
+    _interop.import_array(x, st.as_stream(None), True)         # capturing: no wait
+    current["stream"] = 0
+    _interop.import_array(x, st.as_stream(0x9200), False)      # a created consumer waits for the legacy stream
+    assert waits == [(0x9100, 1), (0, 0x9200)]
+    ndarray.dtype = np.dtype(np.int8)
+    with pytest.raises(TypeError, match="expected one of"):
+        _interop.import_array(x, st.as_stream(None), False)
+
+
 def test_numpy_input_refused_while_capturing():
     with pytest.raises(kvattn.KvattnError, match="numpy array is copied"):
         _interop.import_array(np.zeros(4, np.float16), st.as_stream(0x1234), True)

@@ -288,6 +288,32 @@ def test_cupy_inputs_float16():
     assert _rel_rows(got, ref) <= 2e-3
 
 
+def test_cupy_inputs_written_on_cupy_stream_are_waited_for():
+    """CuPy arrays whose last write is still queued on CuPy's current (created) stream behind a long kernel: run()
+    on the legacy stream (stream=None) waits for that stream, 20 trials against the reference."""
+    cp = pytest.importorskip("cupy", reason="CuPy is not installed")
+    rng = np.random.default_rng()
+    pt = kvattn.PageTable.from_kv_lens(np.asarray([900, 2048]), PAGE, rng=rng)
+    k, v = (rng.standard_normal((pt.num_pages_used, PAGE, HKV, D)).astype(np.float16) for _ in range(2))
+    q = rng.standard_normal((2, HQ, D)).astype(np.float16)
+    ref = reference.batch_attention_paged(q, k, v, np.arange(3), pt)
+    w = kvattn.BatchDecodeWithPagedKVCache()
+    w.plan(pt, HQ, HKV, D, q_dtype="float16")
+    ck, cv = cp.asarray(k), cp.asarray(v)
+    cq_src, big = cp.asarray(q), cp.ones((4096, 4096), cp.float32)
+    side = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    for trial in range(20):
+        cq = cp.zeros_like(cq_src)
+        cp.cuda.Device().synchronize()
+        with side:
+            for _ in range(4):
+                big = big @ big * np.float32(1e-4)   # ~ms of work queued before the copy
+            cq[...] = cq_src
+            o = w.run(cq, ck, cv)
+        assert _rel_rows(o.numpy(), ref) <= 1e-2, f"trial {trial}: run() read q before CuPy's stream wrote it"
+
+
 def _framework_inputs(kind, q, k, v):
     """(q, k, v) as CuPy or JAX bfloat16 arrays on the GPU (views of torch tensors holding the data)."""
     tq, tk, tv = _torch(q), _torch(k), _torch(v)
