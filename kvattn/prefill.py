@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from . import _driver, _dtypes, _validate as _v, scheduler, tma
+from . import _driver, _dtypes, _validate as _v, fp8_expand, scheduler, tma
 from ._attn_args import check_plan_args
 from ._binding import import_array
 from .compiler import Resources
@@ -337,6 +337,7 @@ class _BatchPrefill(AttentionOp):
     """What the paged and ragged wrappers share: the schedule, the packing, the variants (on the plan/run core)."""
 
     _paged = True
+    _fp8_expandable = False   # plans may expand an fp8 cache once per call (run() must call _bind_kv)
     DEFAULT_WORKSPACE = DEFAULT_WORKSPACE
 
     def __init__(self, kv_layout="NHD", use_cuda_graph=False, max_batch_size=None, max_num_pages=None,
@@ -359,6 +360,11 @@ class _BatchPrefill(AttentionOp):
         #: request has at most WG_ROWS packed query rows (the decode wrapper's route of GQA groups of 32 and 64:
         #: a 128-row tile would be 3/4 padding). plan() raises where the batch does not fit it.
         self.wg_split = False
+        #: An fp8 cache in the paged / ragged wrappers' plans: "auto" expands it once per call into 16-bit rows
+        #: where the queries re-read it enough (kvattn.fp8_expand.wanted), "once" always (outside graph mode),
+        #: "kernel" never (each K/V tile expanded inside the attention kernel on every read).
+        self.fp8_expand = "auto"
+        self._fp8 = None   # the current plan's Fp8Expansion, or None
 
     # -- plan ------------------------------------------------------------------------------------
     def _plan_common(self, qo_indptr, kv_lens, page_indptr, page_indices, page_size, page_shift, num_qo_heads,
@@ -390,6 +396,20 @@ class _BatchPrefill(AttentionOp):
                 raise ValueError(f"page_table: {page_indices.size} pages exceed max_num_pages {self.max_num_pages}")
         packed_mask, mask_offsets = self._mask(custom_mask, mask_indptr, qo_lens, kv_lens)
         group = hq // hkv
+        contiguous = not self._paged and make_kv is None   # ragged K / V: one run of tokens per request
+        expansion = None
+        if self._fp8_expandable and fp8_expand.wanted(self.fp8_expand, kv_dtype, head_dim, qo_lens, group,
+                                                      self.use_cuda_graph):
+            # the fp8 cache expanded once per call (run()) into 16-bit ragged rows, which this plan reads
+            npd8 = _dtypes.to_numpy(kv_dtype)
+            kv8 = (PagedKV(self.kv_layout, page_size, hkv, head_dim, npd8, int(page_indices.max(initial=-1)) + 1)
+                   if self._paged else RaggedKV(self.kv_layout, int(kv_lens.sum()), hkv, head_dim, npd8))
+            expansion = fp8_expand.Fp8Expansion(kv8, page_indptr, page_indices, page_size, page_shift, kv_lens,
+                                                q_dtype, self._fp8)
+            total_kv = int(expansion.ws_indptr[-1])
+            page_indptr, page_indices = np.arange(batch + 1, dtype=np.int32), expansion.ws_indptr[:-1]
+            page_size, page_shift, kv_dtype, contiguous = 1 << RAGGED_PAGE_SHIFT, RAGGED_PAGE_SHIFT, q_dtype, True
+            make_kv = lambda hkv_, d, npd: RaggedKV("NHD", total_kv, hkv_, d, npd)   # noqa: E731
         variant, vvals = plan_variant(variant, hq, batch, cap > 0, window_left >= 0, packed_mask is not None,
                                       alibi_slopes, sinks, variant_params, rope, rope_offsets,
                                       int(kv_lens.max(initial=0)))
@@ -485,20 +505,32 @@ class _BatchPrefill(AttentionOp):
                                        None if self.use_cuda_graph else plan.merge_indptr, self.deterministic)
         grid = launch_grid(cfg, cap_w, hkv, self.num_sms)
         sm90_maps = cfg.backend == "sm90" and not variant.rope
-        maps = (tma.attach(kv, [p], sm90_tile(head_dim)[0], contiguous=not self._paged and make_kv is None,
+        maps = (tma.attach(kv, [p], sm90_tile(head_dim)[0], contiguous=contiguous,
                            interleaved=sm90_interleaved(cfg.spec))
                 if sm90_maps else None)
         max_rows = self.max_total_qo if self.use_cuda_graph else total_qo
         q_map, o_map = tma.attach_rows([p], group, head_dim, tokens=max_rows) if sm90_maps else (None, None)
         if wg_split:
             o_map = None   # (consume_split stores its rows per thread: no map for run() to bind)
-        return self._finish_plan(
+        self._fp8 = None
+        self._finish_plan(
             rows=total_qo, max_rows=max_rows, hq=hq, d=head_dim,
             dtype=q_dtype, kv=kv, launch=Launch(kernel, grid, cfg.threads, cfg.smem, p) if cap_w > 0 else None,
             params=p, merge=merge, merge_params=mp, s=s, copy_done=copy_done, bind_tma=tma.binder(q_map, maps, o_map),
             schedule=plan, backend=cfg.backend, cta_rows=cta_rows, variant=variant, kernel=kernel,
             grid=grid, smem=cfg.smem, threads=cfg.threads, num_kv_heads=hkv, tma=maps is not None,
-            tma_q=q_map is not None, tma_o=o_map is not None, wg_split=wg_split)
+            tma_q=q_map is not None, tma_o=o_map is not None, wg_split=wg_split, fp8_expand=expansion is not None)
+        self._fp8 = expansion
+        return self
+
+    def _bind_kv(self, p, k_cache, v_cache, s, capturing, k_scale, v_scale):
+        """(k, v, kv_strides, k_scale, v_scale) for _execute: the caller's cache, or (the plan expands an fp8 cache
+        once) its expansion into the workspace, launched now on s, whose 16-bit rows take no scales."""
+        if self._fp8 is not None:
+            k_cache, v_cache = self._fp8.expand(k_cache, v_cache, s, capturing, k_scale, v_scale)
+            k_scale = v_scale = None
+        k, v, kv_strides = p.kv.bind(k_cache, v_cache, s, capturing)
+        return k, v, kv_strides, k_scale, v_scale
 
     @staticmethod
     def _mask(custom_mask, mask_indptr, qo_lens, kv_lens):
@@ -560,6 +592,7 @@ class BatchPrefillWithPagedKVCache(_BatchPrefill):
     """
 
     _paged = True
+    _fp8_expandable = True
 
     @on_device
     def plan(self, qo_indptr, page_table: PageTable, num_qo_heads, num_kv_heads, head_dim, *, causal=False,
@@ -600,10 +633,11 @@ class BatchPrefillWithPagedKVCache(_BatchPrefill):
         when every array is a device array and out (and lse) are given.
         k_scale / v_scale (fp8 cache, plan(kv_dtype=float8_e4m3fn / float8_e5m2)): the cache holds k / k_scale and
         v / v_scale; None (1), a positive float or float32 [num_kv_heads] (see BatchDecodeWithPagedKVCache.run).
-        Each K / V tile is expanded to q's dtype (times its scale, rounded once) in shared memory."""
+        The cache is expanded to q's dtype (times its scale, rounded once): once per call into a workspace where the
+        plan chose it (fp8_expand), else each K / V tile in shared memory."""
         p, s, capturing = self._begin_run(stream)
         q = import_array(q, s, capturing)
-        k, v, kv_strides = p.kv.bind(k_cache, v_cache, s, capturing)
+        k, v, kv_strides, k_scale, v_scale = self._bind_kv(p, k_cache, v_cache, s, capturing, k_scale, v_scale)
         return self._execute(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse, k_scale, v_scale)
 
 
@@ -616,6 +650,7 @@ class BatchPrefillWithRaggedKVCache(_BatchPrefill):
     """
 
     _paged = False
+    _fp8_expandable = True
 
     @on_device
     def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, *, causal=False,
@@ -641,7 +676,7 @@ class BatchPrefillWithRaggedKVCache(_BatchPrefill):
         Returns out (and lse) as BatchPrefillWithPagedKVCache.run."""
         p, s, capturing = self._begin_run(stream)
         q = import_array(q, s, capturing)
-        k, v, kv_strides = p.kv.bind(k, v, s, capturing)
+        k, v, kv_strides, k_scale, v_scale = self._bind_kv(p, k, v, s, capturing, k_scale, v_scale)
         return self._execute(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse, k_scale, v_scale)
 
 

@@ -105,3 +105,32 @@ def test_a_16bit_cache_given_or_not_is_one_prefill_instance():
     assert prefill.prefill_spec(128, 128, Variant(), "bfloat16", "bfloat16").kernel == \
         prefill.prefill_spec(128, 128, Variant(), "bfloat16").kernel
     assert "fp8" not in prefill.sm90_spec(128, Variant(), "float16").kernel
+
+
+def test_fp8_expand_once_policy():
+    """kvattn.fp8_expand.wanted: an fp8 cache is expanded once per call where the queries re-read it (on average at
+    least MIN_QUERY_TILES 128-row query tiles a request), always with "once", never with "kernel", in graph mode, for
+    a 16-bit cache or an unbuilt head dim."""
+    from kvattn import fp8_expand
+    long_prompts, appends = np.array([2048, 1024]), np.array([16, 1, 30])
+    assert fp8_expand.wanted("auto", "float8_e4m3fn", 128, long_prompts, 4, False)
+    assert not fp8_expand.wanted("auto", "float8_e4m3fn", 128, appends, 4, False)
+    assert fp8_expand.wanted("once", "float8_e5m2", 64, appends, 4, False)
+    assert not fp8_expand.wanted("kernel", "float8_e4m3fn", 128, long_prompts, 4, False)
+    assert not fp8_expand.wanted("auto", "float8_e4m3fn", 128, long_prompts, 4, True)       # graph mode
+    assert not fp8_expand.wanted("once", "bfloat16", 128, long_prompts, 4, False)
+    assert not fp8_expand.wanted("once", "float8_e4m3fn", 192, long_prompts, 4, False)
+    assert not fp8_expand.wanted("auto", "float8_e4m3fn", 128, np.zeros(0, np.int64), 4, False)
+    with pytest.raises(ValueError, match="fp8_expand: expected one of"):
+        fp8_expand.wanted("always", "float8_e4m3fn", 128, long_prompts, 4, False)
+
+
+@pytest.mark.parametrize("kv", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_expand_kernels_compile(kv):
+    """The expansion kernel (its parameter struct's size checked against kvattn's by a static_assert), no spills."""
+    from kvattn import fp8_expand
+    for t in ("bfloat16", "float16"):
+        for d in fp8_expand.HEAD_DIMS:
+            compiled, _ = fp8_expand.expand_spec(kv, t, d).compile(ARCH)
+            (res,) = compiled.resources.values()
+            assert res.spill_stores == 0, res

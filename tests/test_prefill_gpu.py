@@ -78,7 +78,7 @@ def _device_cache(rng, k, v, kv_dtype, head_axis):
 
 def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD", page_size=16, causal=False,
              window_left=-1, cap=0.0, custom=False, sm_scale=None, check_requests=None, cta_rows=None,
-             backend="auto", kv_dtype=None, poison_tails=False, num_sms=None):
+             backend="auto", kv_dtype=None, poison_tails=False, num_sms=None, fp8_expand=None):
     """num_sms: the SM count the wrappers schedule for (the persistent sm90 grid's size). kv_dtype: an fp8 cache (the random cache quantised with per-head scales; the reference reads it
     dequantised). poison_tails (paged, 16-bit): the slots past each request's KV on its last page and the
     unused pages hold NaN (a kernel that let them into a result would show it)."""
@@ -94,6 +94,7 @@ def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD"
         if poison_tails:
             _poison_tails(kc, vc, pt, layout)
         w = BatchPrefillWithPagedKVCache(kv_layout=layout, backend=backend, num_sms=num_sms)
+        w.fp8_expand = fp8_expand or w.fp8_expand
         w.plan(qo_indptr, pt, hq, hkv, d, causal=causal, custom_mask=flat, sm_scale=sm_scale,
                window_left=window_left, logits_soft_cap=cap, q_dtype=dtype, cta_rows=cta_rows, kv_dtype=kv_dtype)
         args, scales, kc, vc = _device_cache(rng, kc, vc, kv_dtype, 2 if layout == "NHD" else 1)
@@ -104,6 +105,7 @@ def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD"
         shape = (n, hkv, d) if layout == "NHD" else (hkv, n, d)
         k, v = rng.standard_normal(shape).astype(npd), rng.standard_normal(shape).astype(npd)
         w = BatchPrefillWithRaggedKVCache(kv_layout=layout, backend=backend, num_sms=num_sms)
+        w.fp8_expand = fp8_expand or w.fp8_expand
         w.plan(qo_indptr, kv_indptr, hq, hkv, d, causal=causal, custom_mask=flat, sm_scale=sm_scale,
                window_left=window_left, logits_soft_cap=cap, q_dtype=dtype, cta_rows=cta_rows, kv_dtype=kv_dtype)
         args, scales, k, v = _device_cache(rng, k, v, kv_dtype, 1 if layout == "NHD" else 0)
@@ -556,6 +558,45 @@ def test_fp8_cache_matches_reference(c, seed, kv, paged):
     if not paged:
         c.pop("page_size")
     run_case(np.random.default_rng(seed), paged=paged, kv_dtype=kv, **c)
+
+
+@pytest.mark.parametrize("mode", ["once", "kernel"])
+@pytest.mark.parametrize("kv", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("paged, layout, page_size", [(True, "NHD", 16), (True, "HND", 5), (False, "NHD", 16),
+                                                      (False, "HND", 16)])
+def test_fp8_cache_expanded_once_or_in_kernel(mode, kv, paged, layout, page_size):
+    """An fp8 cache expanded once per call into 16-bit rows (kvattn.fp8_expand) or tile by tile in the kernel: per-head
+    scales, empty and short requests, causal and a window, against the float64 reference on the dequantised cache."""
+    for causal, window in ((True, -1), (False, 100)):
+        w = run_case(np.random.default_rng(page_size + paged), dtype="bfloat16", d=128, hkv=2, group=4,
+                     qo_lens=[300, 0, 5, 900], kv_lens=[700, 0, 33, 900], paged=paged, layout=layout,
+                     page_size=page_size, causal=causal, window_left=window, kv_dtype=kv, fp8_expand=mode)
+        assert w.last_plan.info["fp8_expand"] == (mode == "once")
+
+
+def test_fp8_expansion_workspace_reused_and_run_on_another_stream():
+    """Plans that fit reuse the expansion's workspace; a run() on a created stream (the plan's copy and the expansion
+    ordered on it) matches the reference after a larger and a smaller plan."""
+    rng = np.random.default_rng(3)
+    for lens in ([2000, 1500], [400, 100, 900]):
+        run_case(rng, dtype="bfloat16", d=128, hkv=2, group=4, qo_lens=lens, kv_lens=lens, paged=True,
+                 causal=True, kv_dtype="float8_e4m3fn", fp8_expand="once")
+    w2 = BatchPrefillWithRaggedKVCache()
+    w2.fp8_expand = "once"
+    ind = np.array([0, 300, 800], np.int32)
+    w2.plan(ind, ind, 8, 2, 128, causal=True, kv_dtype="float8_e5m2")
+    first = w2._fp8.ws_k.ptr
+    w2.plan(ind[:2], ind[:2], 8, 2, 128, causal=True, kv_dtype="float8_e5m2")
+    assert w2._fp8.ws_k.ptr == first   # 300 rows fit the 800 of the first plan's workspace
+    q = rng.standard_normal((300, 8, 128)).astype(np.float32).astype(_dtypes.to_numpy("bfloat16"))
+    k, v = (rng.standard_normal((300, 2, 128)) for _ in range(2))
+    (k8, v8), scales, kd, vd = _device_cache(rng, k, v, "float8_e5m2", 1)
+    s = kvattn.Stream()
+    out = w2.run(kvattn.from_numpy(q), k8, v8, stream=s, **scales)
+    got = out.numpy(s).astype(np.float64)
+    rows = np.arange(0, 300, 7)
+    ro, _ = request_ref(q, kd, vd, rows, True, -1, 0.0, 1 / np.sqrt(128))
+    assert rel_l2(got[rows], ro) <= TOL["bfloat16"]
 
 
 @pytest.mark.parametrize("backend", ["sm80", "sm90"])
