@@ -87,7 +87,7 @@ class Fp8Expansion:
         self._set_cache = p.setter("k", "v")
         self._set_scales = p.setter("k_scale_ptr", "v_scale_ptr", "c_page", "c_token", "c_head", "k_scale", "v_scale")
         chunks = int(kv_lens.max(initial=0)) * hkv * (d // 16)
-        grid = (max(1, min(-(-chunks // THREADS), _MAX_BLOCKS_X)), max(b, 1))
+        grid = (max(1, min(-(-chunks // THREADS), _MAX_BLOCKS_X)), max(b, 1), 1)
         self._launch = Launch(get_kernel(expand_spec(_dtypes.dtype_name(kv8.dtype), dtype, d)), grid, THREADS, 0, p)
         self._empty = total == 0
 
