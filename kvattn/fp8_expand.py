@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _dtypes, memory
+from . import _driver, _dtypes, memory
 from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
 from .opcore import _kv_scale
+from .stream import as_stream
 
 EXPAND_PARAMS = np.dtype([
     ("k", "u8"), ("v", "u8"), ("k_out", "u8"), ("v_out", "u8"), ("page_indptr", "u8"), ("page_indices", "u8"),
@@ -64,7 +65,7 @@ class Fp8Expansion:
     reused."""
 
     def __init__(self, kv8, page_indptr, page_indices, page_size: int, page_shift: int, kv_lens, dtype: str,
-                 reuse: "Fp8Expansion | None" = None):
+                 stream, reuse: "Fp8Expansion | None" = None):
         self.kv8 = kv8
         hkv, d = kv8.num_kv_heads, kv8.head_dim
         self.ws_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
@@ -77,8 +78,12 @@ class Fp8Expansion:
         self.rows = self._kbuf.shape[0]
         self.ws_k, self.ws_v = self._kbuf[:total], self._vbuf[:total]
         b = kv_lens.size
+        # the index arrays, copied on the plan's stream before the plan's own copies (run() is ordered after those)
         index = np.concatenate([page_indptr, page_indices, self.ws_indptr]).astype(np.int32)
-        self._index = memory.from_numpy(index)   # (synchronous: the plan's host arrays may change after plan())
+        self._pinned = memory.PinnedBuffer(index.nbytes)   # (kept: the copy reads it asynchronously)
+        self._pinned.view(np.int32)[:index.size] = index
+        self._index = memory.empty(index.shape, index.dtype)
+        _driver.call("cuMemcpyHtoDAsync", self._index.ptr, self._pinned.ptr, index.nbytes, as_stream(stream).handle)
         base = self._index.ptr
         p = ParamBuffer(EXPAND_PARAMS)
         p.set(k_out=self.ws_k.ptr, v_out=self.ws_v.ptr, page_indptr=base, page_indices=base + 4 * (b + 1),

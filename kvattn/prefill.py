@@ -405,7 +405,7 @@ class _BatchPrefill(AttentionOp):
             kv8 = (PagedKV(self.kv_layout, page_size, hkv, head_dim, npd8, int(page_indices.max(initial=-1)) + 1)
                    if self._paged else RaggedKV(self.kv_layout, int(kv_lens.sum()), hkv, head_dim, npd8))
             expansion = fp8_expand.Fp8Expansion(kv8, page_indptr, page_indices, page_size, page_shift, kv_lens,
-                                                q_dtype, self._fp8)
+                                                q_dtype, stream, self._fp8)
             total_kv = int(expansion.ws_indptr[-1])
             page_indptr, page_indices = np.arange(batch + 1, dtype=np.int32), expansion.ws_indptr[:-1]
             page_size, page_shift, kv_dtype, contiguous = 1 << RAGGED_PAGE_SHIFT, RAGGED_PAGE_SHIFT, q_dtype, True
