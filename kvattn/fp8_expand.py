@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _driver, _dtypes, memory
+from . import _dtypes, memory
 from .kernels import KernelSpec, Launch, ParamBuffer, get_kernel, register
 from .opcore import _kv_scale
-from .stream import as_stream
 
 EXPAND_PARAMS = np.dtype([
     ("k", "u8"), ("v", "u8"), ("k_out", "u8"), ("v_out", "u8"), ("page_indptr", "u8"), ("page_indices", "u8"),
@@ -58,14 +57,15 @@ def wanted(mode: str, kv_dtype, head_dim: int, qo_lens: np.ndarray, group: int, 
 
 
 class Fp8Expansion:
-    """A plan's expansion: the device index arrays, the 16-bit workspace and the launch. kv8: the fp8 cache's
+    """A plan's expansion: its index arrays (`index`, copied to the device with the plan's own buffer, whose address
+    bind_index() takes), the 16-bit workspace and the launch. kv8: the fp8 cache's
     accessor (PagedKV / RaggedKV: run() binds and checks the caller's cache with it); page_indptr [B + 1],
     page_indices [P] (the plan's pages: a ragged cache's are the requests' first tokens, in pages of page_size);
     kv_lens [B]; dtype: the queries' 16-bit type; reuse: an earlier plan's Fp8Expansion whose workspace may be
     reused."""
 
     def __init__(self, kv8, page_indptr, page_indices, page_size: int, page_shift: int, kv_lens, dtype: str,
-                 stream, reuse: "Fp8Expansion | None" = None):
+                 reuse: "Fp8Expansion | None" = None):
         self.kv8 = kv8
         hkv, d = kv8.num_kv_heads, kv8.head_dim
         self.ws_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
@@ -78,23 +78,22 @@ class Fp8Expansion:
         self.rows = self._kbuf.shape[0]
         self.ws_k, self.ws_v = self._kbuf[:total], self._vbuf[:total]
         b = kv_lens.size
-        # the index arrays, copied on the plan's stream before the plan's own copies (run() is ordered after those)
-        index = np.concatenate([page_indptr, page_indices, self.ws_indptr]).astype(np.int32)
-        self._pinned = memory.PinnedBuffer(index.nbytes)   # (kept: the copy reads it asynchronously)
-        self._pinned.view(np.int32)[:index.size] = index
-        self._index = memory.empty(index.shape, index.dtype)
-        _driver.call("cuMemcpyHtoDAsync", self._index.ptr, self._pinned.ptr, index.nbytes, as_stream(stream).handle)
-        base = self._index.ptr
-        p = ParamBuffer(EXPAND_PARAMS)
-        p.set(k_out=self.ws_k.ptr, v_out=self.ws_v.ptr, page_indptr=base, page_indices=base + 4 * (b + 1),
-              ws_indptr=base + 4 * (b + 1 + page_indices.size), num_kv_heads=hkv, page_size=page_size,
-              page_shift=page_shift)
+        #: int32 [page_indptr | page_indices | ws_indptr]: the plan copies it with its own buffer (bind_index)
+        self.index = np.concatenate([page_indptr, page_indices, self.ws_indptr]).astype(np.int32)
+        self._ends = (b + 1, b + 1 + page_indices.size)
+        p = self._params = ParamBuffer(EXPAND_PARAMS)
+        p.set(k_out=self.ws_k.ptr, v_out=self.ws_v.ptr, num_kv_heads=hkv, page_size=page_size, page_shift=page_shift)
         self._set_cache = p.setter("k", "v")
         self._set_scales = p.setter("k_scale_ptr", "v_scale_ptr", "c_page", "c_token", "c_head", "k_scale", "v_scale")
         chunks = int(kv_lens.max(initial=0)) * hkv * (d // 16)
         grid = (max(1, min(-(-chunks // THREADS), _MAX_BLOCKS_X)), max(b, 1), 1)
         self._launch = Launch(get_kernel(expand_spec(_dtypes.dtype_name(kv8.dtype), dtype, d)), grid, THREADS, 0, p)
         self._empty = total == 0
+
+    def bind_index(self, ptr: int):
+        """The device address the plan copied `index` to."""
+        a, b = self._ends
+        self._params.set(page_indptr=ptr, page_indices=ptr + 4 * a, ws_indptr=ptr + 4 * b)
 
     def expand(self, k_cache, v_cache, s, capturing, k_scale, v_scale):
         """Bind and check the caller's fp8 cache and scales, launch the expansion on stream s; the workspace's

@@ -405,7 +405,7 @@ class _BatchPrefill(AttentionOp):
             kv8 = (PagedKV(self.kv_layout, page_size, hkv, head_dim, npd8, int(page_indices.max(initial=-1)) + 1)
                    if self._paged else RaggedKV(self.kv_layout, int(kv_lens.sum()), hkv, head_dim, npd8))
             expansion = fp8_expand.Fp8Expansion(kv8, page_indptr, page_indices, page_size, page_shift, kv_lens,
-                                                q_dtype, stream, self._fp8)
+                                                q_dtype, self._fp8)
             total_kv = int(expansion.ws_indptr[-1])
             page_indptr, page_indices = np.arange(batch + 1, dtype=np.int32), expansion.ws_indptr[:-1]
             page_size, page_shift, kv_dtype, contiguous = 1 << RAGGED_PAGE_SHIFT, RAGGED_PAGE_SHIFT, q_dtype, True
@@ -476,13 +476,17 @@ class _BatchPrefill(AttentionOp):
         vdata = variant.data(hq, batch, cap_b, **vvals)
         off, total_i32 = level_layout(cap_b, cap_w, cap_m, cap_p, vdata)
         mask_bytes = packed_mask.size if packed_mask is not None else 0
-        host = self._stage((total_i32 * 4 + mask_bytes + 15) // 16 * 16)
+        ex_at = (total_i32 * 4 + mask_bytes + 15) // 16 * 16       # (the fp8 expansion's index arrays follow)
+        ex_bytes = expansion.index.nbytes if expansion is not None else 0
+        host = self._stage(ex_at + ex_bytes)
         h = host.view(np.int32)
         write_level(h[:total_i32], off, plan.items, batch, qo_indptr, kv_lens, page_indptr, page_indices, vdata,
                     mask_offsets, num_kv_heads=hkv, num_partial_rows=plan.num_partial_rows,
                     merge=(plan.merge_indptr, plan.merge_rows, cap_m), kv_head_group=plan.kv_head_group)
         if mask_bytes:
             host[total_i32 * 4:total_i32 * 4 + mask_bytes] = packed_mask
+        if ex_bytes:
+            host[ex_at:ex_at + ex_bytes] = expansion.index.view(np.uint8)
 
         regions = {
             "plan": ((total_i32,), "int32"),
@@ -490,8 +494,13 @@ class _BatchPrefill(AttentionOp):
             "tmp_lse": ((max(cap_part, 1), hq), "float32"),
             "mask": ((mask_bytes + MASK_PAD,), "uint8"),
         }
-        dev, s, copy_done = self._upload(host, [("plan", 0, total_i32 * 4), ("mask", total_i32 * 4, mask_bytes)],
-                                         regions, stream)
+        copies = [("plan", 0, total_i32 * 4), ("mask", total_i32 * 4, mask_bytes)]
+        if ex_bytes:
+            regions["fp8_index"] = ((ex_bytes // 4,), "int32")
+            copies.append(("fp8_index", ex_at, ex_bytes))
+        dev, s, copy_done = self._upload(host, copies, regions, stream)
+        if expansion is not None:
+            expansion.bind_index(dev["fp8_index"].ptr)
 
         base = dev["plan"].ptr
         variant_ptr = base + off["variant"] * 4 if vdata is not None else 0
