@@ -33,6 +33,7 @@ HEAD_DIMS = (64, 128, 256)
 MIN_QUERY_TILES = 4
 MODES = ("auto", "once", "kernel")
 _MAX_BLOCKS_X = 4096   # grid-stride beyond this many blocks per request
+MAX_BATCH = 65535      # requests a plan may expand once (the grid's y dimension)
 
 
 def expand_spec(kv_dtype: str, dtype: str, head_dim: int) -> KernelSpec:
@@ -49,6 +50,8 @@ def wanted(mode: str, kv_dtype, head_dim: int, qo_lens: np.ndarray, group: int, 
     if mode not in MODES:
         raise ValueError(f"fp8_expand: expected one of {MODES}, got {mode!r}")
     if not _dtypes.is_fp8(kv_dtype) or mode == "kernel" or head_dim not in HEAD_DIMS or graph:
+        return False
+    if qo_lens.size > MAX_BATCH:   # (one grid row per request)
         return False
     if mode == "once":
         return True

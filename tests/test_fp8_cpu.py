@@ -121,6 +121,7 @@ def test_fp8_expand_once_policy():
     assert not fp8_expand.wanted("once", "bfloat16", 128, long_prompts, 4, False)
     assert not fp8_expand.wanted("once", "float8_e4m3fn", 192, long_prompts, 4, False)
     assert not fp8_expand.wanted("auto", "float8_e4m3fn", 128, np.zeros(0, np.int64), 4, False)
+    assert not fp8_expand.wanted("once", "float8_e4m3fn", 128, np.ones(fp8_expand.MAX_BATCH + 1, np.int64), 4, False)
     with pytest.raises(ValueError, match="fp8_expand: expected one of"):
         fp8_expand.wanted("always", "float8_e4m3fn", 128, long_prompts, 4, False)
 
