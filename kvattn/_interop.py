@@ -194,10 +194,15 @@ def _from_cupy(x, stream: Stream, capturing: bool) -> DeviceArray:
     if dtype is None:   # (numpy's dtypes, ml_dtypes' bfloat16 / float8; others raise naming the type)
         dtype = _cupy["dtypes"][x.dtype] = _dtypes.to_numpy(x.dtype)
     if not capturing:
-        producer = _cupy["current_stream"]().ptr
-        if producer != stream.ptr and (producer or stream.ptr != 1):
-            order_after(producer, stream)
+        _after_current(_cupy["current_stream"]().ptr, stream)
     return DeviceArray._make(x.data.ptr, x.shape, dtype, x.strides, x)
+
+
+def _after_current(producer: int, stream: Stream):
+    """Order `stream` after a framework's current stream (handle `producer`; torch's and CuPy's 0 is the legacy
+    stream, 1), unless they are the same stream."""
+    if producer != stream.ptr and (producer or stream.ptr != 1):
+        order_after(producer, stream)
 
 
 # -- torch.Tensor ----------------------------------------------------------------------------------------
@@ -227,7 +232,5 @@ def _from_torch(x, stream: Stream, capturing: bool) -> DeviceArray:
     if dtype is None:
         raise TypeError(f"array: torch dtype {x.dtype} is not supported by kvattn")
     if not capturing:
-        producer = tables["current_stream"](0)
-        if producer != stream.ptr and (producer or stream.ptr != 1):   # torch's 0 is the legacy stream (1)
-            order_after(producer, stream)
+        _after_current(tables["current_stream"](0), stream)
     return DeviceArray._make(x.data_ptr(), tuple(x.shape), dtype, tuple(map(dtype.itemsize.__mul__, x.stride())), x)

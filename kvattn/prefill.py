@@ -521,7 +521,6 @@ class _BatchPrefill(AttentionOp):
         q_map, o_map = tma.attach_rows([p], group, head_dim, tokens=max_rows) if sm90_maps else (None, None)
         if wg_split:
             o_map = None   # (consume_split stores its rows per thread: no map for run() to bind)
-        self._fp8 = None
         self._finish_plan(
             rows=total_qo, max_rows=max_rows, hq=hq, d=head_dim,
             dtype=q_dtype, kv=kv, launch=Launch(kernel, grid, cfg.threads, cfg.smem, p) if cap_w > 0 else None,
