@@ -441,7 +441,8 @@ def _fixed_split(kv, nz_idx, nz_start, split: int, c_max: int, overhead: int):
 
 def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num_sms=132,
                 ctas_per_sm=2, max_batch_size=None, max_chunks=None, out=None,
-                allow_no_split=True, split_tokens=None, max_work=None, min_chunk_tokens=None) -> DecodePlan:
+                allow_no_split=True, split_tokens=None, max_work=None, min_chunk_tokens=None,
+                item_overhead=None) -> DecodePlan:
     """Schedule a decode batch with per-request kv lengths ``kv_lens`` (see the module doc).
 
     ``max_batch_size`` (optionally with ``max_chunks``) selects graph mode: the buffer layout
@@ -455,7 +456,9 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
     at the multiples of ``split_tokens`` of its own tokens, whatever the batch, so its items, partial states and
     merge order depend on its length alone; the items are then grouped into balanced chunks. ``max_work`` (graph
     mode): the item bound of the fixed layout (see :func:`fixed_split_items`). ``min_chunk_tokens``: the split
-    path's smallest chunk (None: MIN_CHUNK_TOKENS; a decode tuning knob for small batches).
+    path's smallest chunk (None: MIN_CHUNK_TOKENS; a decode tuning knob for small batches). ``item_overhead``:
+    a request's fixed cost on the cost line in tokens (None: ITEM_OVERHEAD_TOKENS; a kernel whose tokens cost less,
+    as an fp8 cache's, counts more of them a request).
     """
     t = int
     if (type(page_size) is t and type(num_qo_heads) is t and type(num_kv_heads) is t
@@ -484,7 +487,7 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
     B = kv.size
     if cfg.max_batch_size is not None and B > cfg.max_batch_size:
         raise ValueError(f"batch size {B} exceeds max_batch_size {cfg.max_batch_size}")
-    OV = ITEM_OVERHEAD_TOKENS
+    OV = ITEM_OVERHEAD_TOKENS if item_overhead is None else _as_int("item_overhead", item_overhead, 0)
 
     # Outputs of the scheduling step (consumed by the packing step below):
     #   C active chunks, W items; req / begin / end of the items (begin None = all zeros,

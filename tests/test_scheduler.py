@@ -774,3 +774,29 @@ def test_prefill_split_counts_waves_of_slots():
     assert one.split and one.num_items == 128 and one.chunk == 2048
     assert two.split and two.num_items == 256 and two.chunk == 1024
     assert two.num_merge == one.num_merge == 64
+
+
+def test_item_overhead_weighs_each_request_on_the_cost_line():
+    """item_overhead (the decode wrapper's fp8 default: kvattn.decode.FP8_ITEM_OVERHEAD): every request costs that
+    many tokens more on the cost line, so chunks of many short requests get fewer tokens; chunk costs stay within
+    the split path's bound counted with it; None is ITEM_OVERHEAD_TOKENS."""
+    from kvattn import decode
+    kv = skewed(64)
+    kw = dict(num_sms=132, ctas_per_sm=3, allow_no_split=False)
+    base = plan_decode(kv, 16, 32, 8, 128, **kw)
+    assert np.array_equal(plan_decode(kv, 16, 32, 8, 128, item_overhead=OV, **kw).buffer, base.buffer)
+    ov = decode.item_overhead_tokens("float8_e4m3fn")
+    assert ov > OV == decode.item_overhead_tokens("bfloat16")
+    plan = plan_decode(kv, 16, 32, 8, 128, item_overhead=ov, **kw)
+    tokens = {}
+    for p in (base, plan):
+        ci = p.chunk_indptr.astype(np.int64)
+        tok = np.append(p.work_end - p.work_begin, 0).astype(np.int64)
+        per_chunk, items = np.add.reduceat(tok, ci[:-1]) * (np.diff(ci) > 0), np.diff(ci)
+        tokens[p is plan] = int(per_chunk[np.argmax(items)])   # the chunk of the most requests
+        assert per_chunk.sum() == kv.sum()
+    assert tokens[True] < tokens[False]
+    ci = plan.chunk_indptr.astype(np.int64)
+    cost = np.append(plan.work_end - plan.work_begin + ov, 0).astype(np.int64)
+    line = int(kv.sum()) + ov * int(np.count_nonzero(kv))
+    assert (np.add.reduceat(cost, ci[:-1]) * (np.diff(ci) > 0)).max() <= -(-line // plan.num_chunks) + 16 + ov
