@@ -379,7 +379,8 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
             max_chunks=layout.max_chunks if layout else None, out=host[:plan_cap],
             allow_no_split=tn["allow_no_split"], split_tokens=split, max_work=max_work,
             min_chunk_tokens=(auto_min_chunk_tokens(kv_lens) if tn["min_chunk_tokens"] == "auto"
-                              else tn["min_chunk_tokens"]), item_overhead=tn["item_overhead"] or item_overhead_tokens(kv_dtype))
+                              else tn["min_chunk_tokens"]),
+            item_overhead=item_overhead_tokens(kv_dtype) if tn["item_overhead"] is None else tn["item_overhead"])
         host[off_indptr:off_indptr + batch + 1] = page_table.indptr
         host[off_indices:off_indices + nnz] = page_table.indices
         host[off_last:off_last + batch] = page_table.last_page_len
