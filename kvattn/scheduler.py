@@ -416,9 +416,13 @@ def _ideal_cuts(total: int, C: int) -> np.ndarray:
 
 
 def _fixed_split(kv, nz_idx, nz_start, split: int, c_max: int, overhead: int):
-    """(item starts: global token positions, chunk cuts: item indices, chunks) of the batch-invariant schedule:
-    request i's items start at its tokens 0, split, 2 split, ...; chunks group consecutive items into at most
-    c_max balanced runs (a chunk's grouping never changes an item's result)."""
+    """(item starts: global token positions, chunk cuts: indices into the work list, chunks, work order) of the
+    batch-invariant schedule: request i's items start at its tokens 0, split, 2 split, ...; the items are dealt
+    to at most c_max chunks, largest first, in serpentine rounds (a chunk's items never change an item's result,
+    so any grouping keeps the bits): every chunk within one item of its equal share, where consecutive runs of a
+    skewed batch's items could not be (a long request's full items would pile into a few runs). Work order: the
+    permutation of the items (canonical: request order, then token order) that lists each chunk's items
+    together; None when it is the canonical order."""
     lens = kv if nz_idx is None else kv[nz_idx]
     per = (lens + split - 1) // split                        # items of each non-empty request
     first = np.repeat(nz_start, per)                         # each item's request start
@@ -426,17 +430,20 @@ def _fixed_split(kv, nz_idx, nz_start, split: int, c_max: int, overhead: int):
     starts = first + k * split
     w = starts.size
     ends = np.append(starts[1:], int(nz_start[-1] + lens[-1]))   # requests are adjacent on the token line
-    cost_end = (ends - starts + overhead).cumsum()
     c = max(1, min(c_max, w))
-    if c == 1 or w == 1:
-        return starts, _EMPTY, 1
-    t = _ideal_cuts(int(cost_end[-1]), c)
-    i = cost_end.searchsorted(t, side="right")                # the item holding each ideal cut
-    below = np.where(i > 0, cost_end[np.maximum(i - 1, 0)], 0)  # cost before item i
-    above = cost_end[np.minimum(i, w - 1)]                    # cost through item i
-    i += (t - below) > (above - t)                            # cut at the nearer end of that item
-    cuts = np.unique(i.clip(1, w - 1))
-    return starts, cuts, cuts.size + 1
+    if c == 1:
+        return starts, _EMPTY, 1, None
+    cost = ends - starts + overhead
+    ranked = np.argsort(-cost, kind="stable")                 # largest first
+    pos = _iota(w)
+    chunk = pos % c
+    back = (pos // c) & 1 == 1
+    chunk[back] = c - 1 - chunk[back]                         # serpentine: 0 .. c-1, then c-1 .. 0, ...
+    item_chunk = np.empty(w, np.int64)
+    item_chunk[ranked] = chunk
+    order = np.argsort(item_chunk, kind="stable")             # each chunk's items together, in canonical order
+    cuts = np.bincount(item_chunk, minlength=c).cumsum()[:-1]
+    return starts, cuts, c, order
 
 
 def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num_sms=132,
@@ -495,7 +502,7 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
     #   cuts = chunk_indptr[1:C] (None = 1..C-1, one item per chunk);
     #   merge_req (None = every request), rows, cnt (items per request
     #   when some request has several, else None).
-    cnt = starts = None
+    cnt = starts = order = None
     rows = 0
     if kv_max == 0:
         # Nothing to attend to: every request (if any) is an empty merge.
@@ -544,7 +551,7 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
                 nz_idx = nz.nonzero()[0]
                 nz_start = tok_start[nz_idx]
             if split_tokens is not None:
-                starts, cuts, C = _fixed_split(kv, nz_idx, nz_start, split_tokens, C, OV)
+                starts, cuts, C, order = _fixed_split(kv, nz_idx, nz_start, split_tokens, C, OV)
             elif C > 1:
                 tcut = _ideal_cuts(total, C)
                 ci = cost_end.searchsorted(tcut, side="right")  # request holding each cut
@@ -632,6 +639,9 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
             wp[~split_item] = -1
         else:
             wp.fill(-1)
+        if order is not None:   # the items listed chunk by chunk (partial rows stay those of the canonical order)
+            for region in (layout.work_req, layout.work_begin, layout.work_end, layout.work_partial):
+                buf[region:region + W] = buf[region:region + W][order]
 
     o = layout.merge_indptr
     if merge_req is None:

@@ -615,10 +615,10 @@ def test_merge_lists_is_the_cumulative_partial_count():
 # Batch-invariant (deterministic) schedule: fixed-size splits
 # ---------------------------------------------------------------------------------------------
 def _request_items(plan, r):
-    """Request r's items in plan order: (begin, end, partial row) and its merge list (partial rows in merge
-    order, or None when it is not merged)."""
+    """Request r's items in token order (the work list may deal them to chunks in any order): (begin, end, partial
+    row), and its merge list (partial rows in merge order, or None when it is not merged)."""
     req, beg, end, part = plan.work_req, plan.work_begin, plan.work_end, plan.work_partial
-    items = [(int(beg[i]), int(end[i]), int(part[i])) for i in range(plan.num_work) if req[i] == r]
+    items = sorted((int(beg[i]), int(end[i]), int(part[i])) for i in range(plan.num_work) if req[i] == r)
     mreq, mi = list(plan.merge_req), plan.merge_indptr
     merged = None
     if r in mreq:
@@ -666,6 +666,22 @@ def test_fixed_split_schedule_is_batch_invariant(kv, g, split, graph, seed):
         cost = (plan.work_end.astype(np.int64) - plan.work_begin + scheduler.ITEM_OVERHEAD_TOKENS)
         per_chunk = [int(cost[ci[c]:ci[c + 1]].sum()) for c in range(plan.active_chunks)]
         assert max(per_chunk) <= cost.sum() / plan.active_chunks + cost.max()
+
+
+def test_fixed_split_deals_a_skewed_batch_evenly():
+    """The skewed decode anchor (4 requests of 32768 tokens, 60 of 256-1280): its 64 full items are dealt across
+    the chunks instead of piling into consecutive runs (1.27 x the equal share before), and every item is listed
+    once, in its chunk."""
+    lens = np.array([32768 if i % 16 == 0 else 256 + (i * 389) % 1024 for i in range(64)])
+    plan = plan_decode(lens, 16, 32, 8, 128, num_sms=132, ctas_per_sm=3, split_tokens=2048)
+    ci = plan.chunk_indptr
+    cost = plan.work_end.astype(np.int64) - plan.work_begin + scheduler.ITEM_OVERHEAD_TOKENS
+    per_chunk = np.array([cost[ci[c]:ci[c + 1]].sum() for c in range(plan.active_chunks)])
+    assert plan.active_chunks == 49 and per_chunk.min() > 0
+    assert per_chunk.max() <= 1.12 * per_chunk.mean()
+    seen = sorted(zip(plan.work_req.tolist(), plan.work_begin.tolist()))
+    want = sorted((r, b) for r, n in enumerate(lens) for b in range(0, int(n), 2048))
+    assert seen == want
 
 
 def test_fixed_split_must_be_a_multiple_of_the_granularity():
