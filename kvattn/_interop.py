@@ -22,6 +22,7 @@ caller has ordered its producers before the capture, as every framework's graph 
 from __future__ import annotations
 
 import sys
+import threading
 
 import numpy as np
 
@@ -31,6 +32,9 @@ from .memory import DeviceArray, contiguous_strides, from_numpy
 from .stream import Stream, order_after
 
 _strategy: dict = {}   # type -> "torch" | "cai" | "dlpack": how arrays of that type were read last time
+# The ordinal of the device whose op is running on this thread (set by opcore.on_device around plan() / run()):
+# a torch tensor, which names its device, must be on it.
+active = threading.local()
 
 
 def import_array(x, stream: Stream, capturing: bool) -> DeviceArray:
@@ -221,16 +225,26 @@ def _torch_tables():
     return _torch
 
 
+def _check_torch_device(x, dev: int):
+    """A torch tensor must be a CUDA tensor, on the device of the op importing it when one is (outside the ops,
+    e.g. merge_state or append_paged_kv_cache on the current context, the device is not checked: as for arrays
+    of the other frameworks)."""
+    if not x.is_cuda:
+        raise TypeError(f"array: a torch tensor on {x.device} (expected a CUDA tensor; move it with .cuda())")
+    want = getattr(active, "ordinal", None)
+    if want is not None and dev != want:
+        raise ValueError(f"array: a torch tensor on cuda:{dev}, but this op runs on device {want} (pass tensors on "
+                         f"cuda:{want}, or build the op with device={dev})")
+
+
 def _from_torch(x, stream: Stream, capturing: bool) -> DeviceArray:
     tables = _torch or _torch_tables()
     dev = x.get_device()   # -1 for a CPU tensor
-    if dev != 0:
-        if not x.is_cuda:
-            raise TypeError(f"array: a torch tensor on {x.device} (expected a CUDA tensor; move it with .cuda())")
-        raise ValueError(f"array: a torch tensor on cuda:{dev}; kvattn runs on device 0")
+    if dev != getattr(active, "ordinal", None):
+        _check_torch_device(x, dev)
     dtype = tables["dtypes"].get(x.dtype)
     if dtype is None:
         raise TypeError(f"array: torch dtype {x.dtype} is not supported by kvattn")
     if not capturing:
-        _after_current(tables["current_stream"](0), stream)
+        _after_current(tables["current_stream"](dev), stream)
     return DeviceArray._make(x.data_ptr(), tuple(x.shape), dtype, tuple(map(dtype.itemsize.__mul__, x.stride())), x)

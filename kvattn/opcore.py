@@ -21,7 +21,7 @@ import types
 
 import numpy as np
 
-from . import _driver, _dtypes, device as _device
+from . import _driver, _dtypes, _interop, device as _device
 from ._errors import CudaUnavailableError
 from ._binding import begin, import_array, misaligned16, output
 from .contract import NUM_MERGE
@@ -213,10 +213,16 @@ def on_device(method):
                 dev = self.device = _device.get(self._device_arg)
             except CudaUnavailableError:   # no GPU: the arguments are still checked, the first driver call raises
                 return method(self, *args, **kwargs)
-        if _driver.current_context_id() == dev.context_id:
-            return method(self, *args, **kwargs)
-        with dev.activate():
-            return method(self, *args, **kwargs)
+        active = _interop.active
+        outer = getattr(active, "ordinal", None)
+        active.ordinal = dev.ordinal
+        try:
+            if _driver.current_context_id() == dev.context_id:
+                return method(self, *args, **kwargs)
+            with dev.activate():
+                return method(self, *args, **kwargs)
+        finally:
+            active.ordinal = outer
     return wrapper
 
 

@@ -162,7 +162,8 @@ def test_torch_tensors_read_directly_and_ordered_like_torch(monkeypatch, waits):
     for n in ("float16", "bfloat16", "float32", "int32"):
         setattr(fake, n, object())
     current = {"stream": 0}
-    fake._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda dev: current["stream"])
+    calls = []
+    fake._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda dev: calls.append(dev) or current["stream"])
     monkeypatch.setitem(sys.modules, "torch", fake)
     monkeypatch.setattr(_interop, "_torch", {})
 
@@ -191,6 +192,18 @@ def test_torch_tensors_read_directly_and_ordered_like_torch(monkeypatch, waits):
     _interop.import_array(t, st.as_stream(None), False)        # legacy consumer waits for torch's side stream
     _interop.import_array(t, st.as_stream(None), True)         # capturing: no wait
     assert waits == [(0x9000, 1)]
+    Tensor.get_device = lambda self: 1                         # outside an op: any CUDA device
+    _interop.import_array(t, st.as_stream(None), False)
+    assert calls == [0, 0, 0, 1]                               # torch's current stream of the tensor's device
+    _interop.active.ordinal = 0                                # inside an op on device 0 (opcore.on_device)
+    try:
+        with pytest.raises(ValueError, match="a torch tensor on cuda:1, but this op runs on device 0"):
+            _interop.import_array(t, st.as_stream(None), False)
+        _interop.active.ordinal = 1
+        _interop.import_array(t, st.as_stream(None), False)
+    finally:
+        _interop.active.ordinal = None
+    Tensor.get_device = lambda self: 0 if self.is_cuda else -1
     Tensor.dtype = object()
     with pytest.raises(TypeError, match="torch dtype"):
         _interop.import_array(t, st.as_stream(None), False)
