@@ -53,6 +53,11 @@ class Device:
         return self.attribute("MULTIPROCESSOR_COUNT")
 
     @property
+    def peak_memory_bandwidth(self) -> float:
+        """The memory's peak rate in bytes/s (memory clock x 2 transfers x bus width), as the driver reports them."""
+        return self.attribute("MEMORY_CLOCK_RATE") * 1e3 * 2 * self.attribute("GLOBAL_MEMORY_BUS_WIDTH") / 8
+
+    @property
     def arch(self) -> str:
         """The NVRTC arch: sm_90a on Hopper (wgmma needs the 'a' target)."""
         major, minor = self.compute_capability

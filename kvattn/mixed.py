@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _dtypes, _validate as _v
+from . import _dtypes, _validate as _v, device as _device
+from ._errors import CudaUnavailableError
 from ._binding import begin, import_array
 from .decode import BatchDecodeWithPagedKVCache, decode_spec, default_stages, smem_bytes as decode_smem_bytes
 from .formats import PageTable
@@ -43,9 +44,12 @@ MAX_SUBS = 3
 PREFILL_FLOPS_PER_SM = 3.5e12
 DECODE_BYTES_PER_SM = 38e9
 #: The parts launched one after the other, each on the whole GPU (run 29e, the same batch): the prefill ~4.2 TFLOP/s
-#: per SM, the decode ~4.3 TB/s (HBM-bound). fused_pays compares the two ways.
+#: per SM, the decode ~4.3 TB/s (HBM-bound; DECODE_BYTES_ALONE where the device is not known), which is ~0.89 of
+#: the H200's peak memory rate, as the H100's ~3.0 TB/s is of its 3.35 (the copy ceilings measured beside them):
+#: on another GPU the decode alone is taken as DECODE_PEAK_FRACTION of its peak. fused_pays compares the two ways.
 PREFILL_FLOPS_PER_SM_ALONE = 4.2e12
 DECODE_BYTES_ALONE = 4.3e12
+DECODE_PEAK_FRACTION = 0.89
 
 
 def split_requests(qo_lens: np.ndarray) -> tuple[slice, slice]:
@@ -69,15 +73,26 @@ def split_sms(prefill_flops: float, decode_bytes: float, num_sms: int) -> int:
     return int(min(max(round(num_sms * tp / (tp + td)), 1), num_sms - 1))
 
 
-def fused_pays(prefill_flops: float, decode_bytes: float, num_sms: int, prefill_sms: int) -> bool:
+def fused_pays(prefill_flops: float, decode_bytes: float, num_sms: int, prefill_sms: int,
+               decode_alone: float = DECODE_BYTES_ALONE) -> bool:
     """Whether the one launch on this split is predicted at least 3% faster than the two parts one after the other
-    (run 29e: 2 causal prefills of 4096 + 126 decodes of 4096 took 1048.6 us fused against 983.6 apart, as these
-    rates predict: the decode SMs of a split stream ~38 GB/s each, far from HBM's rate, so a large decode part is
-    faster alone on every SM)."""
+    (run 29e, H200: 2 causal prefills of 4096 + 126 decodes of 4096 took 1048.6 us fused against 983.6 apart, as
+    these rates predict: the decode SMs of a split stream ~38 GB/s each, far from HBM's rate, so a large decode part
+    is faster alone on every SM; on an H100, whose HBM is slower, the same batch is faster in one launch).
+    decode_alone: the decode part's rate on the whole GPU (bytes/s)."""
     fused = max(prefill_flops / (prefill_sms * PREFILL_FLOPS_PER_SM),
                 decode_bytes / ((num_sms - prefill_sms) * DECODE_BYTES_PER_SM))
-    apart = prefill_flops / (num_sms * PREFILL_FLOPS_PER_SM_ALONE) + decode_bytes / DECODE_BYTES_ALONE
+    apart = prefill_flops / (num_sms * PREFILL_FLOPS_PER_SM_ALONE) + decode_bytes / decode_alone
     return fused < 0.97 * apart
+
+
+def _decode_alone(device) -> float:
+    """fused_pays' decode_alone on `device` (a Device, an ordinal or None: the current one); DECODE_BYTES_ALONE
+    where no GPU is usable."""
+    try:
+        return DECODE_PEAK_FRACTION * _device.get(device).peak_memory_bandwidth
+    except CudaUnavailableError:
+        return DECODE_BYTES_ALONE
 
 
 def sub_table(pt: PageTable, req: slice) -> PageTable:
@@ -200,7 +215,9 @@ class BatchMixedWithPagedKVCache:
         args = dict(sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, q_dtype=q_dtype,
                     kv_dtype=kv_dtype, stream=stream)
         # one launch where both parts exist and (the split not forced) it is predicted to pay
-        both = pre.stop > pre.start and dec.stop > dec.start and (not auto or fused_pays(flops, nbytes, n, prefill_sms))
+        alone = _decode_alone(self.device or self._device_arg)
+        both = (pre.stop > pre.start and dec.stop > dec.start
+                and (not auto or fused_pays(flops, nbytes, n, prefill_sms, alone)))
         self._pre._num_sms = prefill_sms if both else n
         self._dec._num_sms = n - prefill_sms if both else n
         stages = self.tuning["decode_stages"] or default_stages(d, kv_dtype)
