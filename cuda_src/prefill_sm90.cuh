@@ -38,11 +38,6 @@
 
 // Timing experiments only (scripts/ab_sm90.py; never set by the library): 1 = the producers copy no K/V (the
 // consumers run on whatever the stages hold), 2 = the consumers skip the softmax. They say where a tile's time goes.
-// KVATTN_PF_PDL 1: the kernel lets its split-KV merge (launched programmatically) start at once, so the merge's
-// launch overlaps this grid's tail (the A/B of session 26; 0: the merge launches when this grid ends).
-#ifndef KVATTN_PF_PDL
-#define KVATTN_PF_PDL 0
-#endif
 #ifndef KVATTN_SM90_X
 #define KVATTN_SM90_X 0
 #endif
@@ -1096,9 +1091,6 @@ struct PrefillSm90 {
 template <class A, class V>
 __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_constant__ PrefillParams p) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-#if KVATTN_PF_PDL
-  allow_dependent_launch();   // the split-KV merge kernel may launch now (onto SMs this grid leaves free) and wait
-#endif
   PrefillSm90<A, V>::run(p, reinterpret_cast<typename A::Q*>(smem_raw));
 }
 
