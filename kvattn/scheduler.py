@@ -461,7 +461,7 @@ def plan_decode(kv_lens, page_size, num_qo_heads, num_kv_heads, head_dim, *, num
     the split path (one wave of CTAs), for kernels that pipeline across the items of a chunk.
     ``split_tokens`` (a multiple of the cut granularity) is the batch-invariant schedule: every request is cut
     at the multiples of ``split_tokens`` of its own tokens, whatever the batch, so its items, partial states and
-    merge order depend on its length alone; the items are then grouped into balanced chunks. ``max_work`` (graph
+    merge order depend on its length alone; the items are then dealt to balanced chunks. ``max_work`` (graph
     mode): the item bound of the fixed layout (see :func:`fixed_split_items`). ``min_chunk_tokens``: the split
     path's smallest chunk (None: MIN_CHUNK_TOKENS; a decode tuning knob for small batches). ``item_overhead``:
     a request's fixed cost on the cost line in tokens (None: ITEM_OVERHEAD_TOKENS; a kernel whose tokens cost less,
