@@ -422,7 +422,7 @@ def _fixed_split(kv, nz_idx, nz_start, split: int, c_max: int, overhead: int):
     so any grouping keeps the bits): every chunk within one item of its equal share, where consecutive runs of a
     skewed batch's items could not be (a long request's full items would pile into a few runs). Work order: the
     permutation of the items (canonical: request order, then token order) that lists each chunk's items
-    together; None when it is the canonical order."""
+    together; None with one chunk (the canonical order)."""
     lens = kv if nz_idx is None else kv[nz_idx]
     per = (lens + split - 1) // split                        # items of each non-empty request
     first = np.repeat(nz_start, per)                         # each item's request start
