@@ -3,8 +3,9 @@
 A/B in turns: RoPE decode (NeoX, theta 5e5; GPT-J where named) with the key rows rotated in float32 (the build
 before) vs in the cache type's packed arithmetic (the default), the next row's angle by a rotation (the default) or
 by Chebyshev's recurrence, 8 (the default) or 4 rows loaded together; plain beside.
-`--stages`: the earlier A/B of 2 stages (3 CTAs / SM) vs 3 (2 CTAs / SM) vs refill-first. One request of each
-case checked against the float64 reference."""
+`--stages`: the earlier A/B of 2 stages (3 CTAs / SM) vs 3 (2 CTAs / SM) vs refill-first. `--refill`: the default
+2-stage kernel with and without refill-first (the freed slot refilled before the wait), plain and RoPE. One request
+of each case checked against the float64 reference."""
 import os
 import sys
 
@@ -17,6 +18,8 @@ from bench_variants import ROPE, ROPE_GPTJ, expected  # noqa: E402
 STAGE_CONFIGS = (("plain", {}, None), ("rope st2", dict(rope=ROPE), None),
                  ("rope st3", dict(rope=ROPE), dict(stages=3)),
                  ("rope st3 refill1st", dict(rope=ROPE), dict(stages=3, refill_first=True)))
+REFILL_CONFIGS = (("plain", {}, None), ("plain refill1st", {}, dict(refill_first=True)),
+                  ("rope", dict(rope=ROPE), None), ("rope refill1st", dict(rope=ROPE), dict(refill_first=True)))
 F32, CHEB = ("KVATTN_ROPE_F32", 1), ("KVATTN_ROPE_CHEB", 1)   # the float32 build before; Chebyshev's angles
 BATCH4 = ("KVATTN_ROPE_BATCH", 4)   # rows loaded together (the default: 8)
 CONFIGS = (("plain", {}, None), ("rope f32", dict(rope=ROPE), dict(rope_defines=(F32,))),
@@ -28,7 +31,7 @@ CONFIGS = (("plain", {}, None), ("rope f32", dict(rope=ROPE), dict(rope_defines=
 
 
 def main():
-    configs = STAGE_CONFIGS if "--stages" in sys.argv else CONFIGS
+    configs = (STAGE_CONFIGS if "--stages" in sys.argv else REFILL_CONFIGS if "--refill" in sys.argv else CONFIGS)
     rng = np.random.default_rng(0)
     for case, lens in (("b64_L4096", [4096] * 64), ("b16_L32768", [32768] * 16), ("b1_L65536", [65536])):
         pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), 16, rng=rng)
