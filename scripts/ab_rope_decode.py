@@ -31,7 +31,7 @@ CONFIGS = (("plain", {}, None), ("rope f32", dict(rope=ROPE), dict(rope_defines=
 
 
 def main():
-    configs = (STAGE_CONFIGS if "--stages" in sys.argv else REFILL_CONFIGS if "--refill" in sys.argv else CONFIGS)
+    configs = STAGE_CONFIGS if "--stages" in sys.argv else REFILL_CONFIGS if "--refill" in sys.argv else CONFIGS
     rng = np.random.default_rng(0)
     for case, lens in (("b64_L4096", [4096] * 64), ("b16_L32768", [32768] * 16), ("b1_L65536", [65536])):
         pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), 16, rng=rng)
@@ -48,9 +48,9 @@ def main():
         ro = expected("rope", q[0:1].numpy(), kk, vv)
         ro_gptj = expected("rope GPT-J", q[0:1].numpy(), kk, vv)
         errs = {}
-        for (n, w), (_, kw, _) in zip(ws.items(), configs):
+        for n, kw, _ in configs:
             if "rope" in kw:   # (the plain builds have no RoPE reference here)
-                w.run(q, k, v, out=out)
+                ws[n].run(q, k, v, out=out)
                 ref = ro if "gptj" not in n else ro_gptj
                 errs[n] = f"{np.linalg.norm(out[0:1].numpy() - ref) / np.linalg.norm(ref):.1e}"
         print(case, " ".join(f"{n}: {us:.1f}us ({t['plain'] / us:.3f})" for n, us in t.items()), " err", errs,
