@@ -57,6 +57,7 @@ struct PrefillParams {
   int tma_hnd;                 // the maps' dims are (D, slot, head, page) ("HND"), else (D, head, slot, page)
   int tma_q;                   // sm90: 1 = each unit's Q tile by tma_qmap (kvattn.tma.RowsTensorMap), 0 = per-thread copies
   int tma_o;                   // sm90: 1 = whole units' O by tma_omap (stored from shared memory), 0 = per-thread stores
+  int off_counters;            // sm90 fused split merge (KVATTN_SM90_FMERGE): int32 arrival counters in the plan; 0 = none
   TmaMap tma_k, tma_v;         // cuTensorMapEncodeTiled descriptors of k and v, written by run()
   TmaMap tma_qmap;             // of q: (D_QK, group, Hkv, tokens), boxes of (64, group, 1, 128 / group), written by run()
   TmaMap tma_omap;             // of o: (D_VO, group, Hkv, tokens), boxes of (64, group, 1, 64 / group), written by run()

@@ -102,6 +102,14 @@
 #define KVATTN_SM90_WGSPLIT 0
 #endif
 
+// 1 = a split item's consumer warps merge its chunks' partial states themselves (PrefillSm90::merge_if_last): the
+// last warp of a block's chunks to store its 16 rows merges them and writes O / LSE, so the plan needs no merge
+// launch. Set by the host (kvattn.prefill.sm90_spec's fused_merge) for plans whose blocks have few chunks, plain
+// variants (no output hook), head_dim up to 128; the launch's off_counters (0: none) turns it on per plan.
+#ifndef KVATTN_SM90_FMERGE
+#define KVATTN_SM90_FMERGE 0
+#endif
+
 // Experiment (scripts/ab_sm90.py --qbuf; 1, the default, builds one Q tile): QBUF = 2 gives persistent CTAs two Q
 // tiles, used by alternate units with tiles, so the producers copy a unit's Q while the unit before it still runs
 // (not after its last Q K^T); with head_dim 128 only 2 K/V stages then fit (KVATTN_SM90_STAGES=2 with it). Runs
@@ -249,6 +257,9 @@ struct PrefillSm90 {
   static constexpr bool kWgSplit = KVATTN_SM90_WGSPLIT;
   static_assert(!kWgSplit || (!KVSPLIT && (4 * CHUNKS + 4) * 128 * 4 <= STAGE_ELEMS * (int)sizeof(T)),
                 "wg split: one K/V ring (no KVSPLIT), and a stage holds a warpgroup's state for the merge");
+  static constexpr bool kFusedMerge = KVATTN_SM90_FMERGE;
+  static_assert(!kFusedMerge || (!V::kOutput && !kWgSplit && D_VO <= 128),
+                "fused split merge: no output hook, not wg_split, head_dim_vo <= 128 (its registers)");
   static constexpr int SMEM_BYTES =
       (QBUF * Q_ELEMS + STAGES * STAGE_ELEMS) * (int)sizeof(T) + (2 * STAGES + QBUF + (KVSPLIT ? 2 * STAGES : 0)) * 8;
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: at most 227 KB per CTA (fewer stages, or one Q tile)");
@@ -848,12 +859,116 @@ struct PrefillSm90 {
     }
     if constexpr (EARLY) {
       Base::store_rows(p, again, kvh, cw, lane, o, m, l);
+      if (kFusedMerge && again.partial >= 0 && p.off_counters) merge_if_last(p, again, w, kvh, cw, lane, o, m, l);
     } else {
-      Base::store_rows(p, Base::load_item(p, static_cast<const volatile int*>(p.plan), w), kvh, cw, lane, o, m, l);
+      const Item mine = Base::load_item(p, static_cast<const volatile int*>(p.plan), w);
+      Base::store_rows(p, mine, kvh, cw, lane, o, m, l);
+      if (kFusedMerge && mine.partial >= 0 && p.off_counters) merge_if_last(p, mine, w, kvh, cw, lane, o, m, l);
       if (w_next >= 0) next = Base::load_item(p, p.plan, w_next);
     }
     KVATTN_TRACE(128, slot, kTraceEnd0);
     KVATTN_TRACE(256, slot, kTraceEnd1);
+  }
+
+  // (kFusedMerge) After this consumer warp stored its 16 rows (cw * 16 + lane / 4 + 8 r) of chunk k of a split
+  // block's partial state: it arrives on the counter of (block, KV head, warp), and the last of the block's n chunks
+  // to arrive merges the rows' n states in chunk order and writes O / LSE. Its own state is taken from registers,
+  // normalised as store_rows stored it (the same float32 values), so the bits do not depend on which chunk came
+  // last. Arrival: the lanes' stores, __syncwarp, lane 0's fence and gpu-scope acquire-release add (release is
+  // cumulative over the warp's stores it has synchronised with); the last one's acquire, then __syncwarp, orders
+  // the lanes' L2 loads (__ldcg) of the other chunks' states after it; it leaves the counter at 0. Item field 7:
+  // (merge slot << 12) | k (kvattn.scheduler._prefill_items); n = the item's pstride (its block's chunks).
+  __device__ static void merge_if_last(const PrefillParams& p, const Item& it, int w, int kvh, int cw, int lane,
+                                       const float (&o)[1][CHUNKS][4], const float (&m)[1][2],
+                                       const float (&l)[1][2]) {
+    using O = typename A::O;
+    const int key = static_cast<const volatile int*>(p.plan)[p.off_items + 8 * w + 7];
+    const int k = key & 4095, n = it.pstride;
+    int* cnt = const_cast<int*>(p.plan) + p.off_counters +
+               ((long long)(key >> 12) * plan_header(p.plan).num_kv_heads + kvh) * 8 + cw;
+    __syncwarp();
+    int last = 0;
+    if (lane == 0) {
+      __threadfence();
+      last = atomic_add_acq_rel_gpu(cnt, 1) == n - 1;
+      if (last) atomicExch(cnt, 0);
+    }
+    if (!__shfl_sync(0xffffffffu, last, 0)) return;
+    __syncwarp();
+    int tq[2], head[2];
+    bool ok[2];
+    float mx[2], sum[2], acc[CHUNKS][4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = cw * 16 + lane / 4 + 8 * r;
+      ok[r] = row < it.nrows;
+      Base::row_dest(p, it, ok[r] ? row : 0, kvh, tq[r], head[r]);
+      mx[r] = KVATTN_NEG_INF;
+      sum[r] = 0.f;
+    }
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[c][e] = 0.f;
+    const int col = 2 * (lane % 4);
+    for (int i = 0; i < n; ++i) {   // (warp-uniform: i == k is the same for every lane)
+      float ls[2], v[CHUNKS][4];
+      if (i == k) {   // this warp's own state, as store_rows computed it
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float lr = l[0][r];
+          lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+          lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+          const bool empty = V::kSoftmax ? m[0][r] == KVATTN_NEG_INF : !(lr > 0.f);
+          const float inv = empty ? 0.f : 1.f / lr;
+          ls[r] = empty ? KVATTN_NEG_INF : (m[0][r] + __log2f(lr)) * kLn2;
+#pragma unroll
+          for (int c = 0; c < CHUNKS; ++c) {
+            v[c][2 * r] = o[0][c][2 * r] * inv;
+            v[c][2 * r + 1] = o[0][c][2 * r + 1] * inv;
+          }
+        }
+      } else {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const long long prow = it.partial - k + i + (long long)(tq[r] - it.tok_lo) * n;
+          const float* src = p.tmp_o + (prow * p.num_qo_heads + head[r]) * D_VO + col;
+          ls[r] = ok[r] ? __ldcg(p.tmp_lse + prow * p.num_qo_heads + head[r]) : KVATTN_NEG_INF;
+#pragma unroll
+          for (int c = 0; c < CHUNKS; ++c) {
+            const float2 x = ok[r] ? __ldcg(reinterpret_cast<const float2*>(src + c * 8)) : make_float2(0.f, 0.f);
+            v[c][2 * r] = x.x;
+            v[c][2 * r + 1] = x.y;
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (ls[r] == KVATTN_NEG_INF) continue;   // an empty state's o is never read
+        const float m_new = fmaxf(mx[r], ls[r]);
+        const float scale = mx[r] == KVATTN_NEG_INF ? 0.f : fast_exp2((mx[r] - m_new) * kLog2e);
+        const float wgt = fast_exp2((ls[r] - m_new) * kLog2e);
+        sum[r] = sum[r] * scale + wgt;
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; ++e) acc[c][e] = fmaf(wgt, v[c][e], acc[c][e] * scale);
+        mx[r] = m_new;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (!ok[r]) continue;
+      const bool empty = mx[r] == KVATTN_NEG_INF;
+      const float inv = empty ? 0.f : 1.f / sum[r];
+      O* dst = static_cast<O*>(p.o) + (long long)(it.qo_start + tq[r]) * p.o_stride_n +
+               (long long)head[r] * p.o_stride_h + col;
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c)
+        *reinterpret_cast<unsigned*>(dst + c * 8) = Mma<O>::pack(acc[c][2 * r] * inv, acc[c][2 * r + 1] * inv);
+      if (p.lse && lane % 4 == 0)
+        p.lse[(long long)(it.qo_start + tq[r]) * p.lse_stride_n + head[r]] = empty ? KVATTN_NEG_INF : mx[r] + __logf(sum[r]);
+    }
   }
 
   // (kWgSplit) One unit whose rows fit one warpgroup (at most 64: a decode batch's large GQA group, one query token

@@ -55,6 +55,7 @@ _PREFILL_SCALARS = np.dtype([
     ("score_scale", "f4"), ("cap_log2", "f4"), ("variant_data", "u8"),
     ("k_scale_ptr", "u8"), ("v_scale_ptr", "u8"), ("k_scale", "f4"), ("v_scale", "f4"),
     ("tma_mode", "i4"), ("tma_rows", "i4"), ("tma_hnd", "i4"), ("tma_q", "i4"), ("tma_o", "i4"),
+    ("off_counters", "i4"),
 ], align=True)
 _TMA_OFFSET = -(-_PREFILL_SCALARS.itemsize // 64) * 64   # the tensor maps are 64-byte aligned (alignas(64) in C)
 PREFILL_PARAMS = np.dtype({
@@ -91,6 +92,11 @@ SM90_PERSIST_DEFINE = ("KVATTN_SM90_PERSIST", 1)
 SM90_KVIL_DEFINE = ("KVATTN_SM90_KVIL", 1)
 #: The define of the sm90 instance whose two consumer warpgroups split each unit's KV tiles (wg_split).
 SM90_WGSPLIT_DEFINE = ("KVATTN_SM90_WGSPLIT", 1)
+#: The define of the sm90 instance whose consumer warps merge a split block's chunks themselves (fused_merge).
+SM90_FMERGE_DEFINE = ("KVATTN_SM90_FMERGE", 1)
+#: A plan merges its split blocks inside the sm90 kernel (fused_merge) only where no block has more chunks than
+#: this (the last warp of a block reads the other chunks' states one after another).
+FUSED_MERGE_MAX_CHUNKS = 8
 #: Query rows of one consumer warpgroup: a plan's wg_split needs every unit to fit in them.
 WG_ROWS = 64
 #: Bytes after a custom mask the kernels may read (the sm90 kernel loads each row's bits of a tile as aligned 32-bit
@@ -113,13 +119,14 @@ def prefill_spec(head_dim: int, cta_rows: int, variant: Variant, dtype: str, kv_
 
 def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None = None,
               persistent: bool | None = None, head_dim_vo: int | None = None,
-              interleaved: bool = False, wg_split: bool = False) -> KernelSpec:
+              interleaved: bool = False, wg_split: bool = False, fused_merge: bool = False) -> KernelSpec:
     """The wgmma kernel (backend "sm90") of prefill_sm90.cuh: 128-row query tiles, head_dim 64, 128 or 256;
     persistent (None: sm90_persistent's choice) builds the persistent instance. head_dim_vo: as prefill_spec's.
     interleaved: the instance for paged tensor maps (kvattn.tma.interleaved_tiles: K / V tiles in 8-row groups of
     every 64-column block, one box a page); a KVATTN_SM90_KVIL in SM90_TUNING overrides it (the A/B).
     wg_split: the instance for units of at most WG_ROWS rows whose two consumer warpgroups split the KV tiles
-    (PrefillSm90::consume_split), head_dim up to 128."""
+    (PrefillSm90::consume_split), head_dim up to 128. fused_merge: the instance whose consumer warps merge a split
+    block's chunks (PrefillSm90::merge_if_last; plain variants, head_dim up to 128, not with wg_split)."""
     args = f"{attn_types(head_dim, dtype, kv_dtype, head_dim_vo)}, {variant.prefill_type()}"
     traits = f"kvattn::PrefillSm90<{args}>"
     if persistent is None:
@@ -129,7 +136,8 @@ def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None 
     return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{args}>",
                       defines=(tuple(tuning.items()) + ((SM90_KVIL_DEFINE,) if kvil else ())
                                + ((SM90_PERSIST_DEFINE,) if persistent else ())
-                               + ((SM90_WGSPLIT_DEFINE,) if wg_split else ())),
+                               + ((SM90_WGSPLIT_DEFINE,) if wg_split else ())
+                               + ((SM90_FMERGE_DEFINE,) if fused_merge else ())),
                       prelude=variant.prelude(),
                       checks=((f"{traits}::SMEM_BYTES", sm90_smem_bytes(head_dim, head_dim_vo)),
                               (f"{traits}::THREADS", SM90_THREADS), (f"{traits}::ROWS", 128)))
@@ -243,19 +251,21 @@ def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, 
 
 def sm90_choice(backend: str, head_dim: int, variant: Variant, dtype: str,
                 kv_dtype: str | None = None, interleaved: bool = False,
-                wg_split: bool = False) -> KernelSpec | None:
+                wg_split: bool = False, fused_merge: bool = False) -> KernelSpec | None:
     """The wgmma instance a 128-row tile of this head dim and variant runs on, or None (the mma.sync kernel): on an
     sm_90 GPU and a head dim it covers, with backend "sm90" the persistent instance where sm90_persistent allows
     it, else the one-unit one; with "auto" the first of those two that compiles without spills (a user variant
     with a key transform may spill in the persistent one; at head_dim 256 the custom-mask, ALiBi, RoPE and fp8
-    instances spill and go to the mma.sync kernel). interleaved: sm90_spec's."""
+    instances spill and go to the mma.sync kernel). interleaved, wg_split, fused_merge: sm90_spec's."""
     if backend == "sm80" or head_dim not in SM90_HEAD_DIMS or _driver.arch() != "sm_90a":
         return None
     persistent = sm90_persistent(head_dim, variant, kv_dtype)
     if backend == "sm90":
-        return sm90_spec(head_dim, variant, dtype, kv_dtype, persistent, interleaved=interleaved, wg_split=wg_split)
+        return sm90_spec(head_dim, variant, dtype, kv_dtype, persistent, interleaved=interleaved, wg_split=wg_split,
+                         fused_merge=fused_merge)
     for p in ((True, False) if persistent else (False,)):
-        spec = sm90_spec(head_dim, variant, dtype, kv_dtype, p, interleaved=interleaved, wg_split=wg_split)
+        spec = sm90_spec(head_dim, variant, dtype, kv_dtype, p, interleaved=interleaved, wg_split=wg_split,
+                         fused_merge=fused_merge)
         kernel = get_kernel(spec)
         if kernel.resources is None or kernel.resources.spill_stores == 0:
             return spec
@@ -278,14 +288,15 @@ register("prefill", [prefill_spec(128, r, Variant(), "bfloat16") for r in (128, 
 
 
 # -- one prefill launch's share of a plan buffer (the paged / ragged ops have one, cascade one per level) -----
-def level_layout(cap_b: int, cap_w: int, cap_m: int, cap_p: int, vdata) -> tuple[dict, int]:
+def level_layout(cap_b: int, cap_w: int, cap_m: int, cap_p: int, vdata, cap_c: int = 0) -> tuple[dict, int]:
     """({region: int32 offset}, int32 size) of one launch's plan buffer: header, qo_indptr, kv_len, page_indptr,
-    mask_indptr, items, merge lists, pages, variant data; regions sized by the capacities (graph mode: bounds)."""
+    mask_indptr, items, merge lists, pages, variant data, the fused merge's arrival counters (cap_c int32, zeroed
+    by write_level; the kernel leaves them at 0); regions sized by the capacities (graph mode: bounds)."""
     off, pos = {}, HEADER_INT32
     for name, n in (("qo_indptr", cap_b + 1), ("kv_len", cap_b), ("page_indptr", cap_b + 1),
                     ("mask_indptr", cap_b), ("items", 8 * cap_w), ("merge_indptr", cap_m + 1),
                     ("merge_rows", cap_m), ("page_indices", cap_p),
-                    ("variant", vdata.size if vdata is not None else 0)):
+                    ("variant", vdata.size if vdata is not None else 0), ("counters", cap_c)):
         off[name] = pos
         pos += align4(max(n, 1))
     return off, pos
@@ -364,6 +375,11 @@ class _BatchPrefill(AttentionOp):
         #: where the queries re-read it enough (kvattn.fp8_expand.wanted), "once" always (outside graph mode),
         #: "kernel" never (each K/V tile expanded inside the attention kernel on every read).
         self.fp8_expand = "auto"
+        #: Split plans on the sm90 kernel merge their blocks' chunks inside it (PrefillSm90::merge_if_last: the last
+        #: warp of a block's chunks to finish merges them) instead of in a merge launch: plain variants, head_dim up
+        #: to 128, at most FUSED_MERGE_MAX_CHUNKS chunks a block, not in graph or deterministic mode, not with
+        #: wg_split. The decode route's A/B (decode tuning sm90_route_fused_merge).
+        self.fused_merge = False
         self._fp8 = None   # the current plan's Fp8Expansion, or None
 
     # -- plan ------------------------------------------------------------------------------------
@@ -461,6 +477,17 @@ class _BatchPrefill(AttentionOp):
                                       max_split_chunks=DETERMINISTIC_SPLIT_CHUNKS if self.deterministic else None,
                                       kv_bytes_per_token=hkv * 2 * head_dim * _dtypes.to_numpy(kv_dtype).itemsize)
 
+        fused = (self.fused_merge and cfg.backend == "sm90" and plan.merge_slots > 0
+                 and plan.max_chunks <= FUSED_MERGE_MAX_CHUNKS and not self.deterministic and not self.use_cuda_graph
+                 and not wg_split and variant.merge_type() is None and not variant.is_user and head_dim <= 128)
+        if fused:
+            spec = sm90_choice(self.backend, head_dim, variant, q_dtype, kv_dtype, kvil, fused_merge=True)
+            fused = spec is not None and (SM90_PERSIST_DEFINE in spec.defines) == cfg.persistent
+            if fused:
+                cfg = dataclasses.replace(cfg, spec=spec)
+                kernel = get_kernel(spec)
+                kernel._allow_smem(cfg.smem)
+
         # Packed int32 buffer: header, qo_indptr, kv_len, page_indptr, mask_indptr, items, merge lists, pages.
         if self.use_cuda_graph:
             cap_b = self.max_batch_size
@@ -474,7 +501,8 @@ class _BatchPrefill(AttentionOp):
         if plan.num_items > cap_w or plan.num_partial_rows > cap_part or plan.num_merge > cap_m:
             raise AssertionError("prefill plan exceeds its graph-mode bounds")  # prefill_bounds guarantees it
         vdata = variant.data(hq, batch, cap_b, **vvals)
-        off, total_i32 = level_layout(cap_b, cap_w, cap_m, cap_p, vdata)
+        off, total_i32 = level_layout(cap_b, cap_w, cap_m, cap_p, vdata,
+                                      plan.merge_slots * hkv * 8 if fused else 0)   # (per consumer warp)
         mask_bytes = packed_mask.size if packed_mask is not None else 0
         ex_at = (total_i32 * 4 + mask_bytes + 15) // 16 * 16       # (the fp8 expansion's index arrays follow)
         ex_bytes = expansion.index.nbytes if expansion is not None else 0
@@ -507,8 +535,10 @@ class _BatchPrefill(AttentionOp):
         p = level_params(base, off, dev["tmp_o"].ptr, dev["tmp_lse"].ptr, dev["mask"].ptr if mask_bytes else 0,
                          hq=hq, group=group, page_size=page_size, page_shift=page_shift, causal=causal,
                          window_left=window_left, scale=scale, cap=cap, variant_ptr=variant_ptr)
+        if fused:
+            p.set(off_counters=off["counters"])
         mi = off["merge_indptr"]
-        merge_rows = cap_m if self.use_cuda_graph else plan.num_merge
+        merge_rows = 0 if fused else cap_m if self.use_cuda_graph else plan.num_merge
         merge, mp = self._merge_launch(merge_rows, dev["tmp_o"], dev["tmp_lse"], base, mi, off["merge_rows"], hq,
                                        head_dim, plan.num_merge, q_dtype, variant, variant_ptr,
                                        None if self.use_cuda_graph else plan.merge_indptr, self.deterministic)
@@ -527,7 +557,7 @@ class _BatchPrefill(AttentionOp):
             params=p, merge=merge, merge_params=mp, s=s, copy_done=copy_done, bind_tma=tma.binder(q_map, maps, o_map),
             schedule=plan, backend=cfg.backend, cta_rows=cta_rows, variant=variant, kernel=kernel,
             grid=grid, smem=cfg.smem, threads=cfg.threads, num_kv_heads=hkv, tma=maps is not None,
-            tma_q=q_map is not None, tma_o=o_map is not None, wg_split=wg_split, fp8_expand=expansion is not None)
+            tma_q=q_map is not None, tma_o=o_map is not None, wg_split=wg_split, fused_merge=fused, fp8_expand=expansion is not None)
         self._fp8 = expansion
         return self
 

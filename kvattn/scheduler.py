@@ -723,6 +723,8 @@ class PrefillPlan:
     tokens_per_block: int
     head_slices: int
     kv_head_group: int       # KV heads the sm90 kernel's units walk together (num_kv_heads: all)
+    merge_slots: int = 0     # split blocks x head slices: item field 7's slots (0: field 7 unused)
+    max_chunks: int = 1      # the most chunks of one block
 
     @property
     def num_items(self) -> int:
@@ -814,12 +816,21 @@ def kv_head_group(kv, num_kv_heads: int, bytes_per_token: int) -> int:
     return hkv if int(kv.max()) * int(bytes_per_token) <= PREFILL_L2_WINDOW_BYTES else 1
 
 
-def _prefill_items(breq, t0, ntok, lo, hi, csize, nchunk, nz, hs, group, pbase, pstride, chunked, window=None):
+def fused_merge_fits(max_chunks: int, slots: int) -> bool:
+    """Whether item field 7 ((merge slot << 12) | chunk) holds a plan's split blocks: fewer than 4096 chunks a
+    block and 2^19 merge slots (blocks x head slices)."""
+    return max_chunks < 4096 and slots < (1 << 19)
+
+
+def _prefill_items(breq, t0, ntok, lo, hi, csize, nchunk, nz, hs, group, pbase, pstride, chunked, window=None,
+                   mslot=None):
     """The work items (int32 [W, 8], by window[request] (None: one window), then longest KV range first,
     stable) of blocks cut into nchunk[b] chunks of
     csize[b] tokens from lo[b] (clipped to hi[b]; a chunk past hi is empty), nz head slices each. Chunk k of a
     chunked block writes partial rows from pbase[b] + k with stride pstride[b]; other blocks pbase[b] (-1: the
-    output) and pstride[b] as given."""
+    output) and pstride[b] as given. mslot[b] (chunked blocks): the block's merge slot, field 7 of its items
+    ``((mslot[b] * nz + z) << 12) | k`` (the sm90 kernel's fused merge: its arrival counters; 0 where the
+    fields do not fit, FUSED_MERGE_FIELD_OK)."""
     per = nchunk * nz
     W = int(per.sum())
     bidx = np.repeat(np.arange(breq.size, dtype=np.int64), per)
@@ -836,6 +847,8 @@ def _prefill_items(breq, t0, ntok, lo, hi, csize, nchunk, nz, hs, group, pbase, 
     sb = chunked[bidx]
     items[:, 5] = np.where(sb, pbase[bidx] + k, pbase[bidx])
     items[:, 6] = pstride[bidx]
+    if mslot is not None and sb.any() and fused_merge_fits(int(nchunk.max()), int(chunked.sum()) * nz):
+        items[:, 7] = np.where(sb, ((mslot[bidx] * nz + z) << 12) | k, 0)
     if window is None:
         order = np.argsort(-(ke - kb), kind="stable")
     else:
@@ -907,7 +920,8 @@ def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal
     bpt = _as_int("kv_bytes_per_token", kv_bytes_per_token, 0)
     hg = kv_head_group(kv, hkv, bpt)
     items = _prefill_items(breq, t0, ntok, lo, hi, csize, nchunk, nz, hs, group,
-                           np.where(sb, pbase, -1), np.where(sb, nchunk, 1), sb, _l2_windows(kv, bpt * hg // hkv))
+                           np.where(sb, pbase, -1), np.where(sb, nchunk, 1), sb, _l2_windows(kv, bpt * hg // hkv),
+                           np.cumsum(sb) - 1)
 
     # merges: every token of every split block, its chunks' partial rows are consecutive
     sblk = np.nonzero(split_blk)[0]
@@ -916,7 +930,9 @@ def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal
     mi = np.arange(int(mt.sum()), dtype=np.int64) - np.repeat(np.cumsum(mt) - mt, mt)
     qo_start = np.cumsum(qo) - qo
     merge_indptr, merge_rows = merge_lists(nchunk[mb], qo_start[breq[mb]] + t0[mb] + mi)
-    return PrefillPlan(items, merge_indptr, merge_rows, num_partial, bool(sblk.size), int(L), tpb, nz, hg)
+    mx = int(nchunk.max(initial=1))
+    slots = int(sblk.size) * nz if fused_merge_fits(mx, int(sblk.size) * nz) else 0
+    return PrefillPlan(items, merge_indptr, merge_rows, num_partial, bool(sblk.size), int(L), tpb, nz, hg, slots, mx)
 
 
 def cascade_chunks(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal=False, num_sms=132,

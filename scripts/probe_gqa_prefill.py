@@ -7,7 +7,10 @@ Issue 12's GQA 32 case (Hq 32, Hkv 1) runs at 0.55 of copy on the decode kernel:
 warps an SM (BENCHMARKS.md, run 20b). A wgmma tile of 64 rows holds a group of 32 at half its rows; if the prefill
 kernel streams such a batch near the copy rate, large groups can take that path ("decode (auto)": the decode
 wrapper's default, tuning sm90_route; "routed, wg split": the route on the instance whose two consumer warpgroups
-split each unit's KV tiles, tuning sm90_route_wg_split=True, instead of the default 128-row ping-pong; run 37e: 46.8 against 45.8 us).
+split each unit's KV tiles, tuning sm90_route_wg_split=True, instead of the default 128-row ping-pong; run 37e: 46.8
+against 45.8 us; "routed, fused merge": the route with its split blocks merged inside the sm90 kernel, tuning
+sm90_route_fused_merge=True, no merge launch; "routed, 2 waves": tuning sm90_route_waves=2, run 36a 51.2 against
+45.9 us, no longer timed).
 Every figure is checked against the float64 reference
 (bench_decode.sample_error).
 """
@@ -20,20 +23,21 @@ from bench_decode import build, sample_error
 from kvattn.prefill import BatchPrefillWithPagedKVCache
 from kvattn.timing import copy_bandwidth_tbs
 
-CASES = [("GQA32 Hq32/Hkv1", 32, 1), ("GQA16 Hq64/Hkv4", 64, 4), ("GQA8 Hq64/Hkv8", 64, 8), ("anchor Hq32/Hkv8", 32, 8)]
+CASES = [("GQA32 b64_L4096", 32, 1, [4096] * 64), ("GQA32 b16_L16384", 32, 1, [16384] * 16),
+         ("GQA32 b8_L2048", 32, 1, [2048] * 8), ("GQA16 Hq64/Hkv4", 64, 4, [4096] * 64),
+         ("anchor Hq32/Hkv8", 32, 8, [4096] * 64)]
 
 
 def main():
     rng = np.random.default_rng(0)
     copy = copy_bandwidth_tbs()
     print(f"copy {copy:.3f} TB/s")
-    for name, hq, hkv in CASES:
-        lens = [4096] * 64
+    for name, hq, hkv, lens in CASES:
         cfg = dict(hq=hq, hkv=hkv, d=128, dtype="bfloat16", layout="NHD", page=16)
         pt, q, k, v = build(lens, cfg, rng)
         qo_indptr = np.arange(len(lens) + 1, dtype=np.int32)
         outs = {n: kvattn.empty(q.shape, "bfloat16")
-                for n in ("decode", "decode (auto)", "routed, wg split", "routed, 2 waves", "sm90 prefill",
+                for n in ("decode", "decode (auto)", "routed, wg split", "routed, fused merge", "sm90 prefill",
                           "sm80 prefill")}
         wd = kvattn.BatchDecodeWithPagedKVCache(tuning=dict(sm90_route=False))   # the decode kernel
         wd.plan(pt, hq, hkv, 128, q_dtype="bfloat16")
@@ -41,13 +45,13 @@ def main():
         wr.plan(pt, hq, hkv, 128, q_dtype="bfloat16")
         w1 = kvattn.BatchDecodeWithPagedKVCache(tuning=dict(sm90_route_wg_split=True))   # warpgroups split the KV
         w1.plan(pt, hq, hkv, 128, q_dtype="bfloat16")
-        w2 = kvattn.BatchDecodeWithPagedKVCache(tuning=dict(sm90_route_waves=2))   # its KV split over two waves
+        w2 = kvattn.BatchDecodeWithPagedKVCache(tuning=dict(sm90_route_fused_merge=True))   # no merge launch
         w2.plan(pt, hq, hkv, 128, q_dtype="bfloat16")
         w9 = BatchPrefillWithPagedKVCache(backend="sm90")
         w9.plan(qo_indptr, pt, hq, hkv, 128, q_dtype="bfloat16", cta_rows=128)
         w8 = BatchPrefillWithPagedKVCache(backend="sm80")
         w8.plan(qo_indptr, pt, hq, hkv, 128, q_dtype="bfloat16")
-        ws = {"decode": wd, "decode (auto)": wr, "routed, wg split": w1, "routed, 2 waves": w2, "sm90 prefill": w9,
+        ws = {"decode": wd, "decode (auto)": wr, "routed, wg split": w1, "routed, fused merge": w2, "sm90 prefill": w9,
               "sm80 prefill": w8}
         fns = {n: (lambda w=w, o=outs[n]: w.run(q, k, v, out=o)) for n, w in ws.items()}
         for f in fns.values():
@@ -59,8 +63,9 @@ def main():
             tbs = nbytes / us[n] / 1e6
             info = ws[n].last_plan.info
             sched = info.get("schedule") if "cta_rows" in info else None   # (a prefill plan's)
-            print(f"{name:18s} {n:15s} {us[n]:8.1f} us {tbs:6.3f} TB/s {tbs / copy:5.3f} of copy  err {err:.1e}"
-                  + (f"  (rows {info['cta_rows']}, items {sched.num_items}, split {sched.split}, grid {info['grid']})"
+            print(f"{name:18s} {n:19s} {us[n]:8.1f} us {tbs:6.3f} TB/s {tbs / copy:5.3f} of copy  err {err:.1e}"
+                  + (f"  (rows {info['cta_rows']}, items {sched.num_items}, chunks {sched.max_chunks}, "
+                     f"fused {info.get('fused_merge')}, grid {info['grid']})"
                      if sched is not None else ""), flush=True)
 
 

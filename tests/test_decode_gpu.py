@@ -330,6 +330,26 @@ def test_large_groups_route_to_the_sm90_prefill_kernel(layout, page):
             assert (np.all(out.numpy()[i] == 0) if n == 0 else rel_l2(out.numpy()[i], ro[i]) <= TOL["bfloat16"][0]), i
     with pytest.raises(ValueError, match="sm90_route_waves"):
         kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout, tuning=dict(sm90_route_waves=0)).plan(pt, 32, 1, 128)
+    # the split blocks merged inside the sm90 kernel (tuning sm90_route_fused_merge): twice on one plan (the
+    # arrival counters are left at 0), with out given and out=None; 8 SMs, so blocks have 2-3 chunks (at most
+    # prefill.FUSED_MERGE_MAX_CHUNKS)
+    w = kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout, num_sms=8, tuning=dict(sm90_route_fused_merge=True))
+    for hq, hkv in ((32, 1), (64, 2)):
+        pt, q, k, v = make_case(rng, lens, page, hq, hkv, 128, "bfloat16", layout)
+        w.plan(pt, hq, hkv, 128)
+        info = w.last_plan.info
+        assert w.sm90_routed and info["fused_merge"] and info["schedule"].split and w.last_plan.merge is None
+        ro, rl = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1, dtype=np.int32), pt,
+                                                 kv_layout=layout, return_lse=True)
+        qd, kd, vd = kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v)
+        for _ in range(2):
+            out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
+            w.run(qd, kd, vd, out=out, lse=lse)
+            o2, l2 = w.run(qd, kd, vd, return_lse=True)
+            for got, gl in ((out.numpy(), lse.numpy()), (o2.numpy(), l2.numpy())):
+                for i, n in enumerate(lens):
+                    assert (np.all(got[i] == 0) if n == 0 else rel_l2(got[i], ro[i]) <= TOL["bfloat16"][0]), (hq, i)
+                assert_lse(gl, rl, TOL["bfloat16"][1])
     # the instance whose consumer warpgroups split the KV tiles (tuning sm90_route_wg_split, the A/B of
     # scripts/probe_gqa_prefill.py)
     w = kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout, tuning=dict(sm90_route_wg_split=True))

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import kvattn
-from kvattn import _dtypes, graphs, prefill, reference, tma
+from kvattn import _driver, _dtypes, graphs, prefill, reference, tma
 from kvattn.formats import PageTable
 from kvattn.prefill import BatchPrefillWithPagedKVCache, BatchPrefillWithRaggedKVCache, single_prefill, sm90_tile
 
@@ -78,10 +78,12 @@ def _device_cache(rng, k, v, kv_dtype, head_axis):
 
 def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD", page_size=16, causal=False,
              window_left=-1, cap=0.0, custom=False, sm_scale=None, check_requests=None, cta_rows=None,
-             backend="auto", kv_dtype=None, poison_tails=False, num_sms=None, fp8_expand=None):
+             backend="auto", kv_dtype=None, poison_tails=False, num_sms=None, fp8_expand=None, fused_merge=False,
+             runs=1):
     """num_sms: the SM count the wrappers schedule for (the persistent sm90 grid's size). kv_dtype: an fp8 cache (the random cache quantised with per-head scales; the reference reads it
     dequantised). poison_tails (paged, 16-bit): the slots past each request's KV on its last page and the
-    unused pages hold NaN (a kernel that let them into a result would show it)."""
+    unused pages hold NaN (a kernel that let them into a result would show it). fused_merge: the wrappers'.
+    runs: run() that many times on the one plan, fresh queries each time."""
     hq = hkv * group
     npd = _dtypes.to_numpy(dtype)
     qo_lens, kv_lens = np.asarray(qo_lens), np.asarray(kv_lens)
@@ -95,6 +97,7 @@ def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD"
             _poison_tails(kc, vc, pt, layout)
         w = BatchPrefillWithPagedKVCache(kv_layout=layout, backend=backend, num_sms=num_sms)
         w.fp8_expand = fp8_expand or w.fp8_expand
+        w.fused_merge = fused_merge
         w.plan(qo_indptr, pt, hq, hkv, d, causal=causal, custom_mask=flat, sm_scale=sm_scale,
                window_left=window_left, logits_soft_cap=cap, q_dtype=dtype, cta_rows=cta_rows, kv_dtype=kv_dtype)
         args, scales, kc, vc = _device_cache(rng, kc, vc, kv_dtype, 2 if layout == "NHD" else 1)
@@ -106,6 +109,7 @@ def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD"
         k, v = rng.standard_normal(shape).astype(npd), rng.standard_normal(shape).astype(npd)
         w = BatchPrefillWithRaggedKVCache(kv_layout=layout, backend=backend, num_sms=num_sms)
         w.fp8_expand = fp8_expand or w.fp8_expand
+        w.fused_merge = fused_merge
         w.plan(qo_indptr, kv_indptr, hq, hkv, d, causal=causal, custom_mask=flat, sm_scale=sm_scale,
                window_left=window_left, logits_soft_cap=cap, q_dtype=dtype, cta_rows=cta_rows, kv_dtype=kv_dtype)
         args, scales, k, v = _device_cache(rng, k, v, kv_dtype, 1 if layout == "NHD" else 0)
@@ -116,25 +120,28 @@ def run_case(rng, *, dtype, d, hkv, group, qo_lens, kv_lens, paged, layout="NHD"
     if backend != "auto":
         assert w.last_plan.info["backend"] == backend
     total = int(qo_indptr[-1])
-    out = poisoned((total, hq, d), dtype)
-    lse = poisoned((total, hq), "float32")
-    w.run(kvattn.from_numpy(q), *args, out=out, lse=lse, **scales)
-    o_h, l_h = out.numpy().astype(np.float64), lse.numpy()
-    assert not np.isnan(o_h).any(), "output has unwritten (NaN) elements"
-    assert not np.isnan(l_h).any(), "lse has unwritten (NaN) elements"
-    reqs = range(len(qo_lens)) if check_requests is None else check_requests
-    for i in reqs:
-        if qo_lens[i] == 0:
-            continue
-        kk, vv = fetch(i)
-        rows = sample_rows(int(qo_lens[i]), SAMPLE_ROWS, rng)
-        qi = q[qo_indptr[i]:qo_indptr[i + 1]]
-        ro, rl = request_ref(qi, kk, vv, rows, causal, window_left, cap,
-                             sm_scale if sm_scale is not None else 1 / np.sqrt(d), masks[i] if custom else None)
-        got = o_h[qo_indptr[i] + rows]
-        err = rel_l2(got, ro)
-        assert err <= TOL[dtype], f"request {i} (qo {qo_lens[i]}, kv {kv_lens[i]}): rel L2 {err:.2e}"
-        assert_lse(l_h[qo_indptr[i] + rows], rl, TOL[dtype])
+    for r in range(runs):
+        if r:
+            q = rng.standard_normal(q.shape).astype(npd)
+        out = poisoned((total, hq, d), dtype)
+        lse = poisoned((total, hq), "float32")
+        w.run(kvattn.from_numpy(q), *args, out=out, lse=lse, **scales)
+        o_h, l_h = out.numpy().astype(np.float64), lse.numpy()
+        assert not np.isnan(o_h).any(), "output has unwritten (NaN) elements"
+        assert not np.isnan(l_h).any(), "lse has unwritten (NaN) elements"
+        reqs = range(len(qo_lens)) if check_requests is None else check_requests
+        for i in reqs:
+            if qo_lens[i] == 0:
+                continue
+            kk, vv = fetch(i)
+            rows = sample_rows(int(qo_lens[i]), SAMPLE_ROWS, rng)
+            qi = q[qo_indptr[i]:qo_indptr[i + 1]]
+            ro, rl = request_ref(qi, kk, vv, rows, causal, window_left, cap,
+                                 sm_scale if sm_scale is not None else 1 / np.sqrt(d), masks[i] if custom else None)
+            got = o_h[qo_indptr[i] + rows]
+            err = rel_l2(got, ro)
+            assert err <= TOL[dtype], f"run {r}, request {i} (qo {qo_lens[i]}, kv {kv_lens[i]}): rel L2 {err:.2e}"
+            assert_lse(l_h[qo_indptr[i] + rows], rl, TOL[dtype])
     return w
 
 
@@ -346,6 +353,26 @@ def test_sm90_query_and_output_tiles_by_tensor_maps(group):
         results[maps] = out
     # the same products in the same order: the two paths differ only in how Q arrives and O leaves
     assert np.array_equal(results[True], results[False])
+
+
+@pytest.mark.parametrize("paged, layout, d, group, causal, window, cap", [
+    (True, "NHD", 128, 32, False, -1, 0.0), (True, "HND", 64, 5, True, -1, 0.0),
+    (False, "NHD", 128, 4, True, 300, 0.0), (True, "NHD", 128, 8, False, -1, 30.0)])
+def test_sm90_fused_split_merge(paged, layout, d, group, causal, window, cap):
+    """Split blocks merged inside the sm90 kernel (the wrappers' fused_merge, PrefillSm90::merge_if_last): blocks
+    of 2 to 7 chunks (24 SMs), padding rows (groups of 5, short requests), unsplit and empty requests, sliding
+    window and soft cap, against the float64 reference three times on one plan (the arrival counters must be back
+    at 0 after each run); no merge launch."""
+    if _driver.arch() != "sm_90a":
+        pytest.skip("the sm90 kernel needs an sm_90 GPU")
+    qo = [1, 1, 0, 1, 1] if group == 32 else [7, 40, 0, 1, 20]
+    kv = [4000, 9000, 0, 2, 700] if not causal else [4000, 9000, 0, 3, 700]
+    w = run_case(np.random.default_rng(group * 7 + d), dtype="bfloat16", d=d, hkv=2, group=group, qo_lens=qo,
+                 kv_lens=kv, paged=paged, layout=layout, causal=causal, window_left=window, cap=cap, num_sms=24,
+                 backend="sm90", fused_merge=True, runs=3)
+    info = w.last_plan.info
+    assert info["fused_merge"] and info["schedule"].split and 2 <= info["schedule"].max_chunks <= 8
+    assert w.last_plan.merge is None
 
 
 def test_speculative_verify_shape():

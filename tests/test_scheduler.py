@@ -792,6 +792,32 @@ def test_prefill_split_counts_waves_of_slots():
     assert two.num_merge == one.num_merge == 64
 
 
+@HYP
+@given(qo=st.lists(st.integers(1, 300), min_size=1, max_size=8), extra=st.lists(st.integers(0, 30000), min_size=8,
+       max_size=8), group=st.sampled_from([1, 4, 8, 32, 64]), causal=st.booleans())
+def test_prefill_merge_slots_name_each_split_block_once(qo, extra, group, causal):
+    """Item field 7 (the sm90 kernel's fused merge, (slot << 12) | k): the items of one (split block, head slice)
+    share a slot and hold chunks 0..n-1 once each (n = their pstride), partial rows partial - k + i of one block
+    for i < n; slots are 0..merge_slots-1; unsplit items keep 0."""
+    qo = np.array(qo)
+    kv = qo + np.array(extra[:qo.size])
+    plan = scheduler.plan_prefill(qo, kv, group, 2, 128, causal=causal, num_sms=132, ctas_per_sm=1)
+    it = plan.items
+    split = it[:, 5] >= 0
+    assert np.all(it[~split, 7] == 0)
+    if not plan.split:
+        assert plan.merge_slots == 0
+        return
+    slot, k = it[split, 7] >> 12, it[split, 7] & 4095
+    assert sorted(set(slot.tolist())) == list(range(plan.merge_slots))
+    for s in range(plan.merge_slots):
+        mine = it[split][slot == s]
+        n = int(mine[0, 6])
+        assert sorted(k[slot == s].tolist()) == list(range(n)) and np.all(mine[:, 6] == n)
+        assert len({(int(r[0]), int(r[1]), int(r[2]), int(r[5]) - int(kk)) for r, kk in zip(mine, k[slot == s])}) == 1
+    assert plan.max_chunks == int(it[split, 6].max())
+
+
 def test_item_overhead_weighs_each_request_on_the_cost_line():
     """item_overhead (the decode wrapper's fp8 default: kvattn.decode.FP8_ITEM_OVERHEAD): every request costs that
     many tokens more on the cost line, so chunks of many short requests get fewer tokens; chunk costs stay within
