@@ -872,12 +872,15 @@ struct PrefillSm90 {
 
   // (kFusedMerge) After this consumer warp stored its 16 rows (cw * 16 + lane / 4 + 8 r) of chunk k of a split
   // block's partial state: it arrives on the counter of (block, KV head, warp), and the last of the block's n chunks
-  // to arrive merges the rows' n states in chunk order and writes O / LSE. Its own state is taken from registers,
-  // normalised as store_rows stored it (the same float32 values), so the bits do not depend on which chunk came
-  // last. Arrival: the lanes' stores, __syncwarp, lane 0's fence and gpu-scope acquire-release add (release is
-  // cumulative over the warp's stores it has synchronised with); the last one's acquire, then __syncwarp, orders
-  // the lanes' L2 loads (__ldcg) of the other chunks' states after it; it leaves the counter at 0. Item field 7:
-  // (merge slot << 12) | k (kvattn.scheduler._prefill_items); n = the item's pstride (its block's chunks).
+  // (n <= FMERGE_MAX) to arrive merges the rows' n states and writes O / LSE, in two passes so that the loads of
+  // the other chunks' states are issued together rather than one L2 round trip a chunk: every chunk's LSE first
+  // (its weight), then each 8-column block's weighted sum over the chunks in chunk order. Its own state is taken
+  // from registers, normalised as store_rows stored it (the same float32 values), so the bits do not depend on
+  // which chunk came last. Arrival: the lanes' stores, __syncwarp, lane 0's fence and gpu-scope acquire-release add
+  // (release is cumulative over the warp's stores it has synchronised with); the last one's acquire, then
+  // __syncwarp, orders the lanes' L2 loads (__ldcg) of the other chunks' states after it; it leaves the counter
+  // at 0. Item field 7: (merge slot << 12) | k (kvattn.scheduler._prefill_items); n = the item's pstride.
+  static constexpr int FMERGE_MAX = 8;   // (kvattn.prefill.FUSED_MERGE_MAX_CHUNKS)
   __device__ static void merge_if_last(const PrefillParams& p, const Item& it, int w, int kvh, int cw, int lane,
                                        const float (&o)[1][CHUNKS][4], const float (&m)[1][2],
                                        const float (&l)[1][2]) {
@@ -895,79 +898,68 @@ struct PrefillSm90 {
     }
     if (!__shfl_sync(0xffffffffu, last, 0)) return;
     __syncwarp();
-    int tq[2], head[2];
+    const int col = 2 * (lane % 4);
     bool ok[2];
-    float mx[2], sum[2], acc[CHUNKS][4];
+    float own_inv[2], wgt[2][FMERGE_MAX];
+    const float* src[2];   // this row's chunk-0 state in tmp_o (chunk i: + i * Hq * D_VO)
+    O* dst[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = cw * 16 + lane / 4 + 8 * r;
       ok[r] = row < it.nrows;
-      Base::row_dest(p, it, ok[r] ? row : 0, kvh, tq[r], head[r]);
-      mx[r] = KVATTN_NEG_INF;
-      sum[r] = 0.f;
+      int tq, head;
+      Base::row_dest(p, it, ok[r] ? row : 0, kvh, tq, head);
+      const long long prow0 = it.partial - k + (long long)(tq - it.tok_lo) * n;
+      src[r] = p.tmp_o + (prow0 * p.num_qo_heads + head) * D_VO + col;
+      dst[r] = static_cast<O*>(p.o) + (long long)(it.qo_start + tq) * p.o_stride_n + (long long)head * p.o_stride_h + col;
+      // this chunk's state, as store_rows computed it
+      float lr = l[0][r];
+      lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+      lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+      const bool empty = V::kSoftmax ? m[0][r] == KVATTN_NEG_INF : !(lr > 0.f);
+      own_inv[r] = empty ? 0.f : 1.f / lr;
+      const float own_ls = empty ? KVATTN_NEG_INF : (m[0][r] + __log2f(lr)) * kLn2;
+      float ls[FMERGE_MAX], mx = KVATTN_NEG_INF;
+#pragma unroll
+      for (int i = 0; i < FMERGE_MAX; ++i) {
+        ls[i] = i >= n || !ok[r] ? KVATTN_NEG_INF
+                : i == k ? own_ls : __ldcg(p.tmp_lse + (prow0 + i) * p.num_qo_heads + head);
+        mx = fmaxf(mx, ls[i]);
+      }
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < FMERGE_MAX; ++i) {
+        wgt[r][i] = ls[i] == KVATTN_NEG_INF ? 0.f : fast_exp2((ls[i] - mx) * kLog2e);
+        sum += wgt[r][i];
+      }
+      const float inv = mx == KVATTN_NEG_INF ? 0.f : 1.f / sum;
+#pragma unroll
+      for (int i = 0; i < FMERGE_MAX; ++i) wgt[r][i] *= inv;
+      if (ok[r] && p.lse && lane % 4 == 0)
+        p.lse[(long long)(it.qo_start + tq) * p.lse_stride_n + head] = mx == KVATTN_NEG_INF ? KVATTN_NEG_INF : mx + __logf(sum);
     }
+    const long long step = (long long)p.num_qo_heads * D_VO;   // one chunk's row to the next
 #pragma unroll
-    for (int c = 0; c < CHUNKS; ++c)
+    for (int c = 0; c < CHUNKS; ++c) {
+      float acc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[c][e] = 0.f;
-    const int col = 2 * (lane % 4);
-    for (int i = 0; i < n; ++i) {   // (warp-uniform: i == k is the same for every lane)
-      float ls[2], v[CHUNKS][4];
-      if (i == k) {   // this warp's own state, as store_rows computed it
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float lr = l[0][r];
-          lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-          lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-          const bool empty = V::kSoftmax ? m[0][r] == KVATTN_NEG_INF : !(lr > 0.f);
-          const float inv = empty ? 0.f : 1.f / lr;
-          ls[r] = empty ? KVATTN_NEG_INF : (m[0][r] + __log2f(lr)) * kLn2;
-#pragma unroll
-          for (int c = 0; c < CHUNKS; ++c) {
-            v[c][2 * r] = o[0][c][2 * r] * inv;
-            v[c][2 * r + 1] = o[0][c][2 * r + 1] * inv;
-          }
-        }
-      } else {
+      for (int i = 0; i < FMERGE_MAX; ++i) {
+        if (i >= n) break;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const long long prow = it.partial - k + i + (long long)(tq[r] - it.tok_lo) * n;
-          const float* src = p.tmp_o + (prow * p.num_qo_heads + head[r]) * D_VO + col;
-          ls[r] = ok[r] ? __ldcg(p.tmp_lse + prow * p.num_qo_heads + head[r]) : KVATTN_NEG_INF;
-#pragma unroll
-          for (int c = 0; c < CHUNKS; ++c) {
-            const float2 x = ok[r] ? __ldcg(reinterpret_cast<const float2*>(src + c * 8)) : make_float2(0.f, 0.f);
-            v[c][2 * r] = x.x;
-            v[c][2 * r + 1] = x.y;
+          float2 x;
+          if (i == k) {
+            x = make_float2(o[0][c][2 * r] * own_inv[r], o[0][c][2 * r + 1] * own_inv[r]);
+          } else {
+            x = ok[r] ? __ldcg(reinterpret_cast<const float2*>(src[r] + i * step + c * 8)) : make_float2(0.f, 0.f);
           }
+          acc[r][0] = fmaf(wgt[r][i], x.x, acc[r][0]);
+          acc[r][1] = fmaf(wgt[r][i], x.y, acc[r][1]);
         }
       }
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        if (ls[r] == KVATTN_NEG_INF) continue;   // an empty state's o is never read
-        const float m_new = fmaxf(mx[r], ls[r]);
-        const float scale = mx[r] == KVATTN_NEG_INF ? 0.f : fast_exp2((mx[r] - m_new) * kLog2e);
-        const float wgt = fast_exp2((ls[r] - m_new) * kLog2e);
-        sum[r] = sum[r] * scale + wgt;
-#pragma unroll
-        for (int c = 0; c < CHUNKS; ++c)
-#pragma unroll
-          for (int e = 2 * r; e < 2 * r + 2; ++e) acc[c][e] = fmaf(wgt, v[c][e], acc[c][e] * scale);
-        mx[r] = m_new;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (!ok[r]) continue;
-      const bool empty = mx[r] == KVATTN_NEG_INF;
-      const float inv = empty ? 0.f : 1.f / sum[r];
-      O* dst = static_cast<O*>(p.o) + (long long)(it.qo_start + tq[r]) * p.o_stride_n +
-               (long long)head[r] * p.o_stride_h + col;
-#pragma unroll
-      for (int c = 0; c < CHUNKS; ++c)
-        *reinterpret_cast<unsigned*>(dst + c * 8) = Mma<O>::pack(acc[c][2 * r] * inv, acc[c][2 * r + 1] * inv);
-      if (p.lse && lane % 4 == 0)
-        p.lse[(long long)(it.qo_start + tq[r]) * p.lse_stride_n + head[r]] = empty ? KVATTN_NEG_INF : mx[r] + __logf(sum[r]);
+      for (int r = 0; r < 2; ++r)
+        if (ok[r]) *reinterpret_cast<unsigned*>(dst[r] + c * 8) = Mma<O>::pack(acc[r][0], acc[r][1]);
     }
   }
 

@@ -140,7 +140,8 @@ def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None 
                                + ((SM90_FMERGE_DEFINE,) if fused_merge else ())),
                       prelude=variant.prelude(),
                       checks=((f"{traits}::SMEM_BYTES", sm90_smem_bytes(head_dim, head_dim_vo)),
-                              (f"{traits}::THREADS", SM90_THREADS), (f"{traits}::ROWS", 128)))
+                              (f"{traits}::THREADS", SM90_THREADS), (f"{traits}::ROWS", 128))
+                      + (((f"{traits}::FMERGE_MAX", FUSED_MERGE_MAX_CHUNKS),) if fused_merge else ()))
 
 
 def sm90_interleaved(spec: KernelSpec) -> bool:

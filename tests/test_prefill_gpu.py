@@ -369,7 +369,7 @@ def test_sm90_fused_split_merge(paged, layout, d, group, causal, window, cap):
     kv = [4000, 9000, 0, 2, 700] if not causal else [4000, 9000, 0, 3, 700]
     w = run_case(np.random.default_rng(group * 7 + d), dtype="bfloat16", d=d, hkv=2, group=group, qo_lens=qo,
                  kv_lens=kv, paged=paged, layout=layout, causal=causal, window_left=window, cap=cap, num_sms=24,
-                 backend="sm90", fused_merge=True, runs=3)
+                 backend="sm90", cta_rows=128, fused_merge=True, runs=3)
     info = w.last_plan.info
     assert info["fused_merge"] and info["schedule"].split and 2 <= info["schedule"].max_chunks <= 8
     assert w.last_plan.merge is None
