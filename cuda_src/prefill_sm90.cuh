@@ -859,11 +859,11 @@ struct PrefillSm90 {
     }
     if constexpr (EARLY) {
       Base::store_rows(p, again, kvh, cw, lane, o, m, l);
-      if (kFusedMerge && again.partial >= 0 && p.off_counters) merge_if_last(p, again, w, kvh, cw, lane, o, m, l);
+      if (kFusedMerge && again.partial >= 0 && p.off_counters) merge_if_last(p, again, w, kvh, cw, lane);
     } else {
       const Item mine = Base::load_item(p, static_cast<const volatile int*>(p.plan), w);
       Base::store_rows(p, mine, kvh, cw, lane, o, m, l);
-      if (kFusedMerge && mine.partial >= 0 && p.off_counters) merge_if_last(p, mine, w, kvh, cw, lane, o, m, l);
+      if (kFusedMerge && mine.partial >= 0 && p.off_counters) merge_if_last(p, mine, w, kvh, cw, lane);
       if (w_next >= 0) next = Base::load_item(p, p.plan, w_next);
     }
     KVATTN_TRACE(128, slot, kTraceEnd0);
@@ -872,19 +872,13 @@ struct PrefillSm90 {
 
   // (kFusedMerge) After this consumer warp stored its 16 rows (cw * 16 + lane / 4 + 8 r) of chunk k of a split
   // block's partial state: it arrives on the counter of (block, KV head, warp), and the last of the block's n chunks
-  // (n <= FMERGE_MAX) to arrive merges the rows' n states and writes O / LSE, in two passes so that the loads of
-  // the other chunks' states are issued together rather than one L2 round trip a chunk: every chunk's LSE first
-  // (its weight), then each 8-column block's weighted sum over the chunks in chunk order. Its own state is taken
-  // from registers, normalised as store_rows stored it (the same float32 values), so the bits do not depend on
-  // which chunk came last. Arrival: the lanes' stores, __syncwarp, lane 0's fence and gpu-scope acquire-release add
-  // (release is cumulative over the warp's stores it has synchronised with); the last one's acquire, then
-  // __syncwarp, orders the lanes' L2 loads (__ldcg) of the other chunks' states after it; it leaves the counter
-  // at 0. Item field 7: (merge slot << 12) | k (kvattn.scheduler._prefill_items); n = the item's pstride.
+  // (n <= FMERGE_MAX) to arrive merges the rows' n states and writes O / LSE (merge_rows). Arrival: the lanes'
+  // stores, __syncwarp, lane 0's fence and gpu-scope acquire-release add (release is cumulative over the warp's
+  // stores it has synchronised with); the last one's acquire, then __syncwarp, orders the lanes' L2 loads (__ldcg)
+  // of the other chunks' states after it (its own it reads back: each lane loads the elements it stored). It leaves
+  // the counter at 0. Item field 7: (merge slot << 12) | k (kvattn.scheduler._prefill_items); n = the item's pstride.
   static constexpr int FMERGE_MAX = 8;   // (kvattn.prefill.FUSED_MERGE_MAX_CHUNKS)
-  __device__ static void merge_if_last(const PrefillParams& p, const Item& it, int w, int kvh, int cw, int lane,
-                                       const float (&o)[1][CHUNKS][4], const float (&m)[1][2],
-                                       const float (&l)[1][2]) {
-    using O = typename A::O;
+  __device__ static void merge_if_last(const PrefillParams& p, const Item& it, int w, int kvh, int cw, int lane) {
     const int key = static_cast<const volatile int*>(p.plan)[p.off_items + 8 * w + 7];
     const int k = key & 4095, n = it.pstride;
     int* cnt = const_cast<int*>(p.plan) + p.off_counters +
@@ -898,10 +892,24 @@ struct PrefillSm90 {
     }
     if (!__shfl_sync(0xffffffffu, last, 0)) return;
     __syncwarp();
+    if (n <= 2) merge_rows<2>(p, it, k, n, cw, lane, kvh);
+    else if (n <= 4) merge_rows<4>(p, it, k, n, cw, lane, kvh);
+    else merge_rows<FMERGE_MAX>(p, it, k, n, cw, lane, kvh);
+  }
+
+  // (kFusedMerge) The merge of this warp's 16 rows' n <= N chunk states (rows partial - k + i, i < n, of tmp_o /
+  // tmp_lse) into O / LSE, in two passes: the chunks' LSEs (their weights), then each 8-column block's weighted sum
+  // in chunk order. Every load is unconditional (chunk indices clamped to n - 1 with weight 0, padding rows read row
+  // 0's states and store nothing), so the compiler issues them together, not one L2 round trip a load; the sums'
+  // order does not depend on which chunk came last (the bits are those of any run).
+  template <int N>
+  __device__ static void merge_rows(const PrefillParams& p, const Item& it, int k, int n, int cw, int lane, int kvh) {
+    using O = typename A::O;
     const int col = 2 * (lane % 4);
+    const long long step = (long long)p.num_qo_heads * D_VO;   // one chunk's row to the next
     bool ok[2];
-    float own_inv[2], wgt[2][FMERGE_MAX];
-    const float* src[2];   // this row's chunk-0 state in tmp_o (chunk i: + i * Hq * D_VO)
+    float wgt[2][N];
+    const float* src[2];   // this row's chunk-0 state in tmp_o
     O* dst[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -912,51 +920,36 @@ struct PrefillSm90 {
       const long long prow0 = it.partial - k + (long long)(tq - it.tok_lo) * n;
       src[r] = p.tmp_o + (prow0 * p.num_qo_heads + head) * D_VO + col;
       dst[r] = static_cast<O*>(p.o) + (long long)(it.qo_start + tq) * p.o_stride_n + (long long)head * p.o_stride_h + col;
-      // this chunk's state, as store_rows computed it
-      float lr = l[0][r];
-      lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-      lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-      const bool empty = V::kSoftmax ? m[0][r] == KVATTN_NEG_INF : !(lr > 0.f);
-      own_inv[r] = empty ? 0.f : 1.f / lr;
-      const float own_ls = empty ? KVATTN_NEG_INF : (m[0][r] + __log2f(lr)) * kLn2;
-      float ls[FMERGE_MAX], mx = KVATTN_NEG_INF;
+      float ls[N], mx = KVATTN_NEG_INF;
 #pragma unroll
-      for (int i = 0; i < FMERGE_MAX; ++i) {
-        ls[i] = i >= n || !ok[r] ? KVATTN_NEG_INF
-                : i == k ? own_ls : __ldcg(p.tmp_lse + (prow0 + i) * p.num_qo_heads + head);
+      for (int i = 0; i < N; ++i) {
+        ls[i] = __ldcg(p.tmp_lse + (prow0 + min(i, n - 1)) * p.num_qo_heads + head);
+        ls[i] = i < n ? ls[i] : KVATTN_NEG_INF;
         mx = fmaxf(mx, ls[i]);
       }
       float sum = 0.f;
 #pragma unroll
-      for (int i = 0; i < FMERGE_MAX; ++i) {
+      for (int i = 0; i < N; ++i) {
         wgt[r][i] = ls[i] == KVATTN_NEG_INF ? 0.f : fast_exp2((ls[i] - mx) * kLog2e);
         sum += wgt[r][i];
       }
       const float inv = mx == KVATTN_NEG_INF ? 0.f : 1.f / sum;
 #pragma unroll
-      for (int i = 0; i < FMERGE_MAX; ++i) wgt[r][i] *= inv;
+      for (int i = 0; i < N; ++i) wgt[r][i] *= inv;
       if (ok[r] && p.lse && lane % 4 == 0)
         p.lse[(long long)(it.qo_start + tq) * p.lse_stride_n + head] = mx == KVATTN_NEG_INF ? KVATTN_NEG_INF : mx + __logf(sum);
     }
-    const long long step = (long long)p.num_qo_heads * D_VO;   // one chunk's row to the next
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
       float acc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
 #pragma unroll
-      for (int i = 0; i < FMERGE_MAX; ++i) {
-        if (i >= n) break;
+      for (int i = 0; i < N; ++i)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          float2 x;
-          if (i == k) {
-            x = make_float2(o[0][c][2 * r] * own_inv[r], o[0][c][2 * r + 1] * own_inv[r]);
-          } else {
-            x = ok[r] ? __ldcg(reinterpret_cast<const float2*>(src[r] + i * step + c * 8)) : make_float2(0.f, 0.f);
-          }
+          const float2 x = __ldcg(reinterpret_cast<const float2*>(src[r] + min(i, n - 1) * step + c * 8));
           acc[r][0] = fmaf(wgt[r][i], x.x, acc[r][0]);
           acc[r][1] = fmaf(wgt[r][i], x.y, acc[r][1]);
         }
-      }
 #pragma unroll
       for (int r = 0; r < 2; ++r)
         if (ok[r]) *reinterpret_cast<unsigned*>(dst[r] + c * 8) = Mma<O>::pack(acc[r][0], acc[r][1]);
