@@ -873,8 +873,8 @@ struct PrefillSm90 {
   // (kFusedMerge) After this consumer warp stored its 16 rows (cw * 16 + lane / 4 + 8 r) of chunk k of a split
   // block's partial state: it arrives on the counter of (block, KV head, warp), and the last of the block's n chunks
   // (n <= FMERGE_MAX) to arrive merges the rows' n states and writes O / LSE (merge_rows). Arrival: the lanes'
-  // stores, __syncwarp, lane 0's fence and gpu-scope acquire-release add (release is cumulative over the warp's
-  // stores it has synchronised with); the last one's acquire, then __syncwarp, orders the lanes' L2 loads (__ldcg)
+  // stores, __syncwarp, lane 0's gpu-scope acquire-release add (no fence: release is cumulative over the warp's
+  // stores __syncwarp ordered before it); the last one's acquire, then __syncwarp, orders the lanes' L2 loads (__ldcg)
   // of the other chunks' states after it (its own it reads back: each lane loads the elements it stored). It leaves
   // the counter at 0. Item field 7: (merge slot << 12) | k (kvattn.scheduler._prefill_items); n = the item's pstride.
   static constexpr int FMERGE_MAX = 8;   // (kvattn.prefill.FUSED_MERGE_MAX_CHUNKS)
@@ -886,7 +886,6 @@ struct PrefillSm90 {
     __syncwarp();
     int last = 0;
     if (lane == 0) {
-      __threadfence();
       last = atomic_add_acq_rel_gpu(cnt, 1) == n - 1;
       if (last) atomicExch(cnt, 0);
     }
