@@ -5,7 +5,7 @@ set -u
 OUT=${OUT:-/tmp/kvattn-out}; mkdir -p "$OUT"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export KVATTN_CACHE_DIR=${KVATTN_CACHE_DIR:-.kvcache}
-python3 -m pytest tests -q -x -m gpu -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+bash scripts/gpu_tests.sh "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -20   # (parallel groups: t_*.log)
 python3 -m kvattn 2>&1 | tee "$OUT/main.log" | tail -12
 python3 scripts/example_transformers.py 2>&1 | tee "$OUT/example.log" | tail -6
 python3 scripts/example_variant.py 2>&1 | tee "$OUT/example_variant.log" | tail -6

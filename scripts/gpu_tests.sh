@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU test files in parallel pytest processes sharing one kernel cache (a bare machine compiles every kernel
+# on first use: one process took over 330 s for the first ~60 tests; 8 processes ran the whole suite in 399 s on a
+# bare H200, run 43a). Logs under $OUT/t_<group>.log; exit status non-zero when any group failed.
+#     bash scripts/gpu_tests.sh [pytest args...]        (run from the repository root; LIMIT=seconds per group)
+set -u
+OUT=${OUT:-/tmp/kvattn-out}; mkdir -p "$OUT"
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export KVATTN_CACHE_DIR=${KVATTN_CACHE_DIR:-.kvcache}
+LIMIT=${LIMIT:-1800}
+PF="reference or every_query or fused"
+declare -A SETS=(
+  [decode]="tests/test_decode_gpu.py"
+  [prefill1]="tests/test_prefill_gpu.py -k '$PF'"
+  [prefill2]="tests/test_prefill_gpu.py -k 'not ($PF)'"
+  [variants]="tests/test_variants_gpu.py"
+  [composable]="tests/test_cascade_gpu.py tests/test_block_sparse_gpu.py tests/test_mixed_gpu.py"
+  [fp8_page]="tests/test_fp8_gpu.py tests/test_page_gpu.py"
+  [runtime]="tests/test_interop_gpu.py tests/test_gpu_runtime.py tests/test_device.py tests/test_cp_gpu.py"
+)
+pids=()
+for g in "${!SETS[@]}"; do
+  eval "timeout $LIMIT python3 -m pytest -q -p no:cacheprovider ${SETS[$g]} \"\$@\"" > "$OUT/t_$g.log" 2>&1 &
+  pids+=("$!:$g")
+done
+rc=0
+for pg in "${pids[@]}"; do
+  wait "${pg%%:*}" || { rc=1; echo "FAILED group ${pg#*:}"; }
+done
+for g in "${!SETS[@]}"; do
+  echo "== $g: $(tail -1 "$OUT/t_$g.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/t_$g.log" | head -5
+done
+exit $rc
