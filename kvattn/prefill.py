@@ -95,7 +95,7 @@ SM90_WGSPLIT_DEFINE = ("KVATTN_SM90_WGSPLIT", 1)
 #: The define of the sm90 instance whose consumer warps merge a split block's chunks themselves (fused_merge).
 SM90_FMERGE_DEFINE = ("KVATTN_SM90_FMERGE", 1)
 #: A plan merges its split blocks inside the sm90 kernel (fused_merge) only where no block has more chunks than
-#: this (the last warp of a block reads the other chunks' states one after another).
+#: this (PrefillSm90::FMERGE_MAX: the merge's loads of up to that many states are issued together).
 FUSED_MERGE_MAX_CHUNKS = 8
 #: Query rows of one consumer warpgroup: a plan's wg_split needs every unit to fit in them.
 WG_ROWS = 64
@@ -379,7 +379,8 @@ class _BatchPrefill(AttentionOp):
         #: Split plans on the sm90 kernel merge their blocks' chunks inside it (PrefillSm90::merge_if_last: the last
         #: warp of a block's chunks to finish merges them) instead of in a merge launch: plain variants, head_dim up
         #: to 128, at most FUSED_MERGE_MAX_CHUNKS chunks a block, not in graph or deterministic mode, not with
-        #: wg_split. The decode route's A/B (decode tuning sm90_route_fused_merge).
+        #: wg_split. The decode route's A/B (decode tuning sm90_route_fused_merge); off: runs 43c-43d (BENCHMARKS.md),
+        #: 1-5 us slower than the merge kernel after a programmatic launch.
         self.fused_merge = False
         #: (experiment, the decode route's A/B: decode tuning sm90_route_slice_rows) Blocks of at most this many
         #: packed rows (scheduler.plan_prefill's slice_rows: a large GQA group cut into head slices, each reading
