@@ -350,23 +350,6 @@ def test_large_groups_route_to_the_sm90_prefill_kernel(layout, page):
                 for i, n in enumerate(lens):
                     assert (np.all(got[i] == 0) if n == 0 else rel_l2(got[i], ro[i]) <= TOL["bfloat16"][0]), (hq, i)
                 assert_lse(gl, rl, TOL["bfloat16"][1])
-    # units of 16 packed rows (tuning sm90_route_slice_rows: a group of 32 or 64 cut into head slices, each reading
-    # the request's whole KV), on the 128-row tile and with wg_split; 8 SMs, so the long requests are split too
-    for tn in (dict(sm90_route_slice_rows=16), dict(sm90_route_slice_rows=16, sm90_route_wg_split=True)):
-        w = kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout, num_sms=8, tuning=tn)
-        for hq, hkv in ((32, 1), (64, 2)):
-            pt, q, k, v = make_case(rng, lens, page, hq, hkv, 128, "bfloat16", layout)
-            w.plan(pt, hq, hkv, 128)
-            sched = w.last_plan.info["schedule"]
-            assert w.sm90_routed and sched.head_slices == hq // hkv // 16 and sched.split
-            ro, rl = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1, dtype=np.int32), pt,
-                                                     kv_layout=layout, return_lse=True)
-            out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
-            w.run(kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v), out=out, lse=lse)
-            for i, n in enumerate(lens):
-                got = out.numpy()[i]
-                assert (np.all(got == 0) if n == 0 else rel_l2(got, ro[i]) <= TOL["bfloat16"][0]), (tn, hq, i)
-            assert_lse(lse.numpy(), rl, TOL["bfloat16"][1])
     # the instance whose consumer warpgroups split the KV tiles (tuning sm90_route_wg_split, the A/B of
     # scripts/probe_gqa_prefill.py)
     w = kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout, tuning=dict(sm90_route_wg_split=True))

@@ -818,19 +818,6 @@ def test_prefill_merge_slots_name_each_split_block_once(qo, extra, group, causal
     assert plan.max_chunks == int(it[split, 6].max())
 
 
-def test_prefill_slice_rows_cut_groups_into_head_slices():
-    """slice_rows (the decode route's A/B): a GQA group of 32 in 16-row head slices, one unit each, reading the whole
-    KV range: 64 one-token requests of 4096 fill 128 slots without a KV split (without it: 2 chunks a request)."""
-    qo, kv = np.ones(64, np.int64), np.full(64, 4096)
-    plan = scheduler.plan_prefill(qo, kv, 32, 1, 128, num_sms=132, ctas_per_sm=1, slice_rows=16)
-    assert plan.head_slices == 2 and not plan.split and plan.num_items == 128
-    it = plan.items
-    assert sorted(zip(it[:, 0].tolist(), it[:, 1].tolist())) == [(r, z) for r in range(64) for z in (0, 16)]
-    assert np.all(it[:, 2] == 16) and np.all(it[:, 3] == 0) and np.all(it[:, 4] == 4096)
-    base = scheduler.plan_prefill(qo, kv, 32, 1, 128, num_sms=132, ctas_per_sm=1)
-    assert base.head_slices == 1 and base.split and base.num_items == 128
-
-
 def test_item_overhead_weighs_each_request_on_the_cost_line():
     """item_overhead (the decode wrapper's fp8 default: kvattn.decode.FP8_ITEM_OVERHEAD): every request costs that
     many tokens more on the cost line, so chunks of many short requests get fewer tokens; chunk costs stay within
