@@ -96,9 +96,7 @@ SLIM = False
 #: KV tiles (kvattn.prefill wg_split: no product spent on a warpgroup of padding rows); off by default: run 37e,
 #: GQA 32 b64_L4096 46.8 us against the 128-row ping-pong's 45.8 (the padded products are not what limits it).
 #: sm90_route_fused_merge: the routed plan's split blocks merged inside the sm90 kernel (the prefill wrapper's
-#: fused_merge: no merge launch; the last warp of a block's chunks merges them; run 43c-43d: 1-5 us slower).
-#: sm90_route_slice_rows: the routed plan's units of at most that many packed rows (the prefill wrapper's
-#: slice_rows: a group cut into head slices that each read the request's whole KV, before any KV split); None: 128.
+#: fused_merge: no merge launch; the last warp of a block's chunks merges them).
 #: item_overhead: a request's fixed cost on the split scheduler's cost line, in tokens (None: item_overhead_tokens).
 #: Run 39e (H200, in turns, bf16 Hq32/Hkv8/D128 page 16): an fp8 cache streams its tokens twice as fast while a
 #: request's start and end cost what they cost, so counting 128 tokens a request instead of 32 gave e4m3 +3.8% on
@@ -109,8 +107,7 @@ DEFAULT_TUNING = dict(stages=None, l2_prefetch=False, allow_no_split=False, ctas
                       refill_first=False, fused_merge=None, wtok=None, merge_lanes=None, merge_programmatic=True,
                       rope_defines=(), ids_ahead=None, trace=False, fused_merge_batch=None, min_chunk_tokens=None,
                       slim=None, sm90_route=None, sm90_route_waves=1,
-                      sm90_route_wg_split=False, sm90_route_fused_merge=False, sm90_route_slice_rows=None,
-                      item_overhead=None)
+                      sm90_route_wg_split=False, sm90_route_fused_merge=False, item_overhead=None)
 
 
 def item_overhead_tokens(kv_dtype: str | None) -> int:
@@ -463,7 +460,6 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         w.split_waves = waves
         w.wg_split = bool(self.tuning["sm90_route_wg_split"]) and hq // hkv <= prefill.WG_ROWS
         w.fused_merge = bool(self.tuning["sm90_route_fused_merge"])
-        w.slice_rows = self.tuning["sm90_route_slice_rows"]
         w.plan(np.arange(page_table.batch_size + 1, dtype=np.int32), page_table, hq, hkv, head_dim, q_dtype=q_dtype,
                kv_dtype=kv_dtype, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=cap, cta_rows=128,
                stream=stream)

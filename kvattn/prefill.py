@@ -382,10 +382,6 @@ class _BatchPrefill(AttentionOp):
         #: wg_split. The decode route's A/B (decode tuning sm90_route_fused_merge); off: runs 43c-43d (BENCHMARKS.md),
         #: 1-5 us slower than the merge kernel after a programmatic launch.
         self.fused_merge = False
-        #: (experiment, the decode route's A/B: decode tuning sm90_route_slice_rows) Blocks of at most this many
-        #: packed rows (scheduler.plan_prefill's slice_rows: a large GQA group cut into head slices, each reading
-        #: the whole KV range, before any KV split); None: the query tile's rows. Not in graph or deterministic mode.
-        self.slice_rows = None
         self._fp8 = None   # the current plan's Fp8Expansion, or None
 
     # -- plan ------------------------------------------------------------------------------------
@@ -481,9 +477,7 @@ class _BatchPrefill(AttentionOp):
                                       ctas_per_sm=occ * (1 if self.use_cuda_graph else self.split_waves),
                                       split_tokens=DETERMINISTIC_SPLIT_TOKENS if self.deterministic else None,
                                       max_split_chunks=DETERMINISTIC_SPLIT_CHUNKS if self.deterministic else None,
-                                      kv_bytes_per_token=hkv * 2 * head_dim * _dtypes.to_numpy(kv_dtype).itemsize,
-                                      slice_rows=(None if self.use_cuda_graph or self.deterministic
-                                                  else self.slice_rows))
+                                      kv_bytes_per_token=hkv * 2 * head_dim * _dtypes.to_numpy(kv_dtype).itemsize)
 
         fused = (self.fused_merge and cfg.backend == "sm90" and plan.merge_slots > 0
                  and plan.max_chunks <= FUSED_MERGE_MAX_CHUNKS and not self.deterministic and not self.use_cuda_graph

@@ -859,22 +859,17 @@ def _prefill_items(breq, t0, ntok, lo, hi, csize, nchunk, nz, hs, group, pbase, 
 
 def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal=False, window_left=-1,
                  num_sms=132, ctas_per_sm=2, split_tokens=None, max_split_chunks=None,
-                 kv_bytes_per_token=0, slice_rows=None) -> PrefillPlan:
+                 kv_bytes_per_token=0) -> PrefillPlan:
     """Schedule a prefill / append batch (see the section doc above).  qo_lens, kv_lens: int [B].
     ``kv_bytes_per_token``: K and V bytes of one token over all KV heads (0: no L2 windows).
     ``split_tokens`` (a multiple of 64) is the batch-invariant schedule: ``L = split_tokens`` whatever the batch,
     so a block's chunks (near-equal 64-aligned pieces of its own KV range) and their merge order depend on the
     block alone. ``max_split_chunks`` (with split_tokens) caps a block's chunks: a KV range longer than
     ``split_tokens * max_split_chunks`` is cut into that many chunks (still a function of the block alone), so
-    the partial states of any batch are bounded by ``max_total_qo * max_split_chunks`` (graph mode).
-    ``slice_rows`` (an experiment, the decode route's A/B): blocks of at most that many packed rows (a GQA group
-    larger than it cut into head slices, each its own unit reading the whole KV range) in the CTA's tile, so that
-    a batch too small to fill the GPU is spread by head slices before KV splits (no merge)."""
+    the partial states of any batch are bounded by ``max_total_qo * max_split_chunks`` (graph mode)."""
     group = _as_int("group_size", group_size, 1)
     hkv = _as_int("num_kv_heads", num_kv_heads, 1)
     rows = _as_int("cta_rows", cta_rows, 16)
-    if slice_rows is not None:
-        rows = min(rows, _as_int("slice_rows", slice_rows, 1))
     qo, _ = _as_kv_lens(qo_lens)
     kv, _ = _as_kv_lens(kv_lens)
     if qo.size == 0 and kv.size == 0:

@@ -10,9 +10,7 @@ wrapper's default, tuning sm90_route; "routed, wg split": the route on the insta
 split each unit's KV tiles, tuning sm90_route_wg_split=True, instead of the default 128-row ping-pong; run 37e: 46.8
 against 45.8 us; "routed, fused merge": the route with its split blocks merged inside the sm90 kernel, tuning
 sm90_route_fused_merge=True, no merge launch; "routed, 2 waves": tuning sm90_route_waves=2, run 36a 51.2 against
-45.9 us, no longer timed; "slices 16": tuning sm90_route_slice_rows=16, each request's group cut into head slices
-of 16 rows that each read its whole KV, before any KV split: no merge, the KV read twice, from L2 if the slices run
-in step).
+45.9 us, no longer timed).
 Every figure is checked against the float64 reference
 (bench_decode.sample_error).
 """
@@ -44,8 +42,8 @@ def main():
         pt, q, k, v = build(lens, cfg, rng)
         qo_indptr = np.arange(len(lens) + 1, dtype=np.int32)
         outs = {n: kvattn.empty(q.shape, "bfloat16")
-                for n in ("decode", "decode (auto)", "routed, wg split", "routed, fused merge", "slices 16",
-                          "slices 16, wg split", "sm90 prefill", "sm80 prefill")}
+                for n in ("decode", "decode (auto)", "routed, wg split", "routed, fused merge", "sm90 prefill",
+                          "sm80 prefill")}
         wd = kvattn.BatchDecodeWithPagedKVCache(tuning=dict(sm90_route=False))   # the decode kernel
         wd.plan(pt, hq, hkv, 128, q_dtype="bfloat16")
         wr = kvattn.BatchDecodeWithPagedKVCache()   # the decode wrapper's default (sm90_route auto)
@@ -54,16 +52,11 @@ def main():
         w1.plan(pt, hq, hkv, 128, q_dtype="bfloat16")
         w2 = kvattn.BatchDecodeWithPagedKVCache(tuning=dict(sm90_route_fused_merge=True))   # no merge launch
         w2.plan(pt, hq, hkv, 128, q_dtype="bfloat16")
-        w3 = kvattn.BatchDecodeWithPagedKVCache(tuning=dict(sm90_route_slice_rows=16))   # head slices, no merge
-        w3.plan(pt, hq, hkv, 128, q_dtype="bfloat16")
-        w4 = kvattn.BatchDecodeWithPagedKVCache(tuning=dict(sm90_route_slice_rows=16, sm90_route_wg_split=True))
-        w4.plan(pt, hq, hkv, 128, q_dtype="bfloat16")
         w9 = BatchPrefillWithPagedKVCache(backend="sm90")
         w9.plan(qo_indptr, pt, hq, hkv, 128, q_dtype="bfloat16", cta_rows=128)
         w8 = BatchPrefillWithPagedKVCache(backend="sm80")
         w8.plan(qo_indptr, pt, hq, hkv, 128, q_dtype="bfloat16")
-        ws = {"decode": wd, "decode (auto)": wr, "routed, wg split": w1, "routed, fused merge": w2, "slices 16": w3,
-              "slices 16, wg split": w4, "sm90 prefill": w9,
+        ws = {"decode": wd, "decode (auto)": wr, "routed, wg split": w1, "routed, fused merge": w2, "sm90 prefill": w9,
               "sm80 prefill": w8}
         fns = {n: (lambda w=w, o=outs[n]: w.run(q, k, v, out=o)) for n, w in ws.items()}
         for f in fns.values():
