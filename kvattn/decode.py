@@ -96,7 +96,7 @@ SLIM = False
 #: KV tiles (kvattn.prefill wg_split: no product spent on a warpgroup of padding rows); off by default: run 37e,
 #: GQA 32 b64_L4096 46.8 us against the 128-row ping-pong's 45.8 (the padded products are not what limits it).
 #: sm90_route_fused_merge: the routed plan's split blocks merged inside the sm90 kernel (the prefill wrapper's
-#: fused_merge: no merge launch; the last warp of a block's chunks merges them).
+#: fused_merge: no merge launch; the last warp of a block's chunks merges them); off: runs 43c-43d, 1-5 us slower.
 #: item_overhead: a request's fixed cost on the split scheduler's cost line, in tokens (None: item_overhead_tokens).
 #: Run 39e (H200, in turns, bf16 Hq32/Hkv8/D128 page 16): an fp8 cache streams its tokens twice as fast while a
 #: request's start and end cost what they cost, so counting 128 tokens a request instead of 32 gave e4m3 +3.8% on

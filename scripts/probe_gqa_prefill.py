@@ -9,8 +9,9 @@ kernel streams such a batch near the copy rate, large groups can take that path 
 wrapper's default, tuning sm90_route; "routed, wg split": the route on the instance whose two consumer warpgroups
 split each unit's KV tiles, tuning sm90_route_wg_split=True, instead of the default 128-row ping-pong; run 37e: 46.8
 against 45.8 us; "routed, fused merge": the route with its split blocks merged inside the sm90 kernel, tuning
-sm90_route_fused_merge=True, no merge launch; "routed, 2 waves": tuning sm90_route_waves=2, run 36a 51.2 against
-45.9 us, no longer timed).
+sm90_route_fused_merge=True, no merge launch, runs 43a-43d: 1-5 us slower; "routed, 2 waves": tuning
+sm90_route_waves=2, run 36a 51.2 against 45.9 us, no longer timed; head slices of 16 rows before KV splits, run 43e:
+slower or equal, removed).
 Every figure is checked against the float64 reference
 (bench_decode.sample_error).
 """
