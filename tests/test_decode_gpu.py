@@ -305,16 +305,7 @@ def test_large_groups_route_to_the_sm90_prefill_kernel(layout, page):
         w = kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout)
         w.plan(pt, hq, hkv, 128, **kw)
         assert w.sm90_routed and w.last_plan.info["backend"] == "sm90" and not w.last_plan.info["wg_split"]
-        ro, rl = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1, dtype=np.int32), pt,
-                                                 kv_layout=layout, return_lse=True, **kw)
-        qd, kd, vd = kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v)
-        out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
-        w.run(qd, kd, vd, out=out, lse=lse)
-        o2, l2 = w.run(qd, kd, vd, return_lse=True)
-        for got, gl in ((out.numpy(), lse.numpy()), (o2.numpy(), l2.numpy())):
-            for i, n in enumerate(lens):
-                assert (np.all(got[i] == 0) if n == 0 else rel_l2(got[i], ro[i]) <= TOL["bfloat16"][0]), (hq, i)
-            assert_lse(gl, rl, TOL["bfloat16"][1])
+        _check_routed_runs(w, pt, q, k, v, lens, layout, kw)
     # the KV split over two waves of slots (tuning sm90_route_waves, the A/B of scripts/probe_gqa_prefill.py), and
     # a second plan() of the same wrapper (its routed prefill wrapper is reused) on another batch
     w = kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout, tuning=dict(sm90_route_waves=2))
@@ -339,17 +330,7 @@ def test_large_groups_route_to_the_sm90_prefill_kernel(layout, page):
         w.plan(pt, hq, hkv, 128)
         info = w.last_plan.info
         assert w.sm90_routed and info["fused_merge"] and info["schedule"].split and w.last_plan.merge is None
-        ro, rl = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1, dtype=np.int32), pt,
-                                                 kv_layout=layout, return_lse=True)
-        qd, kd, vd = kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v)
-        for _ in range(2):
-            out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
-            w.run(qd, kd, vd, out=out, lse=lse)
-            o2, l2 = w.run(qd, kd, vd, return_lse=True)
-            for got, gl in ((out.numpy(), lse.numpy()), (o2.numpy(), l2.numpy())):
-                for i, n in enumerate(lens):
-                    assert (np.all(got[i] == 0) if n == 0 else rel_l2(got[i], ro[i]) <= TOL["bfloat16"][0]), (hq, i)
-                assert_lse(gl, rl, TOL["bfloat16"][1])
+        _check_routed_runs(w, pt, q, k, v, lens, layout, {}, repeats=2)
     # the instance whose consumer warpgroups split the KV tiles (tuning sm90_route_wg_split, the A/B of
     # scripts/probe_gqa_prefill.py)
     w = kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout, tuning=dict(sm90_route_wg_split=True))
@@ -373,6 +354,22 @@ def test_large_groups_route_to_the_sm90_prefill_kernel(layout, page):
         kvattn.BatchDecodeWithPagedKVCache(kv_layout=layout, use_cuda_graph=True, max_batch_size=8,
                                            max_num_pages=pt.num_pages_used,
                                            tuning=dict(sm90_route=True)).plan(pt, 32, 1, 128)
+
+
+def _check_routed_runs(w, pt, q, k, v, lens, layout, kw, repeats=1):
+    """run() of a planned routed wrapper `repeats` times, with out / lse given (poisoned) and with out=None and
+    return_lse, against the float64 reference (plan keywords kw); empty requests must come back as zeros."""
+    ro, rl = reference.batch_attention_paged(q, k, v, np.arange(len(lens) + 1, dtype=np.int32), pt,
+                                             kv_layout=layout, return_lse=True, **kw)
+    qd, kd, vd = kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v)
+    for _ in range(repeats):
+        out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
+        w.run(qd, kd, vd, out=out, lse=lse)
+        o2, l2 = w.run(qd, kd, vd, return_lse=True)
+        for got, gl in ((out.numpy(), lse.numpy()), (o2.numpy(), l2.numpy())):
+            for i, n in enumerate(lens):
+                assert (np.all(got[i] == 0) if n == 0 else rel_l2(got[i], ro[i]) <= TOL["bfloat16"][0]), i
+            assert_lse(gl, rl, TOL["bfloat16"][1])
 
 
 @requires_gpu
