@@ -481,7 +481,7 @@ class _BatchPrefill(AttentionOp):
 
         fused = (self.fused_merge and cfg.backend == "sm90" and plan.merge_slots > 0
                  and plan.max_chunks <= FUSED_MERGE_MAX_CHUNKS and not self.deterministic and not self.use_cuda_graph
-                 and not wg_split and variant.merge_type() is None and not variant.is_user and head_dim <= 128)
+                 and not wg_split and variant.merge_type() is None and head_dim <= 128)   # (None: no output hook)
         if fused:
             spec = sm90_choice(self.backend, head_dim, variant, q_dtype, kv_dtype, kvil, fused_merge=True)
             fused = spec is not None and (SM90_PERSIST_DEFINE in spec.defines) == cfg.persistent
@@ -559,7 +559,8 @@ class _BatchPrefill(AttentionOp):
             params=p, merge=merge, merge_params=mp, s=s, copy_done=copy_done, bind_tma=tma.binder(q_map, maps, o_map),
             schedule=plan, backend=cfg.backend, cta_rows=cta_rows, variant=variant, kernel=kernel,
             grid=grid, smem=cfg.smem, threads=cfg.threads, num_kv_heads=hkv, tma=maps is not None,
-            tma_q=q_map is not None, tma_o=o_map is not None, wg_split=wg_split, fused_merge=fused, fp8_expand=expansion is not None)
+            tma_q=q_map is not None, tma_o=o_map is not None, wg_split=wg_split, fused_merge=fused,
+            fp8_expand=expansion is not None)
         self._fp8 = expansion
         return self
 

@@ -829,8 +829,8 @@ def _prefill_items(breq, t0, ntok, lo, hi, csize, nchunk, nz, hs, group, pbase, 
     csize[b] tokens from lo[b] (clipped to hi[b]; a chunk past hi is empty), nz head slices each. Chunk k of a
     chunked block writes partial rows from pbase[b] + k with stride pstride[b]; other blocks pbase[b] (-1: the
     output) and pstride[b] as given. mslot[b] (chunked blocks): the block's merge slot, field 7 of its items
-    ``((mslot[b] * nz + z) << 12) | k`` (the sm90 kernel's fused merge: its arrival counters; 0 where the
-    fields do not fit, FUSED_MERGE_FIELD_OK)."""
+    ``((mslot[b] * nz + z) << 12) | k`` (the sm90 kernel's fused merge: its arrival counters); None: field 7 is 0
+    (the caller passes None where fused_merge_fits says the fields do not fit)."""
     per = nchunk * nz
     W = int(per.sum())
     bidx = np.repeat(np.arange(breq.size, dtype=np.int64), per)
@@ -847,7 +847,7 @@ def _prefill_items(breq, t0, ntok, lo, hi, csize, nchunk, nz, hs, group, pbase, 
     sb = chunked[bidx]
     items[:, 5] = np.where(sb, pbase[bidx] + k, pbase[bidx])
     items[:, 6] = pstride[bidx]
-    if mslot is not None and sb.any() and fused_merge_fits(int(nchunk.max()), int(chunked.sum()) * nz):
+    if mslot is not None:
         items[:, 7] = np.where(sb, ((mslot[bidx] * nz + z) << 12) | k, 0)
     if window is None:
         order = np.argsort(-(ke - kb), kind="stable")
@@ -919,9 +919,12 @@ def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal
     sb = split_blk
     bpt = _as_int("kv_bytes_per_token", kv_bytes_per_token, 0)
     hg = kv_head_group(kv, hkv, bpt)
+    max_chunks = int(nchunk.max(initial=1))
+    slots = int(sb.sum()) * nz
+    slots = slots if slots and fused_merge_fits(max_chunks, slots) else 0
     items = _prefill_items(breq, t0, ntok, lo, hi, csize, nchunk, nz, hs, group,
                            np.where(sb, pbase, -1), np.where(sb, nchunk, 1), sb, _l2_windows(kv, bpt * hg // hkv),
-                           np.cumsum(sb) - 1)
+                           np.cumsum(sb) - 1 if slots else None)
 
     # merges: every token of every split block, its chunks' partial rows are consecutive
     sblk = np.nonzero(split_blk)[0]
@@ -930,9 +933,8 @@ def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal
     mi = np.arange(int(mt.sum()), dtype=np.int64) - np.repeat(np.cumsum(mt) - mt, mt)
     qo_start = np.cumsum(qo) - qo
     merge_indptr, merge_rows = merge_lists(nchunk[mb], qo_start[breq[mb]] + t0[mb] + mi)
-    mx = int(nchunk.max(initial=1))
-    slots = int(sblk.size) * nz if fused_merge_fits(mx, int(sblk.size) * nz) else 0
-    return PrefillPlan(items, merge_indptr, merge_rows, num_partial, bool(sblk.size), int(L), tpb, nz, hg, slots, mx)
+    return PrefillPlan(items, merge_indptr, merge_rows, num_partial, bool(sblk.size), int(L), tpb, nz, hg, slots,
+                       max_chunks)
 
 
 def cascade_chunks(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal=False, num_sms=132,
