@@ -1,0 +1,72 @@
+"""CPU tests of what one run() asks of the driver (the driver faked: tests/_fake_driver.py): the plan's launches
+and one context query, nothing that allocates, copies or synchronises; out=None takes a block from the pool's free
+list once one has been freed on that stream; a torch-free run() on kvattn arrays never reads the device's
+attributes again. A slower host path shows up here as a new call before it shows up as microseconds."""
+import numpy as np
+import pytest
+
+from _fake_driver import fake_driver
+
+import kvattn
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+SYNCING = {"cuCtxSynchronize", "cuStreamSynchronize", "cuEventSynchronize", "cuMemAlloc", "cuMemFree",
+           "cuMemcpyHtoD", "cuMemcpyDtoH", "cuMemcpyHtoDAsync", "cuMemHostAlloc", "cuDeviceGetAttribute",
+           "cuModuleLoadData", "cuStreamCreate", "cuEventCreate"}
+
+
+def _decode(lens):
+    pt = kvattn.PageTable.from_kv_lens(np.asarray(lens), PAGE, rng=np.random.default_rng(0))
+    w = kvattn.BatchDecodeWithPagedKVCache()
+    w.plan(pt, HQ, HKV, D)
+    k = kvattn.empty((pt.num_pages_used, PAGE, HKV, D), "bfloat16")
+    return w, kvattn.empty((len(lens), HQ, D), "bfloat16"), k, kvattn.empty(k.shape, "bfloat16")
+
+
+def _ragged_prefill(qo, kv, causal=True):
+    w = kvattn.BatchPrefillWithRaggedKVCache()
+    w.plan(np.cumsum([0] + qo), np.cumsum([0] + kv), HQ, HKV, D, causal=causal)
+    q = kvattn.empty((sum(qo), HQ, D), "bfloat16")
+    k = kvattn.empty((sum(kv), HKV, D), "bfloat16")
+    return w, q, k, kvattn.empty(k.shape, "bfloat16")
+
+
+@pytest.mark.parametrize("make", [lambda: _decode([2048]), lambda: _decode([300, 5000, 17, 4096]),
+                                  lambda: _ragged_prefill([2048] * 8, [2048] * 8),
+                                  lambda: _ragged_prefill([1, 700], [9000, 700], causal=False)],
+                         ids=["decode_b1", "decode_split", "prefill_b8", "prefill_split"])
+def test_run_issues_only_its_launches(make):
+    with fake_driver() as calls:
+        w, q, k, v = make()
+        out = kvattn.empty(q.shape, "bfloat16")
+        w.run(q, k, v, out=out)   # first run: tensor maps encoded for these pointers
+        p = w.last_plan
+        launches = ["cuLaunchKernelEx" if launch._config is not None else "cuLaunchKernel"
+                    for launch in p.launches + ((p.merge,) if p.merge is not None else ())]
+        for _ in range(3):
+            n = len(calls)
+            w.run(q, k, v, out=out)
+            assert calls.names(n) == ["cuCtxGetCurrent"] + launches
+        n = len(calls)
+        w.run(q, k, v)   # out=None: one pool allocation ...
+        first = calls.names(n)
+        assert [c for c in first if c.startswith("cuMemAlloc")] == ["cuMemAllocFromPoolAsync"]
+        gc_and_rerun = []
+        for _ in range(3):   # ... then the freed block again, with no driver call
+            n = len(calls)
+            w.run(q, k, v)
+            gc_and_rerun.append(calls.names(n))
+        assert all(c == ["cuCtxGetCurrent"] + launches for c in gc_and_rerun), gc_and_rerun
+        assert not SYNCING & set(first)
+
+
+def test_run_on_another_stream_waits_for_the_plan_copy_once_per_call():
+    with fake_driver() as calls:
+        w, q, k, v = _decode([2048])
+        out = kvattn.empty(q.shape, "bfloat16")
+        s = kvattn.Stream()
+        n = len(calls)
+        w.run(q, k, v, out=out, stream=s)
+        names = calls.names(n)
+        assert names.count("cuStreamWaitEvent") == 1 and "cuStreamIsCapturing" in names
+        assert not SYNCING & set(names)
