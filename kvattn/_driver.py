@@ -87,7 +87,7 @@ def ensure_context():
 
 def current_context_id() -> int:
     """The calling thread's current context as an int (0: none)."""
-    err, ctx = _driver_module().cuCtxGetCurrent()
+    err, ctx = (_module or _driver_module()).cuCtxGetCurrent()   # (run()'s path: one call less)
     if err:
         fail("cuCtxGetCurrent", err)
     return int(ctx) if ctx is not None else 0

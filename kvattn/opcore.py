@@ -23,12 +23,12 @@ import numpy as np
 
 from . import _driver, _dtypes, _interop, device as _device
 from ._errors import CudaUnavailableError
-from ._binding import begin, import_array, misaligned16, output
+from ._binding import import_array, misaligned16, output
 from .contract import NUM_MERGE
 from .kernels import Launch, ParamBuffer, get_kernel
 from .memory import DeviceArray, StagingRing, fit_workspace
 from .merge import MERGE_PARAMS, THREADS as MERGE_THREADS, merge_spec, set_lanes
-from .stream import as_stream
+from .stream import LEGACY, as_stream
 
 F32 = np.dtype(np.float32)
 
@@ -50,6 +50,11 @@ class PagedKV:
     head_dim: int
     dtype: np.dtype
     pages_needed: int
+    tail: tuple = dataclasses.field(init=False, repr=False, compare=False)   # a cache's shape past its pages
+
+    def __post_init__(self):
+        object.__setattr__(self, "tail", (self.page_size, self.num_kv_heads, self.head_dim) if self.layout == "NHD"
+                           else (self.num_kv_heads, self.page_size, self.head_dim))
 
     def bind(self, k_cache, v_cache, s, capturing):
         """(k, v DeviceArrays, (page, token, head) element strides)."""
@@ -61,6 +66,14 @@ class PagedKV:
             k = k[:, 0]
         else:
             v = import_array(v_cache, s, capturing)
+        ks, shape, dtype = k.strides, k.shape, self.dtype
+        if (len(ks) == 4 and ks == v.strides and shape == v.shape and shape[1:] == self.tail and k.dtype is dtype
+                and v.dtype is dtype and shape[0] >= self.pages_needed and ks[3] == dtype.itemsize
+                and not (k.ptr | v.ptr | ks[0] | ks[1] | ks[2]) & 15):   # run()'s common case in one expression
+            it = ks[3]
+            if self.layout == "NHD":
+                return k, v, (ks[0] // it, ks[1] // it, ks[2] // it)
+            return k, v, (ks[0] // it, ks[2] // it, ks[1] // it)
         if k.strides != v.strides or k.shape != v.shape:
             self._check("k_cache", k)
             self._check("v_cache", v)
@@ -76,8 +89,7 @@ class PagedKV:
         return k, v, (ks[0] // it, ks[2] // it, ks[1] // it)
 
     def _check(self, name, a):
-        want = ((self.page_size, self.num_kv_heads, self.head_dim) if self.layout == "NHD" else
-                (self.num_kv_heads, self.page_size, self.head_dim))
+        want = self.tail
         shape = a.shape
         if len(shape) != 4 or shape[1:] != want:
             raise ValueError(f"{name}: expected shape [num_pages, {', '.join(map(str, want))}] ({self.layout}), "
@@ -103,7 +115,14 @@ class RaggedKV:
     def bind(self, k, v, s, capturing):
         k, v = import_array(k, s, capturing), import_array(v, s, capturing)
         n, hkv, d = self.total_kv, self.num_kv_heads, self.head_dim
-        want = (n, hkv, d) if self.layout == "NHD" else (hkv, n, d)
+        nhd = self.layout == "NHD"
+        want = (n, hkv, d) if nhd else (hkv, n, d)
+        ks, dtype = k.strides, self.dtype
+        if (k.shape == want and v.shape == want and ks == v.strides and k.dtype is dtype and v.dtype is dtype
+                and ks[2] == dtype.itemsize and not (k.ptr | v.ptr | ks[0] | ks[1]) & 15):   # run()'s common case
+            it = ks[2]
+            tok, head = (ks[0] // it, ks[1] // it) if nhd else (ks[1] // it, ks[0] // it)
+            return k, v, (tok * self.tokens_per_page, tok, head)
         for name, a in (("k", k), ("v", v)):
             if a.shape != want:
                 raise ValueError(f"{name}: expected shape {list(want)} ({self.layout}), got {a.shape}")
@@ -153,6 +172,10 @@ def bind_kv_scales(p: "AttentionPlan", k_scale, v_scale, s, capturing):
 def check_array(a: DeviceArray, name: str, shape: tuple, dtype: np.dtype, rows16: bool = True):
     """Shape, dtype (numpy dtype) and layout of an argument (cheap: it runs in every run()). rows16: the pointer
     and every stride but the last's are multiples of 16 bytes; else only a 4-byte aligned pointer."""
+    st = a.strides
+    if (rows16 and len(st) == 3 and a.shape == shape and a.dtype is dtype and st[2] == dtype.itemsize
+            and not (a.ptr | st[0] | st[1]) & 15):
+        return   # run()'s common case, decided in one expression (each call here costs run() time)
     if a.shape != shape:
         raise ValueError(f"{name}: expected shape {shape}, got {a.shape}")
     if a.dtype is not dtype and a.dtype != dtype:
@@ -230,8 +253,11 @@ def checked_outputs(q: DeviceArray, shape: tuple, dtype, out, lse, return_lse: b
     """run()'s arrays: q checked against shape [rows, Hq, D] and dtype; (out, what run() returns for it, lse or
     None, its return): the caller's arrays checked, or new pool arrays on stream s (lse only if given or asked)."""
     check_array(q, "q", shape, dtype)
-    out, out_ret = output(out, shape, dtype, s, capturing, "out", dev)
-    check_array(out, "out", shape, dtype)
+    if out is None:
+        out, out_ret = output(out, shape, dtype, s, capturing, "out", dev)
+    else:
+        out_ret, out = out, import_array(out, s, capturing)
+        check_array(out, "out", shape, dtype)
     lse_ret = lse
     if lse is not None or return_lse:
         lse, lse_ret = output(lse, shape[:2], F32, s, capturing, "lse", dev)
@@ -360,8 +386,8 @@ class AttentionOp:
         p = self._plan
         if p is None:
             raise RuntimeError("run() called before plan()")
-        s, capturing = begin(stream)
-        return p, s, capturing
+        s = as_stream(stream)
+        return p, s, s.ptr != LEGACY and s.is_capturing()   # (begin(), inlined: the legacy stream never captures)
 
     def _execute(self, p: AttentionPlan, s, capturing, q: DeviceArray, k: DeviceArray, v: DeviceArray,
                  kv_strides, out, lse, return_lse, k_scale=None, v_scale=None):
