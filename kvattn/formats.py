@@ -203,12 +203,14 @@ class PageTable:
         slots = (p[:, None] * self.page_size + np.arange(self.page_size)).ravel()
         return slots[:kv]
 
-    def validate(self, num_pages: int) -> "PageTable":
-        """Check every page id is < num_pages; returns self."""
+    def validate(self, num_pages: int, pool: str = "num_pages") -> "PageTable":
+        """Check every page id is < num_pages; returns self. pool: what the error calls num_pages (e.g. the cache
+        array it was read from)."""
         num_pages = _v.as_int(num_pages, "num_pages", min_value=0)
         if self.indices.size and self.indices.max() >= num_pages:
             i = int(np.argmax(self.indices >= num_pages))
-            raise ValueError(f"indices: page ids must be < num_pages = {num_pages}, got {int(self.indices[i])} at position {i}")
+            raise ValueError(f"indices: page ids must be < {pool} = {num_pages}, got {int(self.indices[i])} at "
+                             f"position {i}")
         return self
 
     # -- construction ----------------------------------------------------------

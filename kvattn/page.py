@@ -78,7 +78,11 @@ def _host_indices(nnz, append_indptr, batch_indices, positions, pt: PageTable, n
     if append_indptr is not None:
         if batch_indices is not None or positions is not None:
             raise ValueError("append_indptr: give append_indptr or batch_indices and positions, not both")
-        b, pos = get_batch_indices_positions(append_indptr, pt)
+        ind = _v.as_indptr(append_indptr, "append_indptr", length=pt.batch_size + 1)
+        if int(ind[-1]) != nnz:
+            raise ValueError(f"append_indptr: its last entry ({int(ind[-1])}) must equal the number of new tokens "
+                             f"in k_new ({nnz})")
+        b, pos = get_batch_indices_positions(ind, pt)
     else:
         if batch_indices is None or positions is None:
             raise ValueError("batch_indices, positions: both required without append_indptr")
@@ -97,7 +101,7 @@ def _host_indices(nnz, append_indptr, batch_indices, positions, pt: PageTable, n
         t = int(np.argmax(bad))
         raise ValueError(f"positions: token {t} has position {int(pos[t])}, outside [0, kv_len {int(kvl[b[t]])}) "
                          f"of request {int(b[t])} (the page table is the one after the append)")
-    pt.validate(num_pages)
+    pt.validate(num_pages, "num_pages (the pages k_cache holds)")
     return np.concatenate([b, pos, pt.indptr, pt.indices, pt.last_page_len]).astype(np.int32)
 
 

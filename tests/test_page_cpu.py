@@ -46,7 +46,7 @@ def test_host_indices_errors(kw, msg):
 
 
 def test_host_indices_page_ids_beyond_the_cache():
-    with pytest.raises(ValueError, match="page ids must be < num_pages = 5, got 5"):
+    with pytest.raises(ValueError, match=r"page ids must be < num_pages \(the pages k_cache holds\) = 5, got 5"):
         _host_indices(1, None, [0], [0], _pt(), 5)
 
 
