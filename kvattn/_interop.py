@@ -22,19 +22,18 @@ caller has ordered its producers before the capture, as every framework's graph 
 from __future__ import annotations
 
 import sys
-import threading
 
 import numpy as np
 
-from . import _dlpack, _dtypes
+from . import _dlpack, _dtypes, device as _device
 from ._errors import KvattnError
 from .memory import DeviceArray, contiguous_strides, from_numpy
 from .stream import Stream, order_after
 
 _strategy: dict = {}   # type -> "torch" | "cai" | "dlpack": how arrays of that type were read last time
-# The ordinal of the device whose op is running on this thread (set by opcore.on_device around plan() / run()):
-# a torch tensor, which names its device, must be on it.
-active = threading.local()
+# The device whose op is running on this thread (kvattn.device.active): a torch tensor, which names its device, must
+# be on it.
+active = _device.active
 
 
 def import_array(x, stream: Stream, capturing: bool) -> DeviceArray:

@@ -23,7 +23,7 @@ from ._attn_args import DTYPES, HEAD_DIMS, check_plan_args
 from ._validate import as_int
 from .compiler import Resources
 from .formats import PageTable
-from .kernels import KernelSpec, Launch, ParamBuffer, attn_types, get_kernel, register
+from .kernels import KernelSpec, Launch, ParamBuffer, attn_types, get_kernel, memo_spec, register
 from ._binding import import_array
 from .memory import asarray
 from .opcore import AttentionOp, PagedKV, on_device
@@ -169,6 +169,7 @@ def auto_m_tiles(group: int, head_dim: int, kv_dtype: str | None, variant: Varia
     return 2 if large_plain_group(group, head_dim, kv_dtype, variant) else 1
 
 
+@memo_spec
 def decode_spec(head_dim: int, mt: int, variant: Variant, dtype: str, stages: int | None = None,
                 l2_prefetch: bool = False, refill_first: bool = False, kv_dtype: str | None = None,
                 wtok: int | None = None, head_dim_vo: int | None = None, rope_defines: tuple = (),
@@ -312,6 +313,7 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
                              f"rotated keys (apply RoPE before quantising) and pass rope=None")
         batch = page_table.batch_size
         nnz = int(page_table.indptr[-1])
+        kv_lens = page_table.kv_lens
         if self.use_cuda_graph:
             if batch > self.max_batch_size:
                 raise ValueError(f"page_table: batch size {batch} exceeds max_batch_size {self.max_batch_size}")
@@ -319,7 +321,7 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
                 raise ValueError(f"page_table: {nnz} pages exceed max_num_pages {self.max_num_pages}")
         variant, vvals = plan_variant(variant, num_qo_heads, batch, logits_soft_cap > 0, window_left >= 0, False,
                                       alibi_slopes, sinks, variant_params, rope, rope_offsets,
-                                      int(page_table.kv_lens.max(initial=0)))
+                                      int(kv_lens.max(initial=0)))
         self._route = self._sm90_route(page_table, num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, sm_scale,
                                        window_left, logits_soft_cap, variant, stream)
         if self._route is not None:
@@ -351,7 +353,6 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
         ctas_per_sm = tn["ctas_per_sm"] or (kernel.resources or Resources()).ctas_per_sm(THREADS, smem, limit=3)
 
         # Host buffers: plan region then page table (indptr, indices, last_page_len), one copy.
-        kv_lens = page_table.kv_lens
         split = DETERMINISTIC_SPLIT_TOKENS if self.deterministic else None
         if self.use_cuda_graph:
             max_work = (scheduler.fixed_split_items(self.max_num_pages * page_table.page_size, self.max_batch_size,

@@ -15,6 +15,9 @@ from . import _driver
 
 _lock = threading.Lock()
 _devices: dict = {}
+# active.ordinal: the ordinal of the device whose op is running on this thread (set by opcore.on_device around
+# plan() / run(), whose context is then current), so code inside an op knows its device without a driver query.
+active = threading.local()
 
 
 class Device:
@@ -104,6 +107,11 @@ def get(ordinal=None) -> Device:
     if isinstance(ordinal, Device):
         return ordinal
     if ordinal is None:
+        ordinal = getattr(active, "ordinal", None)   # inside an op: its device's context is the current one
+        if ordinal is not None:
+            d = _devices.get(ordinal)
+            if d is not None:
+                return d
         _driver.ensure_context()
         ordinal = int(_driver.call_init("cuCtxGetDevice"))
     d = _devices.get(ordinal)

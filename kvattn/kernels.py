@@ -14,7 +14,7 @@ import threading
 
 import numpy as np
 
-from . import _driver, _dtypes, cache
+from . import _driver, _dtypes, cache, device as _device
 from ._errors import CudaError
 from .stream import as_stream
 
@@ -75,6 +75,19 @@ def register(op: str, specs):
     REGISTRY.setdefault(op, []).extend(specs)
 
 
+@functools.lru_cache(maxsize=None)
+def _run_packer(dtype: np.dtype, names: tuple):
+    """(pack_into of one struct.Struct over these adjacent fields, the first's byte offset): ParamBuffer.setter's,
+    built once per struct layout (every plan() asks for the same few)."""
+    fields = dtype.fields
+    for a, b in zip(names, names[1:]):
+        if fields[b][1] != fields[a][1] + fields[a][0].itemsize:
+            raise ValueError(f"setter: {names} are not adjacent fields of the struct (each must start where "
+                             f"the previous one ends)")
+    st = struct.Struct("<" + "".join(_FORMATS[f"{fields[n][0].kind}{fields[n][0].itemsize}"][1] for n in names))
+    return st.pack_into, fields[names[0]][1]
+
+
 class ParamBuffer:
     """A packed parameter struct (layout of a numpy structured dtype mirroring a C struct) in a ctypes buffer,
     with its prebuilt void** for cuLaunchKernel. set() packs fields with precompiled struct.Struct objects
@@ -118,13 +131,8 @@ class ParamBuffer:
     def setter(self, *names):
         """A function f(*values) that packs these fields, adjacent in the struct, with one pack_into (run()'s hot
         path sets its pointers and strides this way)."""
-        fields = self.dtype.fields
-        for a, b in zip(names, names[1:]):
-            if fields[b][1] != fields[a][1] + fields[a][0].itemsize:
-                raise ValueError(f"setter: {names} are not adjacent fields of the struct (each must start where "
-                                 f"the previous one ends)")
-        st = struct.Struct("<" + "".join(_FORMATS[f"{fields[n][0].kind}{fields[n][0].itemsize}"][1] for n in names))
-        pack, raw, off = st.pack_into, self.raw, fields[names[0]][1]
+        pack, off = _run_packer(self.dtype, names)
+        raw = self.raw
 
         def set_fields(*values):
             pack(raw, off, *values)
@@ -279,18 +287,42 @@ _lock = threading.Lock()
 
 def get_kernel(spec: KernelSpec) -> Kernel:
     """The loaded Kernel for spec on the current context's device (compiled or fetched from the cache on first
-    use, loaded once per process and device)."""
-    dev = _driver.current_device()
-    key = (spec, dev.ordinal)
-    k = _loaded.get(key)
+    use, loaded once per process and device). Inside an op's plan() / run() (opcore.on_device) that device is the
+    op's, known without asking the driver."""
+    ordinal = getattr(_device.active, "ordinal", None)
+    if ordinal is None:
+        ordinal = _driver.current_device().ordinal
+    k = _loaded.get((spec, ordinal))
     if k is not None:
         return k
+    dev = _driver.current_device()
+    key = (spec, dev.ordinal)
     with _lock:
         k = _loaded.get(key)
         if k is None:
             compiled, _ = spec.compile(dev.arch)
             k = _loaded[key] = Kernel(spec, compiled)
     return k
+
+
+def memo_spec(build):
+    """Memoise a KernelSpec builder on its arguments (plan() asks for the same few specs on every call); calls
+    with an unhashable argument (a list in a tuning dict) build the spec afresh."""
+    memo: dict = {}
+
+    @functools.wraps(build)
+    def cached(*args, **kwargs):
+        try:
+            key = (args, tuple(kwargs.items()))
+            spec = memo.get(key)
+        except TypeError:
+            return build(*args, **kwargs)
+        if spec is None:
+            if len(memo) > 1024:
+                memo.clear()
+            spec = memo[key] = build(*args, **kwargs)
+        return spec
+    return cached
 
 
 def size_assert(struct: str, dtype: np.dtype) -> str:

@@ -359,17 +359,19 @@ class Workspace:
         return _align(total)
 
     def regions(self, spec) -> dict:
-        need = self.bytes_needed(spec)
+        out, offset, base = {}, 0, self.buffer.ptr
+        for name, (shape, dtype) in spec.items():
+            offset = _align(offset)
+            npd = _dtypes.to_numpy(dtype)
+            shape = tuple(map(int, shape))
+            out[name] = DeviceArray._make(base + offset, shape, npd, contiguous_strides(shape, npd.itemsize),
+                                          self.buffer)
+            offset += math.prod(shape) * npd.itemsize
+        need = _align(offset)   # (= bytes_needed(spec))
         if need > self.nbytes:
             raise WorkspaceTooSmall(
                 f"workspace: {need} bytes needed for regions {list(spec)}, but the workspace has {self.nbytes}; "
                 f"pass workspace_bytes >= {need}")
-        out, offset = {}, 0
-        for name, (shape, dtype) in spec.items():
-            offset = _align(offset)
-            npd = _dtypes.to_numpy(dtype)
-            out[name] = DeviceArray(self.buffer.ptr + offset, shape, npd, None, self.buffer)
-            offset += math.prod(shape) * npd.itemsize
         return out
 
 
@@ -386,12 +388,13 @@ def fit_workspace(ws: "Workspace | None", spec, fixed_bytes: "int | None"):
     """
     if fixed_bytes is not None:
         ws = ws or Workspace(fixed_bytes)
-    else:
-        need = Workspace.bytes_needed(spec)
-        if ws is None or ws.nbytes < need:
-            if ws is not None:
-                _driver.call("cuCtxSynchronize")  # queued work on any stream may still read the old buffer
-            ws = Workspace(max(need, 1 << 20))
+        return ws, ws.regions(spec)
+    if ws is not None:
+        try:
+            return ws, ws.regions(spec)
+        except WorkspaceTooSmall:
+            _driver.call("cuCtxSynchronize")  # queued work on any stream may still read the old buffer
+    ws = Workspace(max(Workspace.bytes_needed(spec), 1 << 20))
     return ws, ws.regions(spec)
 
 

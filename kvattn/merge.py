@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _dtypes
-from .kernels import KernelSpec, ParamBuffer, get_kernel, register
+from .kernels import KernelSpec, ParamBuffer, get_kernel, memo_spec, register
 from ._binding import begin, import_array, output
 from .memory import DeviceArray
 
@@ -58,6 +58,7 @@ def set_lanes(params: ParamBuffer, units: int, max_states: int | None, one_lane:
 STATE_DTYPES = ("float16", "bfloat16", "float32")
 
 
+@memo_spec
 def merge_spec(in_dtype: str, out_dtype: str, variant=None) -> KernelSpec:
     """The merge of (o, lse) states; variant: an attention Variant whose output hook finishes each merged row
     (split-KV merges of a plan), or None."""
