@@ -4,7 +4,8 @@
 
 The driver is faked (tests/_fake_driver.py: every cu* call answered at once), so what is timed is kvattn's own
 Python around its driver calls: decode b1_L2048 and causal ragged prefill b8_S2048 (bf16 Hq32/Hkv8/D128, page 16)
-with kvattn arrays, `out` given and out=None. The fake's own calls (one context query and one launch a run) are
+with kvattn arrays, `out` given and out=None; then plan() of decode b1_L2048 and ragged / paged prefill b8_S2048
+(best of 5 rounds of 300 calls). The fake's own calls (one context query and one launch a run) are
 timed alone and subtracted ("kvattn" column). On the GPU host the same Python costs about 1.7x this machine's
 (session 22: 14.2 us a decode run() there, 5.7 of it the driver's launch). Best of 5 rounds of 20,000 calls.
 """
@@ -38,6 +39,19 @@ def per_call_us(fn, n=20000, rounds=5) -> float:
             fn()
         best = min(best, (time.perf_counter() - t) / n * 1e6)
     return best
+
+
+def plan_cases():
+    """{name: one plan() call}: decode b1_L2048, causal ragged and paged prefill b8_S2048."""
+    rng = np.random.default_rng(0)
+    pt = kvattn.PageTable.from_kv_lens(np.array([2048]), PAGE, rng=rng)
+    dec = kvattn.BatchDecodeWithPagedKVCache()
+    indptr = np.arange(9, dtype=np.int32) * 2048
+    pt8 = kvattn.PageTable.from_kv_lens(np.full(8, 2048), PAGE, rng=rng)
+    ragged, paged = kvattn.BatchPrefillWithRaggedKVCache(), kvattn.BatchPrefillWithPagedKVCache()
+    return {"decode b1_L2048": lambda: dec.plan(pt, HQ, HKV, D),
+            "ragged prefill b8_S2048": lambda: ragged.plan(indptr, indptr, HQ, HKV, D, causal=True),
+            "paged prefill b8_S2048": lambda: paged.plan(indptr, pt8, HQ, HKV, D, causal=True)}
 
 
 def cases():
@@ -76,6 +90,9 @@ def main():
             a, b = per_call_us(given), per_call_us(none)
             print(f"{name:<18} {a:>10.2f} {b:>10.2f} {a - fake_us:>20.2f}", flush=True)
         print(f"(the fake driver's {per_run} calls a run: {fake_us:.2f} us, subtracted in the last column)")
+        print(f"\n{'plan()':<26} {'us (fake driver included)':>26}")
+        for name, fn in plan_cases().items():
+            print(f"{name:<26} {per_call_us(fn, n=300):>26.1f}", flush=True)
         if args.profile:
             for name, (given, _) in runs.items():
                 prof = cProfile.Profile()
