@@ -70,3 +70,25 @@ def test_run_on_another_stream_waits_for_the_plan_copy_once_per_call():
         names = calls.names(n)
         assert names.count("cuStreamWaitEvent") == 1 and "cuStreamIsCapturing" in names
         assert not SYNCING & set(names)
+
+
+def test_run_inside_a_capture_adds_no_cross_stream_wait_and_refuses_implicit_outputs():
+    """While the stream captures, run() records only its launches (no wait for the plan's copy, which is ordered
+    before the capture), and out=None / return_lse without lse raise naming the argument before any launch."""
+    with fake_driver() as calls:
+        w, q, k, v = _decode([300, 5000])
+        out, lse = kvattn.empty(q.shape, "bfloat16"), kvattn.empty(q.shape[:2], "float32")
+        s = kvattn.Stream()
+        driver = kvattn._driver.driver()
+        driver.capturing.add(s.ptr)
+        p = w.last_plan
+        launches = ["cuLaunchKernelEx" if launch._config is not None else "cuLaunchKernel"
+                    for launch in p.launches + ((p.merge,) if p.merge is not None else ())]
+        n = len(calls)
+        w.run(q, k, v, out=out, lse=lse, stream=s)
+        assert calls.names(n) == ["cuCtxGetCurrent", "cuStreamIsCapturing"] + launches
+        for kwargs, name in ((dict(), "out"), (dict(out=out, return_lse=True), "lse")):
+            n = len(calls)
+            with pytest.raises(kvattn.KvattnError, match=f"^{name}: run\\(\\) is being captured"):
+                w.run(q, k, v, stream=s, **kwargs)
+            assert not [c for c in calls.names(n) if c.startswith("cuLaunch") or c.startswith("cuMem")]
