@@ -78,31 +78,48 @@ def _host_indices(nnz, append_indptr, batch_indices, positions, pt: PageTable, n
     if append_indptr is not None:
         if batch_indices is not None or positions is not None:
             raise ValueError("append_indptr: give append_indptr or batch_indices and positions, not both")
-        ind = _v.as_indptr(append_indptr, "append_indptr", length=pt.batch_size + 1)
-        if int(ind[-1]) != nnz:
-            raise ValueError(f"append_indptr: its last entry ({int(ind[-1])}) must equal the number of new tokens "
-                             f"in k_new ({nnz})")
-        b, pos = get_batch_indices_positions(ind, pt)
+        b, pos = _from_append_indptr(nnz, append_indptr, pt)   # valid by construction
     else:
         if batch_indices is None or positions is None:
             raise ValueError("batch_indices, positions: both required without append_indptr")
         b = _v.as_index_array(batch_indices, "batch_indices")
         pos = _v.as_index_array(positions, "positions")
-    for name, a in (("batch_indices", b), ("positions", pos)):
-        if a.size != nnz:
-            raise ValueError(f"{name}: expected {nnz} entries (one per new token of k_new), got {a.size}")
-    if b.size and (b.min() < 0 or b.max() >= pt.batch_size):
-        t = int(np.argmax((b < 0) | (b >= pt.batch_size)))
-        raise ValueError(f"batch_indices: token {t} names request {int(b[t])}, expected 0 <= b < batch_size "
-                         f"{pt.batch_size}")
-    kvl = pt.kv_lens
-    bad = (pos < 0) | (pos >= kvl[b]) if b.size else np.zeros(0, bool)
-    if bad.any():
-        t = int(np.argmax(bad))
-        raise ValueError(f"positions: token {t} has position {int(pos[t])}, outside [0, kv_len {int(kvl[b[t]])}) "
-                         f"of request {int(b[t])} (the page table is the one after the append)")
+        for name, a in (("batch_indices", b), ("positions", pos)):
+            if a.size != nnz:
+                raise ValueError(f"{name}: expected {nnz} entries (one per new token of k_new), got {a.size}")
+        if b.size and (b.min() < 0 or b.max() >= pt.batch_size):
+            t = int(np.argmax((b < 0) | (b >= pt.batch_size)))
+            raise ValueError(f"batch_indices: token {t} names request {int(b[t])}, expected 0 <= b < batch_size "
+                             f"{pt.batch_size}")
+        kvl = pt.kv_lens
+        bad = (pos < 0) | (pos >= kvl[b]) if b.size else np.zeros(0, bool)
+        if bad.any():
+            t = int(np.argmax(bad))
+            raise ValueError(f"positions: token {t} has position {int(pos[t])}, outside [0, kv_len "
+                             f"{int(kvl[b[t]])}) of request {int(b[t])} (the page table is the one after the append)")
     pt.validate(num_pages, "num_pages (the pages k_cache holds)")
-    return np.concatenate([b, pos, pt.indptr, pt.indices, pt.last_page_len]).astype(np.int32)
+    return np.concatenate([b, pos, pt.indptr, pt.indices, pt.last_page_len], dtype=np.int32)
+
+
+def _from_append_indptr(nnz: int, append_indptr, pt: PageTable):
+    """(batch_indices, positions) int32 [nnz] of tokens appended ragged by append_indptr to pt's requests (their
+    lengths after the append), as get_batch_indices_positions (the float64 reference's formula) computes them,
+    in int32 without its intermediate copies: token t of request i is at position t - (indptr[i] - kv_len[i] +
+    appended[i]). The one check: no request appends more tokens than it holds."""
+    ind = _v.as_indptr(append_indptr, "append_indptr", length=pt.batch_size + 1)
+    if int(ind[-1]) != nnz:
+        raise ValueError(f"append_indptr: its last entry ({int(ind[-1])}) must equal the number of new tokens "
+                         f"in k_new ({nnz})")
+    n = np.diff(ind)
+    kv = pt.kv_lens
+    if (n > kv).any():
+        i = int(np.argmax(n > kv))
+        raise ValueError(f"kv_lens: request {i} appends {n[i]} tokens but its kv_len is only {kv[i]} (append_indptr "
+                         f"against the page table after the append)")
+    b = np.repeat(np.arange(n.size, dtype=np.int32), n)
+    pos = np.arange(nnz, dtype=np.int32)
+    pos -= np.repeat((ind[:-1] - kv + n).astype(np.int32), n)
+    return b, pos
 
 
 def _device_index(x, name: str, n: int | None, s, capturing):

@@ -2,10 +2,12 @@
 its parameter struct."""
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 from kvattn import compiler, kernels
 from kvattn.formats import PageTable
 from kvattn.page import APPEND_PARAMS, _host_indices, get_batch_indices_positions
+from kvattn.reference import batch_indices_positions
 
 
 def _pt():
@@ -19,6 +21,21 @@ def test_batch_indices_positions_from_indptr():
     assert b.dtype == np.int32 and pos.dtype == np.int32
     b2, pos2 = get_batch_indices_positions([0, 3, 5, 5], [7, 2, 0])
     assert b2.tolist() == b.tolist() and pos2.tolist() == pos.tolist()
+
+
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 300)), min_size=1, max_size=12),
+       st.sampled_from([1, 5, 16]))
+def test_host_indices_from_append_indptr_match_the_reference(reqs, page):
+    """The host path's int32 batch indices / positions (derived from append_indptr) are the float64 reference's."""
+    kv = [a + n for a, n in reqs]            # lengths after the append
+    appended = [n for _, n in reqs]
+    pt = PageTable.from_kv_lens(np.array(kv), page, rng=np.random.default_rng(0))
+    indptr = np.concatenate([[0], np.cumsum(appended)]).astype(np.int32)
+    nnz = int(indptr[-1])
+    h = _host_indices(nnz, indptr, None, None, pt, pt.num_pages_used)
+    b, pos = batch_indices_positions(indptr, pt.kv_lens)
+    assert h[:nnz].tolist() == b.tolist() and h[nnz:2 * nnz].tolist() == pos.tolist()
+    assert h.tolist() == _host_indices(nnz, None, b, pos, pt, pt.num_pages_used).tolist()
 
 
 def test_host_indices_pack_every_array():
