@@ -5,7 +5,7 @@
 The driver is faked (tests/_fake_driver.py: every cu* call answered at once), so what is timed is kvattn's own
 Python around its driver calls: decode b1_L2048 and causal ragged prefill b8_S2048 (bf16 Hq32/Hkv8/D128, page 16)
 with kvattn arrays, `out` given and out=None; then plan() of decode b1_L2048 and ragged / paged prefill b8_S2048
-(best of 5 rounds of 300 calls). The fake's own calls (one context query and one launch a run) are
+(best of 5 rounds of 300 calls); then append_paged_kv_cache's three index paths on bench_append.py's cases. The fake's own calls (one context query and one launch a run) are
 timed alone and subtracted ("kvattn" column). On the GPU host the same Python costs about 1.7x this machine's
 (session 22: 14.2 us a decode run() there, 5.7 of it the driver's launch). Best of 5 rounds of 20,000 calls.
 """
@@ -54,6 +54,27 @@ def plan_cases():
             "paged prefill b8_S2048": lambda: paged.plan(indptr, pt8, HQ, HKV, D, causal=True)}
 
 
+def append_cases():
+    """{case: {path: one append_paged_kv_cache call}}: bench_append.py's two cases (bf16 Hkv8/D128, page 16) through
+    a host PageTable with append_indptr, with host batch_indices / positions, and with device arrays."""
+    out = {}
+    for name, kv, new in (("b256 x 1 on 512", [512] * 256, [1] * 256), ("b8 x 4096 on 4096", [4096] * 8, [4096] * 8)):
+        pt = kvattn.PageTable.from_kv_lens(np.array(kv), PAGE, rng=np.random.default_rng(0))
+        indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+        kn = kvattn.empty((int(indptr[-1]), HKV, D), "bfloat16")
+        kc = kvattn.empty((pt.num_pages_used, PAGE, HKV, D), "bfloat16")
+        b, pos = kvattn.get_batch_indices_positions(indptr, pt)
+        dev = tuple(kvattn.empty(a.shape, "int32") for a in (pt.indptr, pt.indices, pt.last_page_len, b, pos))
+        out[name] = {
+            "PageTable + append_indptr": lambda kn=kn, kc=kc, i=indptr, pt=pt: kvattn.append_paged_kv_cache(
+                kn, kn, i, kc, kc, pt),
+            "host batch_indices": lambda kn=kn, kc=kc, pt=pt, b=b, pos=pos: kvattn.append_paged_kv_cache(
+                kn, kn, None, kc, kc, pt, batch_indices=b, positions=pos),
+            "device arrays": lambda kn=kn, kc=kc, d=dev: kvattn.append_paged_kv_cache(
+                kn, kn, None, kc, kc, d[:3], batch_indices=d[3], positions=d[4])}
+    return out
+
+
 def cases():
     """{name: (run() with out given, run() with out=None)}"""
     rng = np.random.default_rng(0)
@@ -93,6 +114,10 @@ def main():
         print(f"\n{'plan()':<26} {'us (fake driver included)':>26}")
         for name, fn in plan_cases().items():
             print(f"{name:<26} {per_call_us(fn, n=300):>26.1f}", flush=True)
+        print(f"\n{'append_paged_kv_cache':<20} {'path':<28} {'us (fake driver included)':>26}")
+        for name, paths in append_cases().items():
+            for path, fn in paths.items():
+                print(f"{name:<20} {path:<28} {per_call_us(fn, n=1000):>26.1f}", flush=True)
         if args.profile:
             for name, (given, _) in runs.items():
                 prof = cProfile.Profile()
