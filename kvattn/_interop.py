@@ -172,9 +172,13 @@ def _from_dlpack(x, stream: Stream, capturing: bool) -> DeviceArray:
         capsule = x.__dlpack__(stream=value)
     except TypeError:   # producers without the stream keyword
         capsule = x.__dlpack__()
-    ptr, shape, strides, (code, bits, lanes), dev_type, _ = _dlpack.read(capsule)
+    ptr, shape, strides, (code, bits, lanes), dev_type, dev_id = _dlpack.read(capsule)
     if dev_type != _dlpack.K_DL_CUDA:
         raise TypeError(f"array: DLPack device type {dev_type} is not CUDA ({_dlpack.K_DL_CUDA})")
+    want = getattr(active, "ordinal", None)
+    if want is not None and dev_id != want:
+        raise ValueError(f"array: a DLPack array on CUDA device {dev_id}, but this op runs on device {want} (pass "
+                         f"arrays on device {want}, or build the op with device={dev_id})")
     if lanes != 1:
         raise TypeError(f"array: DLPack vector lanes ({lanes}) are not supported")
     dtype = _dtypes.from_dlpack(code, bits)

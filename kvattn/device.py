@@ -94,10 +94,28 @@ class _Active:
         return False
 
 
+_count: list = []   # the driver's GPU count, once read (it does not change while the process runs)
+
+
 def count() -> int:
     """The number of GPUs the driver sees (CudaUnavailableError without a driver or a GPU)."""
-    _driver.ensure_context()
-    return _driver.call_init("cuDeviceGetCount")
+    if not _count:
+        _driver.ensure_context()
+        _count.append(int(_driver.call_init("cuDeviceGetCount")))
+    return _count[0]
+
+
+def ordinal_of(ptr: int) -> int:
+    """The ordinal of the GPU whose memory holds device pointer ptr: asked of the driver only where it sees several
+    GPUs (0 with one, and without a driver: CPU tests of exports)."""
+    try:
+        n = count()
+    except Exception:   # CudaUnavailableError: no driver / no GPU
+        return 0
+    if n == 1:
+        return 0
+    attr = _driver.driver().CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    return int(_driver.call("cuPointerGetAttribute", attr, ptr))
 
 
 def get(ordinal=None) -> Device:

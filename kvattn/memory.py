@@ -11,7 +11,7 @@ import weakref
 
 import numpy as np
 
-from . import _dlpack, _driver, _dtypes
+from . import _dlpack, _driver, _dtypes, device as _device
 from .pool import note_use
 from .stream import Event, as_stream, order_after
 
@@ -67,12 +67,8 @@ class DeviceArray:
     # -- properties ----------------------------------------------------------------------------
     @property
     def device(self):
-        """The kvattn.device.Device that holds the memory (asked of the driver: not for hot paths)."""
-        from . import device as _device
-        drv = _driver.driver()
-        ordinal = _driver.call("cuPointerGetAttribute",
-                               drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, self.ptr)
-        return _device.get(int(ordinal))
+        """The kvattn.device.Device that holds the memory (asked of the driver where it sees several GPUs)."""
+        return _device.get(_device.ordinal_of(self.ptr))
 
     @property
     def ndim(self) -> int:
@@ -155,7 +151,8 @@ class DeviceArray:
         }
 
     def __dlpack_device__(self):
-        return (_dlpack.K_DL_CUDA, 0)
+        """(CUDA, the ordinal of the GPU holding the memory): a consumer builds its tensor on that device."""
+        return (_dlpack.K_DL_CUDA, _device.ordinal_of(self.ptr))
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         """A DLPack capsule. stream (DLPack's convention): None or 1 the legacy default stream, 2 the per-thread
@@ -163,8 +160,10 @@ class DeviceArray:
         array (no device-wide synchronisation)."""
         if copy:
             raise BufferError("kvattn.DeviceArray.__dlpack__: copy=True is not supported")
-        if dl_device is not None and tuple(dl_device) != (_dlpack.K_DL_CUDA, 0):
-            raise BufferError(f"kvattn.DeviceArray.__dlpack__: cannot export to device {dl_device}")
+        ordinal = _device.ordinal_of(self.ptr)
+        if dl_device is not None and tuple(dl_device) != (_dlpack.K_DL_CUDA, ordinal):
+            raise BufferError(f"kvattn.DeviceArray.__dlpack__: cannot export to device {dl_device} (the array is "
+                              f"on CUDA device {ordinal})")
         if self.stream is not None and stream != -1:
             consumer = as_stream(stream)
             if consumer.ptr != self.stream:
@@ -174,7 +173,8 @@ class DeviceArray:
         if code_bits is None:
             code_bits = _dlpack_types[self.dtype] = _dtypes.to_dlpack(self.dtype)
         itemsize = self.dtype.itemsize
-        return _dlpack.export(self.ptr, self.shape, tuple(map(itemsize.__rfloordiv__, self.strides)), *code_bits, self)
+        return _dlpack.export(self.ptr, self.shape, tuple(map(itemsize.__rfloordiv__, self.strides)), *code_bits, self,
+                              ordinal)
 
     # -- copies --------------------------------------------------------------------------------
     def numpy(self, stream=None) -> np.ndarray:

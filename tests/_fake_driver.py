@@ -50,6 +50,8 @@ class FakeDriver:
         self._host = {}          # pinned host buffers, kept alive by address
         self._handles = 0x1000
         self.capturing = set()   # stream handles that report a capture in progress
+        self.device_count = 1
+        self.pointer_devices = {}   # device pointer -> the ordinal cuPointerGetAttribute reports (default 0)
 
     # -- answers -------------------------------------------------------------------------------------------
     def _handle(self, cls):
@@ -62,7 +64,8 @@ class FakeDriver:
         return _real.CUdeviceptr(ptr)
 
     def cuInit(self, flags): return (OK,)
-    def cuDeviceGetCount(self): return OK, 1
+    def cuDeviceGetCount(self): return OK, self.device_count
+    def cuPointerGetAttribute(self, attr, ptr): return OK, self.pointer_devices.get(int(ptr), 0)
     def cuDeviceGet(self, ordinal): return OK, _real.CUdevice(int(ordinal))
     def cuCtxGetDevice(self): return OK, _real.CUdevice(0)
     def cuDevicePrimaryCtxRetain(self, dev): return OK, _real.CUcontext(CONTEXT)
@@ -127,11 +130,12 @@ def fake_driver():
     """Swap kvattn's driver module, device table, streams and pool for the fake one's; restore them after."""
     calls = Calls()
     fake = FakeDriver(calls)
-    saved = (_driver._module, dict(_driver._state), dict(_device._devices), dict(kernels._loaded),
+    saved = (list(_device._count), _driver._module, dict(_driver._state), dict(_device._devices), dict(kernels._loaded),
              dict(_stream._special), dict(_stream._borrowed), list(_stream._sync_event), dict(pool._pools),
              list(pool._hot), dict(pool._free_lists), list(pool._free_bytes))
     _driver._module = fake
     _driver._state.clear()
+    _device._count.clear()
     for table in (_device._devices, kernels._loaded, _stream._special, _stream._borrowed, pool._pools,
                   pool._free_lists):
         table.clear()
@@ -140,8 +144,9 @@ def fake_driver():
     try:
         yield calls
     finally:
-        (_driver._module, state, devices, loaded, special, borrowed, sync_event, pools, hot, free_lists,
+        (count, _driver._module, state, devices, loaded, special, borrowed, sync_event, pools, hot, free_lists,
          free_bytes) = saved
+        _device._count[:] = count
         _driver._state.clear(); _driver._state.update(state)
         for table, old in ((_device._devices, devices), (kernels._loaded, loaded), (_stream._special, special),
                            (_stream._borrowed, borrowed), (pool._pools, pools), (pool._free_lists, free_lists)):

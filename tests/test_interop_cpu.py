@@ -299,3 +299,40 @@ def test_jax_arrays_read_directly_when_computed_else_through_dlpack(monkeypatch,
     x.ready = False   # not computed yet: the producer is given the consumer stream and orders itself
     b = _interop.import_array(x, st.as_stream(0xAB00), False)
     assert x.got == [0xAB00] and b.ptr == 0x10000 and waits == []
+
+
+# -- DLPack device ids (the driver faked: two GPUs) ------------------------------------------------------------
+def test_dlpack_exports_name_the_array_device_and_imports_check_the_op_device():
+    """An array on GPU 1 exports DLPack device (CUDA, 1), so torch builds its tensor on cuda:1 (it said 0 before,
+    whatever the GPU); with one GPU no driver query is made. Inside an op on device 0, a DLPack array that says
+    device 1 is refused naming both."""
+    from _fake_driver import fake_driver
+    from kvattn import device as _device
+    with fake_driver() as calls:
+        drv = kvattn._driver.driver()
+        a = kvattn.DeviceArray(0x7000_0000, (4, 8), "float16")
+        assert a.__dlpack_device__() == (_dlpack.K_DL_CUDA, 0) and "cuPointerGetAttribute" not in calls.names()
+        _device._count.clear()
+        drv.device_count = 2
+        drv.pointer_devices[a.ptr] = 1
+        assert a.__dlpack_device__() == (_dlpack.K_DL_CUDA, 1)
+        ptr, shape, _, _, dev_type, dev_id = _dlpack.read(a.__dlpack__(stream=-1))
+        assert (ptr, shape, dev_type, dev_id) == (a.ptr, (4, 8), _dlpack.K_DL_CUDA, 1)
+        with pytest.raises(BufferError, match="the array is on CUDA device 1"):
+            a.__dlpack__(stream=-1, dl_device=(_dlpack.K_DL_CUDA, 0))
+
+        class Producer:   # a DLPack-only producer handing out a's capsule
+            def __dlpack__(self, stream=None):
+                return a.__dlpack__(stream=-1)
+
+            def __dlpack_device__(self):
+                return a.__dlpack_device__()
+
+        s = st.as_stream(None)
+        assert _interop.import_array(Producer(), s, False).ptr == a.ptr   # outside an op: any device
+        _interop.active.ordinal = 0
+        try:
+            with pytest.raises(ValueError, match="a DLPack array on CUDA device 1, but this op runs on device 0"):
+                _interop.import_array(Producer(), s, False)
+        finally:
+            _interop.active.ordinal = None
