@@ -35,7 +35,11 @@ CONTEXT = 0xC0DE000
 
 
 class Calls(list):
-    """(name, args) of every faked driver call, in order."""
+    """(name, args) of every faked driver call, in order; `contexts[i]`: the context current at call i (0: none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.contexts = []
 
     def names(self, since: int = 0) -> list:
         return [n for n, _ in self[since:]]
@@ -52,6 +56,7 @@ class FakeDriver:
         self.capturing = set()   # stream handles that report a capture in progress
         self.device_count = 1
         self.pointer_devices = {}   # device pointer -> the ordinal cuPointerGetAttribute reports (default 0)
+        self.ctx_stack = []         # the (one) thread's context stack: device d's primary context is CONTEXT + d
 
     # -- answers -------------------------------------------------------------------------------------------
     def _handle(self, cls):
@@ -67,10 +72,26 @@ class FakeDriver:
     def cuDeviceGetCount(self): return OK, self.device_count
     def cuPointerGetAttribute(self, attr, ptr): return OK, self.pointer_devices.get(int(ptr), 0)
     def cuDeviceGet(self, ordinal): return OK, _real.CUdevice(int(ordinal))
-    def cuCtxGetDevice(self): return OK, _real.CUdevice(0)
-    def cuDevicePrimaryCtxRetain(self, dev): return OK, _real.CUcontext(CONTEXT)
-    def cuCtxGetCurrent(self): return OK, _real.CUcontext(CONTEXT)
-    def cuCtxSetCurrent(self, ctx): return (OK,)
+    def cuCtxGetDevice(self): return OK, _real.CUdevice(self._current_ctx() - CONTEXT)
+    def cuDevicePrimaryCtxRetain(self, dev): return OK, _real.CUcontext(CONTEXT + int(dev))
+    def cuCtxGetCurrent(self): return OK, _real.CUcontext(self._current_ctx())
+
+    def _current_ctx(self) -> int:
+        return self.ctx_stack[-1] if self.ctx_stack else 0
+
+    def cuCtxSetCurrent(self, ctx):
+        if self.ctx_stack:
+            self.ctx_stack[-1] = int(ctx)
+        else:
+            self.ctx_stack.append(int(ctx))
+        return (OK,)
+
+    def cuCtxPushCurrent(self, ctx):
+        self.ctx_stack.append(int(ctx))
+        return (OK,)
+
+    def cuCtxPopCurrent(self):
+        return OK, _real.CUcontext(self.ctx_stack.pop())
     def cuDeviceGetName(self, n, dev): return OK, b"Fake H200\0"
     def cuDeviceGetAttribute(self, attr, dev): return OK, ATTRIBUTES.get(attr, 1)
     def cuModuleLoadData(self, image): return OK, self._handle(_real.CUmodule)
@@ -118,6 +139,7 @@ class FakeDriver:
 
         def recorded(*args):
             calls.append((name, args))
+            calls.contexts.append(object.__getattribute__(self, "_current_ctx")())
             return attr(*args)
         return recorded
 

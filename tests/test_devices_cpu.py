@@ -1,0 +1,73 @@
+"""CPU tests of ops on a second GPU, with the driver faked as two GPUs (tests/_fake_driver.py: device d's primary
+context is its own, pushed and popped on one context stack): an op built with device=1, called from a thread whose
+current context is GPU 0's, loads its kernels, allocates its workspace and pool outputs, copies its plan and
+launches with GPU 1's context current, and leaves GPU 0's current after every call; an op on GPU 0 in the same
+process keeps its own kernels. On the one-GPU machines the GPU files could only test device 0."""
+import numpy as np
+
+from _fake_driver import CONTEXT, fake_driver
+
+import kvattn
+from kvattn import pool
+
+HQ, HKV, D, PAGE = 8, 2, 64, 16
+
+
+def _arrays(pt, batch):
+    k = kvattn.empty((pt.num_pages_used, PAGE, HKV, D), "bfloat16")
+    return kvattn.empty((batch, HQ, D), "bfloat16"), k, kvattn.empty(k.shape, "bfloat16")
+
+
+def test_an_op_on_gpu_1_works_in_gpu_1s_context_and_restores_the_callers():
+    with fake_driver() as calls:
+        drv = kvattn._driver.driver()
+        drv.device_count = 2
+        kvattn._driver.ensure_context()                    # the thread: GPU 0's primary context
+        ctx0, ctx1 = CONTEXT, CONTEXT + 1
+        assert drv._current_ctx() == ctx0
+        pt = kvattn.PageTable.from_kv_lens(np.array([700, 5000]), PAGE, rng=np.random.default_rng(0))
+        q, k, v = _arrays(pt, 2)
+        w1 = kvattn.BatchDecodeWithPagedKVCache(device=1)
+        n = len(calls)
+        w1.plan(pt, HQ, HKV, D)
+        out = w1.run(q, k, v)                              # out=None: GPU 1's pool
+        names, where = calls.names(n), calls.contexts[n:]
+        assert drv._current_ctx() == ctx0 and drv.ctx_stack == [ctx0]
+        work = {"cuModuleLoadData", "cuMemAlloc", "cuMemcpyHtoDAsync", "cuLaunchKernel", "cuLaunchKernelEx",
+                "cuMemPoolCreate", "cuMemAllocFromPoolAsync", "cuEventRecord", "cuStreamWaitEvent"}
+        done = [(name, ctx) for name, ctx in zip(names, where) if name in work]
+        assert {"cuModuleLoadData", "cuMemAlloc", "cuMemcpyHtoDAsync", "cuMemPoolCreate"} <= {x for x, _ in done}
+        assert any(x.startswith("cuLaunchKernel") for x, _ in done)
+        assert all(ctx == ctx1 for _, ctx in done), done
+        assert names.count("cuCtxPushCurrent") == names.count("cuCtxPopCurrent") >= 2   # plan() and run()
+        props = next(args[0] for name, args in calls[n:] if name == "cuMemPoolCreate")
+        assert props.location.id == 1 and 1 in pool._pools and out.owner.device == 1
+        assert w1.device.ordinal == 1 and w1.num_sms == 132
+
+        w0 = kvattn.BatchDecodeWithPagedKVCache()          # the current context's GPU: 0, no push
+        n = len(calls)
+        w0.plan(pt, HQ, HKV, D)
+        w0.run(q, k, v, out=kvattn.empty(q.shape, "bfloat16"))
+        names, where = calls.names(n), calls.contexts[n:]
+        assert "cuCtxPushCurrent" not in names and w0.device.ordinal == 0
+        loads = [ctx for name, ctx in zip(names, where) if name == "cuModuleLoadData"]
+        assert loads and set(loads) == {ctx0}              # GPU 0 loads its own copy of the kernels
+        assert all(ctx == ctx0 for name, ctx in zip(names, where) if name.startswith("cuLaunchKernel"))
+
+
+def test_prefill_on_gpu_1_from_a_thread_with_no_context():
+    """A thread with no current context: kvattn's first driver call gives it GPU 0's primary context (the CUDA
+    runtime's lazy default); the op on GPU 1 pushes GPU 1's context around its calls and leaves GPU 0's current."""
+    with fake_driver() as calls:
+        drv = kvattn._driver.driver()
+        drv.device_count = 2
+        w = kvattn.BatchPrefillWithRaggedKVCache(device=1)
+        indptr = np.array([0, 300, 500], np.int32)
+        n = len(calls)
+        w.plan(indptr, indptr, HQ, HKV, D, causal=True)
+        q = kvattn.empty((500, HQ, D), "bfloat16")
+        kk = kvattn.empty((500, HKV, D), "bfloat16")
+        w.run(q, kk, kk, out=kvattn.empty(q.shape, "bfloat16"))
+        launches = [ctx for name, ctx in zip(calls.names(n), calls.contexts[n:]) if name.startswith("cuLaunch")]
+        assert launches and set(launches) == {CONTEXT + 1}
+        assert drv._current_ctx() == CONTEXT               # the thread's own context again (GPU 0's default)
