@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _validate as _v
+from . import _validate as _v, device as _device
 from ._binding import begin, import_array, output
 from .formats import BlockSparse
 from .opcore import F32, RaggedKV, check_array, on_device
@@ -87,7 +87,10 @@ class VariableBlockSparseAttentionWrapper:
         self._args = dict(workspace_bytes=workspace_bytes, num_sms=num_sms, backend=backend, device=device)
         self._heads: list[BlockSparseAttentionWrapper] = []
         self._shape = None
+        self._device_arg = _device.check_device_arg(device)
+        self.device = None   # the heads' kvattn Device, bound by the first plan() (opcore.on_device)
 
+    @on_device
     def plan(self, bsrs, num_qo_heads, num_kv_heads, head_dim, *, sm_scale=None, logits_soft_cap=0.0,
              q_dtype="bfloat16", stream=None):
         bsrs = list(bsrs)
@@ -110,6 +113,7 @@ class VariableBlockSparseAttentionWrapper:
         self._shape = (hq, hkv, head_dim, q_dtype)
         return self
 
+    @on_device   # (the implicit out / lse come from the pool of the heads' device)
     def run(self, q, k, v, out=None, lse=None, return_lse=False, stream=None):
         """q: [M, Hq, D]; k, v: [N, Hkv, D]. Returns out (and lse) as BlockSparseAttentionWrapper.run."""
         if self._shape is None:
@@ -121,10 +125,11 @@ class VariableBlockSparseAttentionWrapper:
         dtype = self._heads[0].last_plan.dtype
         rows = self._heads[0].last_plan.rows
         check_array(q, "q", (rows, hq, d), dtype)
-        out, out_ret = output(out, (rows, hq, d), dtype, s, capturing, "out")
+        dev = self.device.ordinal
+        out, out_ret = output(out, (rows, hq, d), dtype, s, capturing, "out", dev)
         lse_ret = lse
         if lse is not None or return_lse:
-            lse, lse_ret = output(lse, (rows, hq), F32, s, capturing, "lse")
+            lse, lse_ret = output(lse, (rows, hq), F32, s, capturing, "lse", dev)
         for h, w in enumerate(self._heads[:hkv]):
             w.run(q[:, h * g:(h + 1) * g], k[:, h:h + 1], v[:, h:h + 1], out=out[:, h * g:(h + 1) * g],
                   lse=None if lse is None else lse[:, h * g:(h + 1) * g], stream=s)

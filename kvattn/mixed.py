@@ -184,6 +184,7 @@ class BatchMixedWithPagedKVCache:
         and the parts' own plans (prefill_plan / decode_plan)."""
         return self._state
 
+    @on_device   # (the one launch's kernel is loaded here: on the parts' device)
     def plan(self, qo_indptr, page_table: PageTable, num_qo_heads, num_kv_heads, head_dim, *, causal=False,
              sm_scale=None, window_left=-1, logits_soft_cap=0.0, q_dtype="bfloat16", kv_dtype=None,
              prefill_sms=None, stream=None):

@@ -71,3 +71,54 @@ def test_prefill_on_gpu_1_from_a_thread_with_no_context():
         launches = [ctx for name, ctx in zip(calls.names(n), calls.contexts[n:]) if name.startswith("cuLaunch")]
         assert launches and set(launches) == {CONTEXT + 1}
         assert drv._current_ctx() == CONTEXT               # the thread's own context again (GPU 0's default)
+
+
+def _two_gpus(calls):
+    drv = kvattn._driver.driver()
+    drv.device_count = 2
+    kvattn._driver.ensure_context()   # the thread: GPU 0's primary context
+    return drv
+
+
+def _work_contexts(calls, n):
+    """The contexts current at the module loads, allocations, copies and launches since call n."""
+    work = ("cuModuleLoadData", "cuMemAlloc", "cuMemcpyHtoDAsync", "cuLaunchKernel", "cuMemPoolCreate",
+            "cuMemAllocFromPoolAsync")
+    return [(name, ctx) for name, ctx in zip(calls.names(n), calls.contexts[n:]) if name.startswith(work)]
+
+
+def test_mixed_batch_on_gpu_1():
+    """The mixed op's one launch (its own kernel, loaded at plan()) is GPU 1's."""
+    with fake_driver() as calls:
+        drv = _two_gpus(calls)
+        pt = kvattn.PageTable.from_kv_lens(np.array([3000, 3000, 900, 900, 900]), PAGE, rng=np.random.default_rng(0))
+        qo = np.array([0, 1500, 3000, 3001, 3002, 3003], np.int32)
+        w = kvattn.BatchMixedWithPagedKVCache(device=1)
+        k = kvattn.empty((pt.num_pages_used, PAGE, HKV, D), "bfloat16")   # (the test's arrays: allocated first)
+        q = kvattn.empty((3003, HQ, D), "bfloat16")
+        n = len(calls)
+        w.plan(qo, pt, HQ, HKV, D, causal=True, prefill_sms=66)   # (a forced split: the one launch is built)
+        assert w.last_plan["fused"]
+        w.run(q, k, k)
+        done = _work_contexts(calls, n)
+        assert any(name.startswith("cuLaunchKernel") for name, _ in done)
+        assert all(ctx == CONTEXT + 1 for _, ctx in done), done
+        assert drv._current_ctx() == CONTEXT
+
+
+def test_variable_block_sparse_on_gpu_1():
+    """The per-head wrapper's implicit output comes from GPU 1's pool, and every head's launch is GPU 1's."""
+    with fake_driver() as calls:
+        drv = _two_gpus(calls)
+        bsrs = [kvattn.BlockSparse(np.array([0, 1, 2], np.int32), np.array([h % 2, 1], np.int32), (16, 16), (32, 32))
+                for h in range(HKV)]
+        w = kvattn.VariableBlockSparseAttentionWrapper(device=1)
+        kk = kvattn.empty((32, HKV, D), "bfloat16")   # (the test's arrays: allocated first)
+        q = kvattn.empty((32, HQ, D), "bfloat16")
+        n = len(calls)
+        w.plan(bsrs, HQ, HKV, D)
+        out = w.run(q, kk, kk)
+        done = _work_contexts(calls, n)
+        assert any(name.startswith("cuLaunchKernel") for name, _ in done)
+        assert all(ctx == CONTEXT + 1 for _, ctx in done), done
+        assert out.owner.device == 1 and drv._current_ctx() == CONTEXT
