@@ -122,3 +122,20 @@ def test_variable_block_sparse_on_gpu_1():
         assert any(name.startswith("cuLaunchKernel") for name, _ in done)
         assert all(ctx == CONTEXT + 1 for _, ctx in done), done
         assert out.owner.device == 1 and drv._current_ctx() == CONTEXT
+
+
+def test_cascade_on_gpu_1():
+    with fake_driver() as calls:
+        drv = _two_gpus(calls)
+        shared = kvattn.PageTable.from_kv_lens(np.array([4096]), PAGE, rng=np.random.default_rng(0))
+        unique = kvattn.PageTable.from_kv_lens(np.array([100, 300, 50]), PAGE, rng=np.random.default_rng(1))
+        c = kvattn.MultiLevelCascadeAttentionWrapper(2, device=1)
+        kc = kvattn.empty((max(shared.num_pages_used, unique.num_pages_used), PAGE, HKV, D), "bfloat16")
+        q = kvattn.empty((3, HQ, D), "bfloat16")
+        n = len(calls)
+        c.plan([np.array([0, 3], np.int32), np.array([0, 1, 2, 3], np.int32)], [shared, unique], HQ, HKV, D)
+        out = c.run(q, kc, kc)
+        done = _work_contexts(calls, n)
+        assert any(name.startswith("cuLaunchKernel") for name, _ in done)
+        assert all(ctx == CONTEXT + 1 for _, ctx in done), done
+        assert out.owner.device == 1 and drv._current_ctx() == CONTEXT
