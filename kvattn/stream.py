@@ -191,7 +191,33 @@ def require_capturable(stream: Stream, what: str = "graph capture"):
             f"created stream (kvattn.Stream(), torch.cuda.Stream(), cupy.cuda.Stream(non_blocking=True))")
 
 
-_sync_event: list = []
+_sync_event: list = []   # the reusable event of a one-GPU process
+_sync_events: dict = {}  # several GPUs: context id -> the reusable event created in that context
+
+
+def _event_for(producer: int):
+    """The reusable event to record on stream `producer`: the driver records an event only on a stream of the
+    context it was created in, so with several GPUs there is one per context (the producer stream's, asked of the
+    driver; created there)."""
+    from . import device as _device
+    if _device.count() == 1:
+        if not _sync_event:
+            _sync_event.append(Event(disable_timing=True))
+        return _sync_event[0].handle
+    ctx = _driver.call("cuStreamGetCtx", producer)
+    key = int(ctx)
+    ev = _sync_events.get(key)
+    if ev is None:
+        if _driver.current_context_id() == key:
+            ev = Event(disable_timing=True)
+        else:
+            _driver.call("cuCtxPushCurrent", ctx)
+            try:
+                ev = Event(disable_timing=True)
+            finally:
+                _driver.call("cuCtxPopCurrent")
+        _sync_events[key] = ev
+    return ev.handle
 
 
 def order_after(producer: int, consumer: Stream):
@@ -200,10 +226,8 @@ def order_after(producer: int, consumer: Stream):
         producer = LEGACY
     if producer == consumer.ptr:
         return
-    if not _sync_event:
-        _sync_event.append(Event(disable_timing=True))
     drv = _driver.driver()
-    ev = _sync_event[0].handle
+    ev = _event_for(producer)
     err, = drv.cuEventRecord(ev, producer)
     if err:
         _driver.fail("cuEventRecord", err)

@@ -57,6 +57,7 @@ class FakeDriver:
         self.device_count = 1
         self.pointer_devices = {}   # device pointer -> the ordinal cuPointerGetAttribute reports (default 0)
         self.ctx_stack = []         # the (one) thread's context stack: device d's primary context is CONTEXT + d
+        self.owner = {}             # stream / event handle -> the context current when it was created
 
     # -- answers -------------------------------------------------------------------------------------------
     def _handle(self, cls):
@@ -109,12 +110,34 @@ class FakeDriver:
         self._host.pop(int(ptr), None)
         return (OK,)
 
-    def cuStreamCreate(self, flags): return OK, self._handle(_real.CUstream)
+    def cuStreamCreate(self, flags):
+        h = self._handle(_real.CUstream)
+        self.owner[int(h)] = self._current_ctx()
+        return OK, h
+
+    def _stream_ctx(self, stream) -> int | None:
+        """The context a stream belongs to: the current one for the special handles, its creator's for one
+        created here, None (not checked) for a handle made elsewhere."""
+        h = int(stream)
+        return self._current_ctx() if h in (0, 1, 2) else self.owner.get(h)
+
+    def cuStreamGetCtx(self, stream):
+        ctx = self._stream_ctx(stream)
+        return OK, _real.CUcontext(self._current_ctx() if ctx is None else ctx)
+
+    def cuEventRecord(self, event, stream):   # the driver's rule: event and stream of the same context
+        ctx = self._stream_ctx(stream)
+        if ctx is not None and self.owner.get(int(event), ctx) != ctx:
+            return (_real.CUresult.CUDA_ERROR_INVALID_HANDLE,)
+        return (OK,)
     def cuStreamIsCapturing(self, s):
         status = _real.CUstreamCaptureStatus
         return OK, (status.CU_STREAM_CAPTURE_STATUS_ACTIVE if int(s) in self.capturing
                     else status.CU_STREAM_CAPTURE_STATUS_NONE)
-    def cuEventCreate(self, flags): return OK, self._handle(_real.CUevent)
+    def cuEventCreate(self, flags):
+        h = self._handle(_real.CUevent)
+        self.owner[int(h)] = self._current_ctx()
+        return OK, h
     def cuEventQuery(self, ev): return (OK,)
     def cuMemPoolCreate(self, props): return OK, self._handle(_real.CUmemoryPool)
     def cuMemAllocFromPoolAsync(self, nbytes, p, s): return OK, self._device_ptr(nbytes)
@@ -153,25 +176,27 @@ def fake_driver():
     calls = Calls()
     fake = FakeDriver(calls)
     saved = (list(_device._count), _driver._module, dict(_driver._state), dict(_device._devices), dict(kernels._loaded),
-             dict(_stream._special), dict(_stream._borrowed), list(_stream._sync_event), dict(pool._pools),
+             dict(_stream._special), dict(_stream._borrowed), list(_stream._sync_event), dict(_stream._sync_events),
+             dict(pool._pools),
              list(pool._hot), dict(pool._free_lists), list(pool._free_bytes))
     _driver._module = fake
     _driver._state.clear()
     _device._count.clear()
-    for table in (_device._devices, kernels._loaded, _stream._special, _stream._borrowed, pool._pools,
-                  pool._free_lists):
+    for table in (_device._devices, kernels._loaded, _stream._special, _stream._borrowed, _stream._sync_events,
+                  pool._pools, pool._free_lists):
         table.clear()
     _stream._sync_event.clear()
     pool._free_bytes[0] = 0
     try:
         yield calls
     finally:
-        (count, _driver._module, state, devices, loaded, special, borrowed, sync_event, pools, hot, free_lists,
-         free_bytes) = saved
+        (count, _driver._module, state, devices, loaded, special, borrowed, sync_event, sync_events, pools, hot,
+         free_lists, free_bytes) = saved
         _device._count[:] = count
         _driver._state.clear(); _driver._state.update(state)
         for table, old in ((_device._devices, devices), (kernels._loaded, loaded), (_stream._special, special),
-                           (_stream._borrowed, borrowed), (pool._pools, pools), (pool._free_lists, free_lists)):
+                           (_stream._borrowed, borrowed), (_stream._sync_events, sync_events), (pool._pools, pools),
+                           (pool._free_lists, free_lists)):
             table.clear()
             table.update(old)
         _stream._sync_event[:] = sync_event

@@ -139,3 +139,31 @@ def test_cascade_on_gpu_1():
         assert any(name.startswith("cuLaunchKernel") for name, _ in done)
         assert all(ctx == CONTEXT + 1 for _, ctx in done), done
         assert out.owner.device == 1 and drv._current_ctx() == CONTEXT
+
+
+def test_cross_stream_ordering_records_its_event_in_the_producer_streams_context():
+    """order_after records an event on the producer stream, which the driver allows only for an event of the
+    stream's context: with two GPUs, the ordering of an op on GPU 1 after a stream of GPU 1 must not reuse an event
+    made under GPU 0's context (one process-wide event did)."""
+    from kvattn import stream as st
+    with fake_driver() as calls:
+        drv = _two_gpus(calls)
+        pt = kvattn.PageTable.from_kv_lens(np.array([700]), PAGE, rng=np.random.default_rng(0))
+        q0, k0, v0 = _arrays(pt, 1)
+        s0 = kvattn.Stream()                       # GPU 0's
+        q0.stream = s0.ptr                         # written on s0: the legacy stream must wait for it
+        w0 = kvattn.BatchDecodeWithPagedKVCache()
+        w0.plan(pt, HQ, HKV, D)
+        w0.run(q0, k0, v0)
+        drv.cuCtxPushCurrent(CONTEXT + 1)
+        s1 = kvattn.Stream()                       # GPU 1's
+        q1, k1, v1 = _arrays(pt, 1)
+        drv.cuCtxPopCurrent()
+        q1.stream = s1.ptr
+        w1 = kvattn.BatchDecodeWithPagedKVCache(device=1)
+        w1.plan(pt, HQ, HKV, D)
+        n = len(calls)
+        w1.run(q1, k1, v1)                         # legacy stream of GPU 1 waits for s1
+        waits = [ctx for name, ctx in zip(calls.names(n), calls.contexts[n:]) if name == "cuEventRecord"]
+        assert waits and set(waits) == {CONTEXT + 1}
+        st.order_after(s0.ptr, st.as_stream(None))  # and GPU 0 again, from GPU 0's context
