@@ -67,31 +67,47 @@ class PoolBlock:
                     lst.append(self.ptr)
                     _free_bytes[0] += self.nbytes
                     return
-                err, = _hot[1](self.ptr, self.stream)
-                if not err:
-                    return
-            if not _free(self.ptr, self.stream, self.used_on):
-                _deferred.append((self.ptr, self.stream, self.used_on))
+            if not _free(self.ptr, self.stream, self.used_on, self.device):
+                _deferred.append((self.ptr, self.stream, self.used_on, self.device))
         except Exception:   # interpreter shutdown: the context goes with the process
             pass
 
 
 def release_free_lists():
     """Give every block kept in the free lists back to the pool (stream-ordered frees)."""
-    for (nbytes, stream, _), lst in list(_free_lists.items()):
+    for (nbytes, stream, device), lst in list(_free_lists.items()):
         while lst:
-            _free(lst.pop(), stream, None)
+            _free(lst.pop(), stream, None, device)
             _free_bytes[0] -= nbytes
 
 
-def _free(ptr, stream, used_on) -> bool:
+def _free(ptr, stream, used_on, device) -> bool:
+    """Free a block on its stream (after the streams in used_on). The legacy and per-thread handles name the
+    current context's stream, so with several GPUs the block's device's context is made current for the free (a
+    block of GPU 1 freed under GPU 0's context would be ordered after GPU 0's work, not its own)."""
+    if (stream == 1 or stream == 2) and device is not None and _several_gpus():
+        from .device import get
+        with get(device).activate():
+            return _free_here(ptr, stream, used_on)
+    return _free_here(ptr, stream, used_on)
+
+
+def _free_here(ptr, stream, used_on) -> bool:
     from .stream import as_stream, order_after
-    s = as_stream(stream)
     if used_on:
+        s = as_stream(stream)
         for other in used_on:
             order_after(other, s)
     err, = _hot[1](ptr, stream)
     return not err
+
+
+def _several_gpus() -> bool:
+    from .device import count
+    try:
+        return count() > 1
+    except Exception:   # no driver: a CPU test's fake pool
+        return False
 
 
 def _retry_deferred():

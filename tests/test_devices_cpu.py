@@ -167,3 +167,21 @@ def test_cross_stream_ordering_records_its_event_in_the_producer_streams_context
         waits = [ctx for name, ctx in zip(calls.names(n), calls.contexts[n:]) if name == "cuEventRecord"]
         assert waits and set(waits) == {CONTEXT + 1}
         st.order_after(s0.ptr, st.as_stream(None))  # and GPU 0 again, from GPU 0's context
+
+
+def test_a_gpu_1_output_freed_under_gpu_0s_context_is_freed_on_gpu_1s_stream(monkeypatch):
+    """An out=None block of GPU 1 on the legacy stream, dropped while GPU 0's context is current with the free
+    lists full, is freed with GPU 1's context current (the legacy handle names the current context's stream)."""
+    with fake_driver() as calls:
+        drv = _two_gpus(calls)
+        monkeypatch.setattr(pool, "FREE_LIST_BLOCKS", 0)
+        pt = kvattn.PageTable.from_kv_lens(np.array([700]), PAGE, rng=np.random.default_rng(0))
+        q, k, v = _arrays(pt, 1)
+        w = kvattn.BatchDecodeWithPagedKVCache(device=1)
+        w.plan(pt, HQ, HKV, D)
+        out = w.run(q, k, v)
+        assert drv._current_ctx() == CONTEXT
+        n = len(calls)
+        del out
+        frees = [ctx for name, ctx in zip(calls.names(n), calls.contexts[n:]) if name == "cuMemFreeAsync"]
+        assert frees == [CONTEXT + 1] and drv._current_ctx() == CONTEXT
