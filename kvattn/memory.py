@@ -167,7 +167,13 @@ class DeviceArray:
         if self.stream is not None and stream != -1:
             consumer = as_stream(stream)
             if consumer.ptr != self.stream:
-                order_after(self.stream, consumer)
+                if ordinal and (self.stream < 3 or consumer.ptr < 3):
+                    # the legacy / per-thread handles name the current context's streams, and the consumer (torch)
+                    # need not have made the array's GPU current: order in that GPU's context
+                    with _device.get(ordinal).activate():
+                        order_after(self.stream, consumer)
+                else:
+                    order_after(self.stream, consumer)
                 note_use(self, consumer.ptr)
         code_bits = _dlpack_types.get(self.dtype)
         if code_bits is None:

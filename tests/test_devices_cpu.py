@@ -185,3 +185,24 @@ def test_a_gpu_1_output_freed_under_gpu_0s_context_is_freed_on_gpu_1s_stream(mon
         del out
         frees = [ctx for name, ctx in zip(calls.names(n), calls.contexts[n:]) if name == "cuMemFreeAsync"]
         assert frees == [CONTEXT + 1] and drv._current_ctx() == CONTEXT
+
+
+def test_dlpack_export_of_a_gpu_1_output_orders_in_gpu_1s_context():
+    """torch.from_dlpack(out) of an output an op on GPU 1 wrote on the legacy stream calls __dlpack__(stream=torch's
+    stream) without making GPU 1 current: the ordering must still record on GPU 1's legacy stream (the legacy
+    handle names the current context's), so the event is recorded with GPU 1's context current."""
+    with fake_driver() as calls:
+        drv = _two_gpus(calls)
+        pt = kvattn.PageTable.from_kv_lens(np.array([700]), PAGE, rng=np.random.default_rng(0))
+        q, k, v = _arrays(pt, 1)
+        w = kvattn.BatchDecodeWithPagedKVCache(device=1)
+        w.plan(pt, HQ, HKV, D)
+        out = w.run(q, k, v)
+        drv.pointer_devices[out.ptr] = 1
+        drv.cuCtxPushCurrent(CONTEXT + 1)
+        torch_stream = kvattn.Stream()            # a created stream of GPU 1 (torch's current stream there)
+        drv.cuCtxPopCurrent()
+        n = len(calls)
+        out.__dlpack__(stream=torch_stream.ptr)   # GPU 0's context current, as in torch.from_dlpack
+        records = [ctx for name, ctx in zip(calls.names(n), calls.contexts[n:]) if name == "cuEventRecord"]
+        assert records == [CONTEXT + 1] and drv._current_ctx() == CONTEXT
