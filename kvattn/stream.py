@@ -11,6 +11,7 @@ wait on it: a wait takes the event's state at the time of the call, so the event
 """
 from __future__ import annotations
 
+import threading
 import weakref
 
 from . import _driver
@@ -191,22 +192,28 @@ def require_capturable(stream: Stream, what: str = "graph capture"):
             f"created stream (kvattn.Stream(), torch.cuda.Stream(), cupy.cuda.Stream(non_blocking=True))")
 
 
-_sync_event: list = []   # the reusable event of a one-GPU process
-_sync_events: dict = {}  # several GPUs: context id -> the reusable event created in that context
+# The reusable events of order_after, per thread (a record and its wait are two driver calls, which release the
+# GIL: another thread's record of a shared event between them would be waited for instead): {context id: Event},
+# key 0 in a one-GPU process.
+_sync = threading.local()
 
 
 def _event_for(producer: int):
-    """The reusable event to record on stream `producer`: the driver records an event only on a stream of the
-    context it was created in, so with several GPUs there is one per context (the producer stream's, asked of the
-    driver; created there)."""
+    """This thread's reusable event to record on stream `producer`: the driver records an event only on a stream
+    of the context it was created in, so with several GPUs there is one per context (the producer stream's, asked
+    of the driver; created there)."""
     from . import device as _device
+    events = getattr(_sync, "events", None)
+    if events is None:
+        events = _sync.events = {}
     if _device.count() == 1:
-        if not _sync_event:
-            _sync_event.append(Event(disable_timing=True))
-        return _sync_event[0].handle
+        ev = events.get(0)
+        if ev is None:
+            ev = events[0] = Event(disable_timing=True)
+        return ev.handle
     ctx = _driver.call("cuStreamGetCtx", producer)
     key = int(ctx)
-    ev = _sync_events.get(key)
+    ev = events.get(key)
     if ev is None:
         if _driver.current_context_id() == key:
             ev = Event(disable_timing=True)
@@ -216,7 +223,7 @@ def _event_for(producer: int):
                 ev = Event(disable_timing=True)
             finally:
                 _driver.call("cuCtxPopCurrent")
-        _sync_events[key] = ev
+        events[key] = ev
     return ev.handle
 
 

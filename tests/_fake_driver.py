@@ -176,29 +176,28 @@ def fake_driver():
     calls = Calls()
     fake = FakeDriver(calls)
     saved = (list(_device._count), _driver._module, dict(_driver._state), dict(_device._devices), dict(kernels._loaded),
-             dict(_stream._special), dict(_stream._borrowed), list(_stream._sync_event), dict(_stream._sync_events),
+             dict(_stream._special), dict(_stream._borrowed), getattr(_stream._sync, "events", None),
              dict(pool._pools),
              list(pool._hot), dict(pool._free_lists), list(pool._free_bytes))
     _driver._module = fake
     _driver._state.clear()
     _device._count.clear()
-    for table in (_device._devices, kernels._loaded, _stream._special, _stream._borrowed, _stream._sync_events,
-                  pool._pools, pool._free_lists):
+    for table in (_device._devices, kernels._loaded, _stream._special, _stream._borrowed, pool._pools,
+                  pool._free_lists):
         table.clear()
-    _stream._sync_event.clear()
+    _stream._sync.events = {}
     pool._free_bytes[0] = 0
     try:
         yield calls
     finally:
-        (count, _driver._module, state, devices, loaded, special, borrowed, sync_event, sync_events, pools, hot,
-         free_lists, free_bytes) = saved
+        (count, _driver._module, state, devices, loaded, special, borrowed, sync_events, pools, hot, free_lists,
+         free_bytes) = saved
         _device._count[:] = count
         _driver._state.clear(); _driver._state.update(state)
         for table, old in ((_device._devices, devices), (kernels._loaded, loaded), (_stream._special, special),
-                           (_stream._borrowed, borrowed), (_stream._sync_events, sync_events), (pool._pools, pools),
-                           (pool._free_lists, free_lists)):
+                           (_stream._borrowed, borrowed), (pool._pools, pools), (pool._free_lists, free_lists)):
             table.clear()
             table.update(old)
-        _stream._sync_event[:] = sync_event
+        _stream._sync.events = sync_events
         pool._hot[:] = hot
         pool._free_bytes[:] = free_bytes

@@ -92,3 +92,19 @@ def test_run_inside_a_capture_adds_no_cross_stream_wait_and_refuses_implicit_out
             with pytest.raises(kvattn.KvattnError, match=f"^{name}: run\\(\\) is being captured"):
                 w.run(q, k, v, stream=s, **kwargs)
             assert not [c for c in calls.names(n) if c.startswith("cuLaunch") or c.startswith("cuMem")]
+
+
+def test_cross_stream_ordering_uses_an_event_per_thread():
+    """order_after records an event and waits on it in two driver calls (the GIL is released between them): two
+    threads sharing one event could each wait on the other's record. Each thread records its own."""
+    import threading
+    from kvattn import stream as st
+    with fake_driver() as calls:
+        a, b = kvattn.Stream(), kvattn.Stream()
+        st.order_after(a.ptr, b)
+        worker = threading.Thread(target=lambda: st.order_after(a.ptr, b))
+        worker.start()
+        worker.join()
+        st.order_after(a.ptr, b)
+        events = [int(args[0]) for name, args in calls if name == "cuEventRecord"]
+        assert len(events) == 3 and events[0] == events[2] != events[1]
