@@ -327,6 +327,7 @@ class AttentionOp:
         """Fit the workspace to regions ({name: (shape, dtype)}), then issue the plan's host-to-device copies on
         stream: copies = [(region name, byte offset in host, bytes)]. Returns (regions as DeviceArrays, stream,
         the event recorded after the copies)."""
+        self._plan = None   # the workspace is about to be rewritten: the previous plan is gone, even if this one fails
         self.workspace, dev = fit_workspace(self.workspace, regions, self._workspace_bytes)
         s = as_stream(stream)
         for name, offset, nbytes in copies:
@@ -385,7 +386,7 @@ class AttentionOp:
         """(plan, stream, capturing): the plan run() uses, or RuntimeError before the first plan()."""
         p = self._plan
         if p is None:
-            raise RuntimeError("run() called before plan()")
+            raise RuntimeError("run() called before plan() (or after a plan() that failed)")
         s = as_stream(stream)
         return p, s, s.ptr != LEGACY and s.is_capturing()   # (begin(), inlined: the legacy stream never captures)
 

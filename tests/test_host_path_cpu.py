@@ -108,3 +108,23 @@ def test_cross_stream_ordering_uses_an_event_per_thread():
         st.order_after(a.ptr, b)
         events = [int(args[0]) for name, args in calls if name == "cuEventRecord"]
         assert len(events) == 3 and events[0] == events[2] != events[1]
+
+
+def test_a_plan_that_fails_after_rewriting_the_workspace_leaves_no_plan(monkeypatch):
+    """plan() copies its work lists over the previous plan's before it finishes: if it then fails (a variant's merge
+    kernel that does not compile, say), run() must refuse rather than launch the old plan over the new lists."""
+    from kvattn import opcore
+    with fake_driver() as calls:
+        w, q, k, v = _decode([300, 5000])
+        w.run(q, k, v)
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("merge kernel: compile error")
+        monkeypatch.setattr(opcore.AttentionOp, "_merge_launch", staticmethod(broken))
+        pt = kvattn.PageTable.from_kv_lens(np.array([9000, 17]), PAGE, rng=np.random.default_rng(0))
+        with pytest.raises(RuntimeError, match="compile error"):
+            w.plan(pt, HQ, HKV, D)
+        n = len(calls)
+        with pytest.raises(RuntimeError, match="before plan"):
+            w.run(q, k, v)
+        assert not [c for c in calls.names(n) if c.startswith("cuLaunch")]
