@@ -99,16 +99,18 @@ class Fp8Expansion:
         self._params.set(page_indptr=ptr, page_indices=ptr + 4 * a, ws_indptr=ptr + 4 * b)
 
     def expand(self, k_cache, v_cache, s, capturing, k_scale, v_scale):
-        """Bind and check the caller's fp8 cache and scales, launch the expansion on stream s; the workspace's
-        (k, v) rows [total_kv, Hkv, D], written on s."""
+        """Bind and check the caller's fp8 cache and scales for an expansion on stream s: (the workspace's k, v rows
+        [total_kv, Hkv, D], written on s, and issue(): the expansion's launch, which run() calls once every other
+        argument is checked too, before the attention launches)."""
         k, v, (c_page, c_token, c_head) = self.kv8.bind(k_cache, v_cache, s, capturing)
         hkv = self.kv8.num_kv_heads
         kp, kf, ka = _kv_scale(k_scale, "k_scale", hkv, s, capturing)
         vp, vf, va = _kv_scale(v_scale, "v_scale", hkv, s, capturing)
         self._set_cache(k.ptr, v.ptr)
         self._set_scales(kp, vp, c_page, c_token, c_head, kf, vf)
-        if not self._empty:
-            self._launch.launch(s.handle)
-        del ka, va   # (the scale arrays stay referenced until the launch is issued)
+
+        def issue(keep=(k, v, ka, va)):   # (the caches and scale arrays stay referenced until the launch is issued)
+            if not self._empty:
+                self._launch.launch(s.handle)
         self.ws_k.stream = self.ws_v.stream = s.ptr
-        return self.ws_k, self.ws_v
+        return self.ws_k, self.ws_v, issue

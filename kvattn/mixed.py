@@ -28,7 +28,7 @@ from ._binding import begin, import_array
 from .decode import BatchDecodeWithPagedKVCache, decode_spec, default_stages, smem_bytes as decode_smem_bytes
 from .formats import PageTable
 from .kernels import KernelSpec, Launch, ParamBuffer, ParamPack, get_kernel, register
-from .opcore import PagedKV, checked_outputs, on_device
+from .opcore import PagedKV, bind_kv_scales, checked_outputs, on_device
 from .prefill import SM90_PERSIST_DEFINE, SM90_THREADS, BatchPrefillWithPagedKVCache, sm90_spec
 from .variants import Variant
 
@@ -266,10 +266,11 @@ class BatchMixedWithPagedKVCache:
                             dec["smem"], subs)
 
     @on_device
-    def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None):
+    def run(self, q, k_cache, v_cache=None, out=None, lse=None, return_lse=False, stream=None, k_scale=None,
+            v_scale=None):
         """q: [qo_indptr[-1], Hq, D]; caches [pages, page_size, Hkv, D] ("NHD") / [pages, Hkv, page_size, D] ("HND"),
         or k_cache [pages, 2, ...] with v_cache None. Returns out [total_qo, Hq, D] (and lse [total_qo, Hq] float32,
-        natural log, with return_lse) as the prefill op; stream as there."""
+        natural log, with return_lse) as the prefill op; stream, k_scale / v_scale (an fp8 cache) as there."""
         st = self._state
         if st is None:
             raise RuntimeError("run() called before plan()")
@@ -278,17 +279,28 @@ class BatchMixedWithPagedKVCache:
         k, v, kv_strides = st["kv"].bind(k_cache, v_cache, s, capturing)
         out, out_ret, lse, lse_ret = checked_outputs(q, (st["total_rows"], st["hq"], st["d"]), st["dtype"], out, lse,
                                                      return_lse, s, capturing, self.device.ordinal)
-        parts = []
+        parts, expansions, keep = [], [], []
         for op, plan, r in ((self._pre, st["prefill_plan"], st["rows"][0]), (self._dec, st["decode_plan"], st["rows"][1])):
             if plan is not None:
                 o_r, l_r = out[r], (lse[r] if lse is not None else None)
-                op._bind(plan, s, capturing, q[r], k, v, kv_strides, o_r, l_r)
+                pk, pv, pstrides = k, v, kv_strides
+                fp8 = getattr(op, "_fp8", None)
+                if fp8 is not None:   # the prefill part expands an fp8 cache once: its plan reads the 16-bit rows
+                    pk, pv, issue = fp8.expand(k, v, s, capturing, k_scale, v_scale)
+                    pk, pv, pstrides = plan.kv.bind(pk, pv, s, capturing)
+                    expansions.append(issue)
+                else:
+                    keep.append(bind_kv_scales(plan, k_scale, v_scale, s, capturing))
+                op._bind(plan, s, capturing, q[r], pk, pv, pstrides, o_r, l_r)
                 parts.append((op, plan, o_r, l_r))
+        for issue in expansions:   # (every argument checked: now the launches)
+            issue()
         handle = s.handle
         if st["launch"] is not None:
             st["launch"].launch(handle)
         for op, plan, o_r, l_r in parts:
             op._issue(plan, handle, o_r, l_r, attention=st["launch"] is None)
+        del keep   # (scale arrays copied from the host: referenced until the launches are issued)
         out.stream = s.ptr
         if lse is not None:
             lse.stream = s.ptr

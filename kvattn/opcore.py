@@ -391,9 +391,10 @@ class AttentionOp:
         return p, s, s.ptr != LEGACY and s.is_capturing()   # (begin(), inlined: the legacy stream never captures)
 
     def _execute(self, p: AttentionPlan, s, capturing, q: DeviceArray, k: DeviceArray, v: DeviceArray,
-                 kv_strides, out, lse, return_lse, k_scale=None, v_scale=None):
+                 kv_strides, out, lse, return_lse, k_scale=None, v_scale=None, before=None):
         """run()'s generic tail: check q, provide out / lse, bind pointers, strides and (fp8) the cache scales,
-        launch the plan."""
+        launch the plan. before: a launch of the op's own (an fp8 cache's expansion) issued once every argument is
+        checked, ahead of the plan's."""
         # scale arrays copied from the host stay referenced here until the launch is issued
         keep = (bind_kv_scales(p, k_scale, v_scale, s, capturing)
                 if p.set_scales is not None or k_scale is not None or v_scale is not None else None)
@@ -403,6 +404,8 @@ class AttentionOp:
         out, out_ret, lse, lse_ret = checked_outputs(q, (rows, p.num_qo_heads, p.head_dim), p.dtype, out, lse,
                                                      return_lse, s, capturing, self.device.ordinal)
         self._bind(p, s, capturing, q, k, v, kv_strides, out, lse)
+        if before is not None:
+            before()
         self._issue(p, s.handle, out, lse)
         del keep
         out.stream = s.ptr

@@ -565,13 +565,15 @@ class _BatchPrefill(AttentionOp):
         return self
 
     def _bind_kv(self, p, k_cache, v_cache, s, capturing, k_scale, v_scale):
-        """(k, v, kv_strides, k_scale, v_scale) for _execute: the caller's cache, or (the plan expands an fp8 cache
-        once) its expansion into the workspace, launched now on s, whose 16-bit rows take no scales."""
+        """(k, v, kv_strides, k_scale, v_scale, before) for _execute: the caller's cache, or (the plan expands an fp8
+        cache once) its expansion into the workspace, whose 16-bit rows take no scales, and `before`, the
+        expansion's launch (issued by _execute once every argument is checked; None without one)."""
+        before = None
         if self._fp8 is not None:
-            k_cache, v_cache = self._fp8.expand(k_cache, v_cache, s, capturing, k_scale, v_scale)
+            k_cache, v_cache, before = self._fp8.expand(k_cache, v_cache, s, capturing, k_scale, v_scale)
             k_scale = v_scale = None
         k, v, kv_strides = p.kv.bind(k_cache, v_cache, s, capturing)
-        return k, v, kv_strides, k_scale, v_scale
+        return k, v, kv_strides, k_scale, v_scale, before
 
     @staticmethod
     def _mask(custom_mask, mask_indptr, qo_lens, kv_lens):
@@ -678,8 +680,9 @@ class BatchPrefillWithPagedKVCache(_BatchPrefill):
         plan chose it (fp8_expand), else each K / V tile in shared memory."""
         p, s, capturing = self._begin_run(stream)
         q = import_array(q, s, capturing)
-        k, v, kv_strides, k_scale, v_scale = self._bind_kv(p, k_cache, v_cache, s, capturing, k_scale, v_scale)
-        return self._execute(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse, k_scale, v_scale)
+        k, v, kv_strides, k_scale, v_scale, before = self._bind_kv(p, k_cache, v_cache, s, capturing, k_scale,
+                                                                   v_scale)
+        return self._execute(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse, k_scale, v_scale, before)
 
 
 class BatchPrefillWithRaggedKVCache(_BatchPrefill):
@@ -717,8 +720,8 @@ class BatchPrefillWithRaggedKVCache(_BatchPrefill):
         Returns out (and lse) as BatchPrefillWithPagedKVCache.run."""
         p, s, capturing = self._begin_run(stream)
         q = import_array(q, s, capturing)
-        k, v, kv_strides, k_scale, v_scale = self._bind_kv(p, k, v, s, capturing, k_scale, v_scale)
-        return self._execute(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse, k_scale, v_scale)
+        k, v, kv_strides, k_scale, v_scale, before = self._bind_kv(p, k, v, s, capturing, k_scale, v_scale)
+        return self._execute(p, s, capturing, q, k, v, kv_strides, out, lse, return_lse, k_scale, v_scale, before)
 
 
 def single_prefill(q, k, v, causal=False, *, kv_layout="NHD", custom_mask=None, sm_scale=None, window_left=-1,

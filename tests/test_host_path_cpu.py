@@ -128,3 +128,28 @@ def test_a_plan_that_fails_after_rewriting_the_workspace_leaves_no_plan(monkeypa
         with pytest.raises(RuntimeError, match="before plan"):
             w.run(q, k, v)
         assert not [c for c in calls.names(n) if c.startswith("cuLaunch")]
+
+
+def test_fp8_expansion_launches_after_every_check_and_after_the_plan_copy():
+    """A prefill plan that expands its fp8 cache once per call: a bad q raises before the expansion launches, and
+    run() on another stream than plan()'s waits for the plan's copy (the expansion reads its page lists) before
+    the expansion (it launched first, unordered, before)."""
+    with fake_driver() as calls:
+        w = kvattn.BatchPrefillWithRaggedKVCache()
+        w.fp8_expand = "once"
+        indptr = np.array([0, 2048, 4096], np.int32)
+        w.plan(indptr, indptr, HQ, HKV, D, causal=True, kv_dtype="float8_e4m3fn")
+        assert w._fp8 is not None
+        q = kvattn.empty((4096, HQ, D), "bfloat16")
+        k = kvattn.empty((4096, HKV, D), "float8_e4m3fn")
+        n = len(calls)
+        with pytest.raises(ValueError, match="^out: expected shape"):
+            w.run(q, k, k, out=kvattn.empty((4095, HQ, D), "bfloat16"))
+        assert not [c for c in calls.names(n) if c.startswith("cuLaunch")]
+        s = kvattn.Stream()
+        n = len(calls)
+        w.run(q, k, k, stream=s)
+        names = calls.names(n)
+        first_launch = next(i for i, c in enumerate(names) if c.startswith("cuLaunch"))
+        assert "cuStreamWaitEvent" in names[:first_launch]
+        assert int(calls[n + first_launch][1][0]) == int(w._fp8._launch.kernel.function)

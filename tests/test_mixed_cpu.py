@@ -2,7 +2,9 @@
 them, the part page tables, the parameter struct against C, and the mixed kernel's compile (no spills)."""
 import numpy as np
 import pytest
+from _fake_driver import fake_driver
 
+import kvattn
 from kvattn import compiler, kernels, mixed
 from kvattn.formats import PageTable
 
@@ -95,3 +97,30 @@ def test_one_launch_only_where_predicted_to_pay():
     flops = 4.0 * (700 * 700 - 700 * 699 // 2 + 300 * 900 - 300 * 299 // 2) * 8 * 128
     nbytes = 40 * 1500 * 2 * 128 * 2 * 2.0
     assert mixed.fused_pays(flops, nbytes, n, mixed.split_sms(flops, nbytes, n))
+
+
+def test_mixed_fp8_cache_expands_for_the_prefill_part_and_scales_reach_both_parts():
+    """A mixed batch over an fp8 cache whose prefill part plans the expansion once per call: run() expands the
+    caller's cache and binds the prefill kernel to the 16-bit rows (it bound the raw fp8 cache before, which that
+    kernel reads as 16-bit rows), after every argument is checked, and the decode part takes the scales."""
+    with fake_driver() as calls:
+        pt = kvattn.PageTable.from_kv_lens(np.array([4096, 900, 900]), 16, rng=np.random.default_rng(0))
+        qo = np.array([0, 4096, 4097, 4098], np.int32)
+        w = kvattn.BatchMixedWithPagedKVCache()
+        w.plan(qo, pt, 32, 8, 128, causal=True, kv_dtype="float8_e4m3fn")
+        fp8 = w._pre._fp8
+        assert fp8 is not None and not w.last_plan["fused"]
+        k = kvattn.empty((pt.num_pages_used, 16, 8, 128), "float8_e4m3fn")
+        q = kvattn.empty((4098, 32, 128), "bfloat16")
+        n = len(calls)
+        with pytest.raises(ValueError, match="^q: expected shape"):
+            w.run(q[:4000], k, k, k_scale=0.5, v_scale=2.0)
+        assert not [c for c in calls.names(n) if c.startswith("cuLaunch")]
+        n = len(calls)
+        w.run(q, k, k, k_scale=0.5, v_scale=2.0)
+        launched = [int(args[0]) for name, args in calls[n:] if name.startswith("cuLaunchKernel")]
+        assert launched[0] == int(fp8._launch.kernel.function)   # the expansion first
+        pre, dec = w.last_plan["prefill_plan"], w.last_plan["decode_plan"]
+        assert pre.info["params"]["k"] == fp8.ws_k.ptr and pre.info["params"]["v"] == fp8.ws_v.ptr
+        assert dec.info["params"]["k"] == k.ptr
+        assert (dec.info["params"]["k_scale"], dec.info["params"]["v_scale"]) == (0.5, 2.0)
