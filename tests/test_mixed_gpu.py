@@ -91,3 +91,31 @@ def test_mixed_batches_match_the_reference(pre_qo, n_dec, decodes_first, layout,
     window_left, cap = var
     run_case(rng, qo, kv, hkv=heads[0], group=heads[1], layout=layout, page_size=page_size, dtype=dtype,
              window_left=window_left, cap=cap, causal=causal)
+
+
+@pytest.mark.parametrize("fp8_expand", ["once", "kernel"])
+@pytest.mark.parametrize("scale_kind", ["float", "per_head"])
+def test_fp8_cache_with_scales(fp8_expand, scale_kind):
+    """A mixed batch over an fp8 cache (two launches): the prefill part either expands the cache once per call or
+    reads it in the kernel, the decode part reads it in the kernel; per-tensor or per-head scales reach both
+    parts. Against the float64 reference on the dequantised cache; outputs poisoned."""
+    from test_fp8_gpu import quantised_case
+    rng = np.random.default_rng()
+    hkv, group, d = 2, 4, 128
+    hq = hkv * group
+    qo, kv = [1500, 300] + [1] * 12, [1500, 900] + rng.integers(1, 3000, 12).tolist()
+    pt, _, k8, v8, ks, vs = quantised_case(rng, kv, 16, hq, hkv, d, "bfloat16", "float8_e4m3fn", "NHD",
+                                           scale_kind)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    rows = int(qo_indptr[-1])
+    q = rng.standard_normal((rows, hq, d)).astype(kvattn._dtypes.to_numpy("bfloat16"))
+    w = kvattn.BatchMixedWithPagedKVCache()
+    w._pre.fp8_expand = fp8_expand
+    w.plan(qo_indptr, pt, hq, hkv, d, causal=True, kv_dtype="float8_e4m3fn")
+    assert (w._pre._fp8 is not None) == (fp8_expand == "once") and not w.last_plan["fused"]
+    out, lse = poisoned((rows, hq, d), "bfloat16"), poisoned((rows, hq), "float32")
+    w.run(q, k8, v8, out=out, lse=lse, k_scale=ks, v_scale=vs)
+    ro, rl = reference.batch_attention_paged(q, k8, v8, qo_indptr, pt, causal=True, return_lse=True, k_scale=ks,
+                                             v_scale=vs)
+    assert rel_l2(out.numpy(), ro) <= TOL["bfloat16"]
+    assert_lse(lse.numpy(), rl, TOL["bfloat16"])
