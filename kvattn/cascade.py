@@ -326,7 +326,8 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
         mp.set(o_in=dev["tmp_o"].ptr, lse_in=dev["tmp_lse"].ptr, indptr=0, out_rows=0,
                num_rows_dev=base + NUM_MERGE * 4 if self.use_cuda_graph else 0,
                s_row=slots * hq * d, s_n=hq * d, s_h=d, l_row=slots * hq, l_n=hq, l_h=1,
-               num_rows=total_qo, n=slots, num_heads=hq, head_dim=d, variant_data=0)
+               num_rows=0 if self.use_cuda_graph else total_qo,   # (graph mode: the header's count, read on replay)
+               n=slots, num_heads=hq, head_dim=d, variant_data=0)
         merge = (Launch(get_kernel(merge_spec("float32", q_dtype, Variant())), -(-max_rows * hq * (d // 8) // 256),
                         256, 0, mp) if max_rows else None)
         pages = max((int(pt.indices.max(initial=-1)) + 1 for _, pt in lv), default=0)

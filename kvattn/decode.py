@@ -423,7 +423,7 @@ class BatchDecodeWithPagedKVCache(AttentionOp):
                           counters=base + off_counters * 4 if fused else 0, merge_of_req=base + off_merge_of * 4)
         merge_rows = 0 if fused else L.max_merge if self.use_cuda_graph else plan.num_merge
         merge, mp = self._merge_launch(merge_rows, dev["tmp_o"], dev["tmp_lse"], base, L.merge_indptr, L.merge_req,
-                                       num_qo_heads, head_dim, plan.num_merge, q_dtype, variant, variant_ptr,
+                                       num_qo_heads, head_dim, q_dtype, variant, variant_ptr,
                                        None if self.use_cuda_graph else plan.merge_indptr,
                                        self.deterministic or tn["merge_lanes"] == 1, tn["merge_programmatic"])
         grid = (plan.num_chunks * zsplit, num_kv_heads, 1)

@@ -337,10 +337,11 @@ class AttentionOp:
 
     @staticmethod
     def _merge_launch(rows: int, tmp_o: DeviceArray, tmp_lse: DeviceArray, base: int, indptr_off: int,
-                      rows_off: int, hq: int, d: int, num_merge: int, dtype: str, variant, variant_data: int,
+                      rows_off: int, hq: int, d: int, dtype: str, variant, variant_data: int,
                       merge_indptr=None, one_lane: bool = False, programmatic: bool = True):
         """(merge Launch or None, its ParamBuffer): the merge of float32 partial states into out / lse, its row
-        list at base + 4 * indptr_off / rows_off (int32 offsets), its row count in the plan header in graph mode;
+        list at base + 4 * indptr_off / rows_off (int32 offsets), its row count read from the plan header (so a
+        graph replays a later plan's count: no parameter of the launch depends on the batch in graph mode);
         the variant's output hook finishes the merged rows. rows: the rows the grid covers (graph mode: the
         bound). merge_indptr: the plan's (host) merge row pointers, whose longest row sizes the lanes per unit
         (None in graph mode: the grid's size alone); one_lane: one lane per unit (deterministic mode: bits that do
@@ -349,7 +350,7 @@ class AttentionOp:
         mp = ParamBuffer(MERGE_PARAMS)
         mp.set(o_in=tmp_o.ptr, lse_in=tmp_lse.ptr, indptr=base + indptr_off * 4, out_rows=base + rows_off * 4,
                num_rows_dev=base + NUM_MERGE * 4, s_row=hq * d, s_n=hq * d, s_h=d, l_row=hq, l_n=hq, l_h=1,
-               num_rows=num_merge, n=0, num_heads=hq, head_dim=d, variant_data=variant_data)
+               num_rows=0, n=0, num_heads=hq, head_dim=d, variant_data=variant_data)
         if not rows:
             return None, mp
         most = int(np.diff(merge_indptr).max(initial=0)) if merge_indptr is not None else None

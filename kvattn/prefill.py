@@ -542,7 +542,7 @@ class _BatchPrefill(AttentionOp):
         mi = off["merge_indptr"]
         merge_rows = 0 if fused else cap_m if self.use_cuda_graph else plan.num_merge
         merge, mp = self._merge_launch(merge_rows, dev["tmp_o"], dev["tmp_lse"], base, mi, off["merge_rows"], hq,
-                                       head_dim, plan.num_merge, q_dtype, variant, variant_ptr,
+                                       head_dim, q_dtype, variant, variant_ptr,
                                        None if self.use_cuda_graph else plan.merge_indptr, self.deterministic)
         grid = launch_grid(cfg, cap_w, hkv, self.num_sms)
         sm90_maps = cfg.backend == "sm90" and not variant.rope
