@@ -51,12 +51,12 @@ def test_run_issues_only_its_launches(make):
         w.run(q, k, v)   # out=None: one pool allocation ...
         first = calls.names(n)
         assert [c for c in first if c.startswith("cuMemAlloc")] == ["cuMemAllocFromPoolAsync"]
-        gc_and_rerun = []
+        later = []
         for _ in range(3):   # ... then the freed block again, with no driver call
             n = len(calls)
             w.run(q, k, v)
-            gc_and_rerun.append(calls.names(n))
-        assert all(c == ["cuCtxGetCurrent"] + launches for c in gc_and_rerun), gc_and_rerun
+            later.append(calls.names(n))
+        assert all(c == ["cuCtxGetCurrent"] + launches for c in later), later
         assert not SYNCING & set(first)
 
 
