@@ -7,6 +7,7 @@ set -u
 OUT=${OUT:-/tmp/kvattn-out}; mkdir -p "$OUT"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export KVATTN_CACHE_DIR=${KVATTN_CACHE_DIR:-/tmp/kvc}
+source scripts/_unpack_cache.sh
 if ls .peers/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .peers/*.whl
   export PYTHONPATH=/tmp/site:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fi FLASHINFER_CUDA_ARCH_LIST=9.0a \

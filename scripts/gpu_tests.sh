@@ -9,6 +9,7 @@ OUT=${OUT:-/tmp/kvattn-out}; mkdir -p "$OUT"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export KVATTN_CACHE_DIR=${KVATTN_CACHE_DIR:-.kvcache}
 LIMIT=${LIMIT:-1800}
+source scripts/_unpack_cache.sh
 PF="reference or every_query or fused"
 DF="ab_builds or head_dim_256 or large_groups or wg_split"   # the decode tests that build their own variants
 declare -A SETS=(
