@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Fill a kernel cache on the CPU machine and pack it for the device tool (a bare GPU machine otherwise compiles every
-# kernel its tests use: run 44a's decode test file alone ran past 480 s). The cache (~70 MB of cubins) exceeds the
-# tool's 64 MiB carry; xz packs it to about a tenth. Takes 15-30 minutes on 2 cores: start it early, in the background.
-#     bash scripts/pack_cache.sh          (repository root; then carry .kvpack, scripts/gpu_*.sh unpack it)
+# kernel its tests use: run 44a's decode test file alone ran past 480 s). The cache (967 kernels, 271 MB on
+# 2026-12-05) exceeds the tool's 64 MiB carry; xz packs it to 29 MB. About 7 minutes on the 2-core CPU machine.
+#     PYTHON=.venv/bin/python bash scripts/pack_cache.sh   (repository root; then carry .kvpack: scripts/gpu_*.sh
+#                                                           unpack it into an empty KVATTN_CACHE_DIR)
 set -eu
 export KVATTN_CACHE_DIR=${KVATTN_CACHE_DIR:-$PWD/.kvcache}
-python3 scripts/fill_cache.py
+${PYTHON:-python3} scripts/fill_cache.py
 mkdir -p .kvpack
 tar -C "$KVATTN_CACHE_DIR" -cf - . | xz -T0 -6 > .kvpack/kvcache.tar.xz.part
 mv .kvpack/kvcache.tar.xz.part .kvpack/kvcache.tar.xz
