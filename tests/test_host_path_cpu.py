@@ -153,3 +153,37 @@ def test_fp8_expansion_launches_after_every_check_and_after_the_plan_copy():
         first_launch = next(i for i, c in enumerate(names) if c.startswith("cuLaunch"))
         assert "cuStreamWaitEvent" in names[:first_launch]
         assert int(calls[n + first_launch][1][0]) == int(w._fp8._launch.kernel.function)
+
+
+def test_context_parallel_decode_run_keeps_its_buffers():
+    """ContextParallelDecode.run() (a fake two-rank communicator): the all-gather buffers are allocated once and
+    kept (a cuMemAlloc / cuMemFree pair per run synchronised the device: run 20g), each run gathers o and lse on
+    the caller's stream and merges, with no synchronising call."""
+    from kvattn.cp import ContextParallelDecode
+
+    class Comm:
+        rank, nranks = 0, 2
+
+        def __init__(self):
+            self.gathers = []
+
+        def allgather(self, send, recv, stream):
+            self.gathers.append((send.shape, recv.shape, stream))
+
+    with fake_driver() as calls:
+        comm = Comm()
+        cp = ContextParallelDecode(comm)
+        pt = kvattn.PageTable.from_kv_lens(np.array([3000, 700]), PAGE, rng=np.random.default_rng(0))
+        shards = cp.plan(pt, HQ, HKV, D)
+        local = shards.tables[0]
+        k = kvattn.empty((max(local.num_pages_used, 1), PAGE, HKV, D), "bfloat16")
+        q = kvattn.empty((2, HQ, D), "bfloat16")
+        s = kvattn.Stream()
+        cp.run(q, k, k, stream=s)
+        n = len(calls)
+        for _ in range(3):
+            o, lse = cp.run(q, k, k, stream=s)
+        names = calls.names(n)
+        assert not SYNCING & set(names) and "cuMemFree" not in names, names
+        assert o.shape == (2, HQ, D) and lse.shape == (2, HQ) and len(comm.gathers) == 8
+        assert all(g[2] == s.ptr and g[1][0] == 2 for g in comm.gathers)
