@@ -105,14 +105,19 @@ def count() -> int:
     return _count[0]
 
 
+def several() -> bool:
+    """Whether the driver sees more than one GPU (False without a driver: CPU tests): where contexts, events and the
+    special stream handles need no care beyond the current context."""
+    try:
+        return count() > 1
+    except Exception:   # CudaUnavailableError: no driver / no GPU
+        return False
+
+
 def ordinal_of(ptr: int) -> int:
     """The ordinal of the GPU whose memory holds device pointer ptr: asked of the driver only where it sees several
-    GPUs (0 with one, and without a driver: CPU tests of exports)."""
-    try:
-        n = count()
-    except Exception:   # CudaUnavailableError: no driver / no GPU
-        return 0
-    if n == 1:
+    GPUs (else 0)."""
+    if not several():
         return 0
     attr = _driver.driver().CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
     return int(_driver.call("cuPointerGetAttribute", attr, ptr))

@@ -167,7 +167,7 @@ class DeviceArray:
         if self.stream is not None and stream != -1:
             consumer = as_stream(stream)
             if consumer.ptr != self.stream:
-                if ordinal and (self.stream < 3 or consumer.ptr < 3):
+                if (self.stream < 3 or consumer.ptr < 3) and _device.several():
                     # the legacy / per-thread handles name the current context's streams, and the consumer (torch)
                     # need not have made the array's GPU current: order in that GPU's context
                     with _device.get(ordinal).activate():

@@ -284,10 +284,9 @@ class BatchMixedWithPagedKVCache:
             if plan is not None:
                 o_r, l_r = out[r], (lse[r] if lse is not None else None)
                 pk, pv, pstrides = k, v, kv_strides
-                fp8 = getattr(op, "_fp8", None)
-                if fp8 is not None:   # the prefill part expands an fp8 cache once: its plan reads the 16-bit rows
-                    pk, pv, issue = fp8.expand(k, v, s, capturing, k_scale, v_scale)
-                    pk, pv, pstrides = plan.kv.bind(pk, pv, s, capturing)
+                if getattr(op, "_fp8", None) is not None:
+                    # the prefill part expands an fp8 cache once: its plan reads the expansion's 16-bit rows
+                    pk, pv, pstrides, _, _, issue = op._bind_kv(plan, k, v, s, capturing, k_scale, v_scale)
                     expansions.append(issue)
                 else:
                     keep.append(bind_kv_scales(plan, k_scale, v_scale, s, capturing))

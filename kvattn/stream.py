@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import weakref
 
-from . import _driver
+from . import _driver, device as _device
 from ._errors import KvattnError
 
 LEGACY = 1        # CU_STREAM_LEGACY: also what DLPack and CAI v3 call the legacy default stream
@@ -202,11 +202,10 @@ def _event_for(producer: int):
     """This thread's reusable event to record on stream `producer`: the driver records an event only on a stream
     of the context it was created in, so with several GPUs there is one per context (the producer stream's, asked
     of the driver; created there)."""
-    from . import device as _device
     events = getattr(_sync, "events", None)
     if events is None:
         events = _sync.events = {}
-    if _device.count() == 1:
+    if not _device.several():
         ev = events.get(0)
         if ev is None:
             ev = events[0] = Event(disable_timing=True)

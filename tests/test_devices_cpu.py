@@ -80,11 +80,13 @@ def _two_gpus(calls):
     return drv
 
 
-def _work_contexts(calls, n):
-    """The contexts current at the module loads, allocations, copies and launches since call n."""
+def _assert_work_on_gpu_1(calls, n):
+    """Since call n: some launch, and every module load, allocation, copy and launch under GPU 1's context."""
     work = ("cuModuleLoadData", "cuMemAlloc", "cuMemcpyHtoDAsync", "cuLaunchKernel", "cuMemPoolCreate",
             "cuMemAllocFromPoolAsync")
-    return [(name, ctx) for name, ctx in zip(calls.names(n), calls.contexts[n:]) if name.startswith(work)]
+    done = [(name, ctx) for name, ctx in zip(calls.names(n), calls.contexts[n:]) if name.startswith(work)]
+    assert any(name.startswith("cuLaunchKernel") for name, _ in done)
+    assert all(ctx == CONTEXT + 1 for _, ctx in done), done
 
 
 def test_mixed_batch_on_gpu_1():
@@ -100,9 +102,7 @@ def test_mixed_batch_on_gpu_1():
         w.plan(qo, pt, HQ, HKV, D, causal=True, prefill_sms=66)   # (a forced split: the one launch is built)
         assert w.last_plan["fused"]
         w.run(q, k, k)
-        done = _work_contexts(calls, n)
-        assert any(name.startswith("cuLaunchKernel") for name, _ in done)
-        assert all(ctx == CONTEXT + 1 for _, ctx in done), done
+        _assert_work_on_gpu_1(calls, n)
         assert drv._current_ctx() == CONTEXT
 
 
@@ -118,9 +118,7 @@ def test_variable_block_sparse_on_gpu_1():
         n = len(calls)
         w.plan(bsrs, HQ, HKV, D)
         out = w.run(q, kk, kk)
-        done = _work_contexts(calls, n)
-        assert any(name.startswith("cuLaunchKernel") for name, _ in done)
-        assert all(ctx == CONTEXT + 1 for _, ctx in done), done
+        _assert_work_on_gpu_1(calls, n)
         assert out.owner.device == 1 and drv._current_ctx() == CONTEXT
 
 
@@ -135,9 +133,7 @@ def test_cascade_on_gpu_1():
         n = len(calls)
         c.plan([np.array([0, 3], np.int32), np.array([0, 1, 2, 3], np.int32)], [shared, unique], HQ, HKV, D)
         out = c.run(q, kc, kc)
-        done = _work_contexts(calls, n)
-        assert any(name.startswith("cuLaunchKernel") for name, _ in done)
-        assert all(ctx == CONTEXT + 1 for _, ctx in done), done
+        _assert_work_on_gpu_1(calls, n)
         assert out.owner.device == 1 and drv._current_ctx() == CONTEXT
 
 
