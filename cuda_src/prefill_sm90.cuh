@@ -310,9 +310,10 @@ struct PrefillSm90 {
   // released only after the store has read it) and one thread stores them as D_VO / 64 boxes (64 columns, group
   // heads, 64 / group tokens), where the per-thread global stores took ~3400 SM cycles a unit (run 30a). Whole units
   // of one request only (a box writes all its rows: a unit short of 128 rows, or a split's float partial rows, keep
-  // the per-thread stores); not where K and V of a stage are released apart (KVSPLIT: the K half is reloaded early),
-  // nor in the head_dim 64 custom-mask instance (its persistent build spills 4 bytes with the store's code).
-  static constexpr bool kTmaO = !KVSPLIT && ROWS * D_VO <= K_ELEMS && sizeof(typename A::O) == 2 &&
+  // the per-thread stores; where K and V of a stage are released apart, KVSPLIT, the unit's last K is released only
+  // once the store has read it, with its V), nor in the head_dim 64 custom-mask instance (its persistent build
+  // spills 4 bytes with the store's code).
+  static constexpr bool kTmaO = ROWS * D_VO <= K_ELEMS && sizeof(typename A::O) == 2 &&
                                 !(V::kCustomMask && D_VO == 64);
   __device__ __forceinline__ static bool o_by_tma(const PrefillParams& p, const Item& it) {
     return kTmaO && p.tma_o != 0 && it.partial < 0 && it.nrows == ROWS && it.row0 % p.group_size == 0;
@@ -733,11 +734,13 @@ struct PrefillSm90 {
 
   // The stage this warpgroup last stored its O from (pend, -1: none), released for its 4 warps once the bulk store
   // has read it; LAZY calls it after a unit's first softmax (the producers need the stage again for the third tile).
+  // KVSPLIT: vempty is V's barriers; the stage's K (its `empty`: the barrier layout above) is released with it.
   __device__ __forceinline__ static void release_o_stage(unsigned long long* vempty, int& pend) {
     if (pend >= 0) {
       if (threadIdx.x % 128 == 0) {
         tma_store_wait_read<0>();
         mbar_arrive_n(vempty + pend, 4);
+        if constexpr (KVSPLIT && kTmaO) mbar_arrive_n(vempty - (2 * STAGES + QBUF) + pend, 4);
       }
       pend = -1;
     }
@@ -760,6 +763,8 @@ struct PrefillSm90 {
     unsigned long long* vfull = v_full(full);
     unsigned long long* vempty = KVSPLIT ? vfull + STAGES : empty;
     constexpr bool EARLY = KVATTN_SM90_EARLY;
+    // (KVSPLIT) a unit whose O goes out by TMA keeps its last tile's K until the store has read it (release_o_stage)
+    constexpr bool kDeferK = KVSPLIT && kTmaO && EARLY;
     Item again;   // (EARLY) the unit's item, loaded anew for the epilogue
     auto load_early = [&] {
       again = Base::load_item(p, static_cast<const volatile int*>(p.plan), w);
@@ -799,7 +804,8 @@ struct PrefillSm90 {
       KVATTN_TRACE(128, slot, kTraceQk0);
       if (ntiles == 1 && lane == 0) mbar_arrive(qfree);
       if (ntiles == 1) KVATTN_TRACE(128, slot, kTraceLastQk0);
-      if (KVSPLIT && lane == 0) mbar_arrive(&empty[g % STAGES]);   // the tile's K is done with
+      // the tile's K is done with (a unit's last K that holds its O: released after the store, release_o_stage)
+      if (KVSPLIT && lane == 0 && !(kDeferK && ntiles == 1 && o_by_tma(p, it))) mbar_arrive(&empty[g % STAGES]);
       softmax_tile(p, it, s, it.kb, tok, rc[0], lane, m, l, sc);
       KVATTN_TRACE(128, slot, kTraceSoft0);
       release_o_stage(vempty, pend);
@@ -821,7 +827,8 @@ struct PrefillSm90 {
         fence_regs(s);
         if (nxt == ntiles - 1 && lane == 0) mbar_arrive(qfree);   // the unit's last Q K^T has completed
         if (nxt == ntiles - 1) KVATTN_TRACE(128, slot, kTraceLastQk0);
-        if (KVSPLIT && lane == 0) mbar_arrive(&empty[nxt_st]);     // and this tile's K
+        if (KVSPLIT && lane == 0 && !(kDeferK && nxt == ntiles - 1 && o_by_tma(p, it)))
+          mbar_arrive(&empty[nxt_st]);                              // and this tile's K
         softmax_tile(p, it, s, kShift ? box_start(p, it, it.kb + nxt * N) : it.kb + nxt * N, tok, rc[0], lane, m, l,
                      sc);
         wgmma_wait<0>();
