@@ -28,7 +28,8 @@
 --early: the persistent consumers' item loads (the unit's again for its epilogue, the next unit's) issued before
   the wait for the unit's last P V (KVATTN_SM90_EARLY=1, the default) against where they are used (0), the
   --stream shapes.
---kvsplit: K and V of a stage released apart (KVATTN_SM90_KVSPLIT=1; the default only with 2 stages) against
+--kvsplit: K and V of a stage released apart (KVATTN_SM90_KVSPLIT=1, O by TMA in both builds since session 31; the
+  default only with 2 stages) against
   together (0), with 3 stages (the default: joint), with 2, and with 2 and two Q tiles (KVATTN_SM90_QBUF=2: a
   unit's Q copied while the unit before it runs), the --stream shapes and non-causal b32_S1024.
 --shapes: the default kernel on unit shapes that separate a unit's fixed cost from its tiles (run_shapes).
