@@ -60,6 +60,10 @@ def specs():
     for d in (64, 128):
         out += [pf.prefill_spec(d, rows, Variant(alibi=True), "bfloat16") for rows in pf.CONFIGS]
         out += [pf.sm90_spec(d, Variant(alibi=True), "bfloat16", interleaved=il) for il in (False, True)]
+    saved = pf.SM90_TUNING   # test_sm90_kv_split_ring_with_o_by_tma: K / V on their own barriers at 3 stages
+    pf.SM90_TUNING = (("KVATTN_SM90_KVSPLIT", 1),)
+    out += [pf.sm90_spec(d, Variant(), "bfloat16", interleaved=il) for d in (64, 128) for il in (False, True)]
+    pf.SM90_TUNING = saved
     from kvattn import mixed   # the mixed op's one-launch kernels (tests: plain, window, soft cap; both dtypes)
     for t in ("bfloat16", "float16"):
         for v in (Variant(), Variant(True, False), Variant(False, True)):

@@ -236,6 +236,27 @@ def test_sm90_persistent_ctas_walk_many_units(num_sms, d, causal):
         assert w.last_plan.info["grid"] == (min(units, num_sms), 1, 1) and units > 4 * num_sms
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_kv_split_ring_with_o_by_tma(d, causal, monkeypatch):
+    """The A/B build with K and V of each of the 3 stages on their own barriers (KVATTN_SM90_KVSPLIT=1): whole units
+    store O by tensor map from the K half of their last stage, so that stage's K is released only once the store
+    has read it. 3 persistent CTAs walk many units (the ring reuses every stage, short units of 1 tile among long
+    ones, units of fewer than 128 rows, split KV), paged and ragged, run 3 times on one plan, against the
+    reference (a wrong release hangs or reads a reloaded K half)."""
+    if _driver.arch() != "sm_90a":
+        pytest.skip("the sm90 kernel needs an sm_90 GPU")
+    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_KVSPLIT", 1),))
+    qo, kv = ([256, 32, 1, 200, 96, 5], [256, 700, 1, 1500, 96, 2000]) if causal else \
+        ([256, 32, 1, 200, 96, 5], [300, 100, 129, 1500, 0, 2000])
+    for paged in (True, False):
+        w = run_case(np.random.default_rng(hash((d, causal, paged)) % 2**32), dtype="bfloat16", d=d, hkv=2, group=4,
+                     qo_lens=qo, kv_lens=kv, paged=paged, cta_rows=128, backend="sm90", causal=causal, num_sms=3,
+                     runs=3)
+        info = w.last_plan.info
+        assert "KVATTN_SM90_KVSPLIT" in info["kernel"].spec.uri() and info["tma_o"]
+
+
 @pytest.mark.parametrize("group", [None, 2])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_persistent_ctas_walk_kv_head_groups(group, causal, monkeypatch):
