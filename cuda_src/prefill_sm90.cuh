@@ -293,6 +293,10 @@ struct PrefillSm90 {
   __device__ __forceinline__ static unsigned long long* v_full(unsigned long long* full) {
     return KVSPLIT ? full + 2 * STAGES + QBUF : full;
   }
+  // (KVSPLIT) K's `empty` barriers from V's (vempty = v_full(full) + STAGES).
+  __device__ __forceinline__ static unsigned long long* k_empty(unsigned long long* vempty) {
+    return vempty - (2 * STAGES + QBUF);
+  }
 
   __device__ __forceinline__ static void load_q(const PrefillParams& p, const Item& it, Q* qs, int kvh) {
     Base::template copy_q<ROWS, PRODUCERS>(p, it, qs, kvh, [](int r, int ch) { return sw<ROWS>(r, ch); });
@@ -734,13 +738,13 @@ struct PrefillSm90 {
 
   // The stage this warpgroup last stored its O from (pend, -1: none), released for its 4 warps once the bulk store
   // has read it; LAZY calls it after a unit's first softmax (the producers need the stage again for the third tile).
-  // KVSPLIT: vempty is V's barriers; the stage's K (its `empty`: the barrier layout above) is released with it.
+  // KVSPLIT: vempty is V's barriers; the stage's K (k_empty) is released with it.
   __device__ __forceinline__ static void release_o_stage(unsigned long long* vempty, int& pend) {
     if (pend >= 0) {
       if (threadIdx.x % 128 == 0) {
         tma_store_wait_read<0>();
         mbar_arrive_n(vempty + pend, 4);
-        if constexpr (KVSPLIT && kTmaO) mbar_arrive_n(vempty - (2 * STAGES + QBUF) + pend, 4);
+        if constexpr (KVSPLIT && kTmaO) mbar_arrive_n(k_empty(vempty) + pend, 4);
       }
       pend = -1;
     }
