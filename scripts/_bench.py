@@ -104,17 +104,19 @@ def torch_time_us(fn, warmup=5, reps=30):
     return float(np.median(ts))
 
 
-def time_rounds(fns: dict, rounds: int = 3, **time_kw) -> dict:
+def time_rounds(fns: dict, rounds: int = 3, per_round: dict = None, **time_kw) -> dict:
     """{name: us}: each fn timed by kvattn.timing.time_us in `rounds` rounds, every other round in reverse order,
     and the median of its rounds kept. The GPU's clocks drift under sustained load (BENCHMARKS.md, run 15d; run
     16a timed the same decode kernel 5% faster in its third style than in its first), so one pass in a fixed order
-    would favour whichever ran last."""
+    would favour whichever ran last. per_round (a dict, when given) receives each name's round figures in order."""
     from kvattn.timing import time_us
     names = list(fns)
     got = {n: [] for n in names}
     for r in range(rounds):
         for n in (names if r % 2 == 0 else names[::-1]):
             got[n].append(time_us(fns[n], **time_kw))
+    if per_round is not None:
+        per_round.update(got)
     return {n: float(np.median(v)) for n, v in got.items()}
 
 

@@ -208,9 +208,12 @@ def prefill_case(fw, name, b, s, rng, gemm, jsonl):
                 fns[f"fi_{backend}"] = lambda fwr=fwr: fwr.run(tq, tk, tv)
             except Exception as exc:
                 print(f"# FlashInfer prefill {name} {backend}: {exc.__class__.__name__}: {str(exc)[:100]}")
-    us = time_rounds(fns, reps=reps)
+    rounds = {}
+    us = time_rounds(fns, reps=reps, per_round=rounds)
     for style, t in us.items():
         row[f"{style}_tflops"] = round(flops / t / 1e6, 1)
+        # each round's figure too: the styles' order alternates, so a drift under sustained load shows here
+        row[f"{style}_rounds"] = [round(flops / x / 1e6) for x in rounds[style]]
     row["torch/kvattn"] = round(us["kvattn"] / us["torch"], 3)
     if "fi_fa2" in us:
         row["torch/fa2"] = round(us["fi_fa2"] / us["torch"], 3)
