@@ -104,16 +104,29 @@ def torch_time_us(fn, warmup=5, reps=30):
     return float(np.median(ts))
 
 
-def time_rounds(fns: dict, rounds: int = 3, per_round: dict = None, **time_kw) -> dict:
+#: seconds of idle before each timing where compute-bound kernels are compared (rest_s): run 45e (BENCHMARKS.md)
+#: saw every engine's prefill throttled to ~0.85 of the clock (SW power cap) after 30-80 ms of back-to-back calls
+#: and back at full clock after a 3 s pause; so each engine starts from the same power state.
+PREFILL_REST_S = 2.0
+
+
+def time_rounds(fns: dict, rounds: int = 3, per_round: dict = None, rest_s: float = 0.0, **time_kw) -> dict:
     """{name: us}: each fn timed by kvattn.timing.time_us in `rounds` rounds, every other round in reverse order,
     and the median of its rounds kept. The GPU's clocks drift under sustained load (BENCHMARKS.md, run 15d; run
     16a timed the same decode kernel 5% faster in its third style than in its first), so one pass in a fixed order
-    would favour whichever ran last. per_round (a dict, when given) receives each name's round figures in order."""
+    would favour whichever ran last. rest_s: the device synchronised and left idle that long before each timing
+    (keep the timed calls under ~30 ms so they end before the power cap engages: run 45e). per_round (a dict, when
+    given) receives each name's round figures in order."""
+    import time
+    from kvattn import _driver
     from kvattn.timing import time_us
     names = list(fns)
     got = {n: [] for n in names}
     for r in range(rounds):
         for n in (names if r % 2 == 0 else names[::-1]):
+            if rest_s:
+                _driver.call("cuCtxSynchronize")
+                time.sleep(rest_s)
             got[n].append(time_us(fns[n], **time_kw))
     if per_round is not None:
         per_round.update(got)

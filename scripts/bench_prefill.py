@@ -185,8 +185,8 @@ def sweep():
 def peer_rates(shapes, fi_backends):
     """TFLOP/s of kvattn, FlashInfer (ragged prefill, each of fi_backends) and PyTorch SDPA (flash, cuDNN) on the
     shapes ((name, b, s) causal at head_dim 128, or (name, b, s, head_dim, causal)), all on the same torch tensors
-    and timed in turns (scripts/_bench.time_rounds: 3 rounds of alternating order, so the GPU's clock drift under
-    load hits them alike; kvattn on the torch tensors as kvattn arrays, out given), and FlashInfer's paged
+    and timed in turns (scripts/_bench.time_rounds: 3 rounds of alternating order, each timing after a 2 s rest so
+    every engine starts at the same clock, not under the power cap a sustained run engages (run 45e); kvattn on the torch tensors as kvattn arrays, out given), and FlashInfer's paged
     speculative verify in TB/s (default shapes only), in this process. Each peer is optional: a missing package or
     an error prints a line instead of a figure."""
     out = {}
@@ -195,7 +195,7 @@ def peer_rates(shapes, fi_backends):
     except ImportError:
         print("# peers not measured: torch is not importable")
         return out
-    from _bench import time_rounds, torch_time_us  # noqa: E402 (scripts/_bench.py)
+    from _bench import PREFILL_REST_S, time_rounds, torch_time_us  # noqa: E402 (scripts/_bench.py)
     dt = torch.bfloat16
     for name, b, s, *more in shapes:
         d, causal = more if more else (D, True)
@@ -233,7 +233,7 @@ def peer_rates(shapes, fi_backends):
                 fns["torch_" + be.split("_")[0].lower()] = sdpa
         except Exception as exc:
             print(f"# PyTorch SDPA {name}: {exc.__class__.__name__}: {str(exc)[:120]}")
-        for impl, us in time_rounds(fns, reps=10).items():
+        for impl, us in time_rounds(fns, reps=10, rest_s=PREFILL_REST_S).items():
             out[(name, impl)] = flops / us / 1e6
     if any(more for _, _, _, *more in shapes):
         return out
