@@ -268,6 +268,9 @@ struct PrefillSm90 {
   static constexpr int LPR = gcd(gcd(Q_CHUNKS, CHUNKS), 32);
   static constexpr int RPI = 32 / LPR;                // rows one warp-wide copy instruction covers
   static constexpr int RPW = N / 4;                   // rows of a tile each producer warp copies (one per lane)
+  // Tiles over 128 tokens (KVATTN_SM90_N, experiments): a producer lane holds the offsets of two rows of its
+  // warp's band, lane and 32 + lane.
+  static constexpr bool kHiRows = RPW > 32;
   static constexpr int SN = N / 2;                    // S accumulators per thread
   static constexpr int ON = D_VO / 2;                 // O accumulators per thread
   // fp8: lanes per row of the expansion (dividing both rows' 16-byte fp8 chunks), rows per warp-wide load
@@ -275,8 +278,10 @@ struct PrefillSm90 {
   static constexpr int RPI8 = 32 / LPR8;
   static_assert(D_VO == 64 || D_VO == 128 || D_VO == 256,
                 "P V is one wgmma of N = D_VO: wgmma.cuh has the instances of 64, 128 and 256");
-  static_assert(N % 16 == 0 && RPW <= 32 && RPW % RPI == 0, "KV tile shape");
-  static_assert(!kFp8 || RPW % RPI8 == 0, "fp8: a producer warp's rows are whole warp-wide loads of both K and V");
+  static_assert(N % 16 == 0 && RPW <= 64 && RPW % RPI == 0, "KV tile shape");
+  static_assert(!kFp8 || (RPW % RPI8 == 0 && !kHiRows),
+                "fp8: a producer warp's rows are whole warp-wide loads of both K and V, one row per lane");
+  static_assert(!kHiRows || !V::kQK, "tiles over 128 tokens: no key transform (its threads tile 128 rows)");
 
   // Element offset of 16-byte chunk c of row r in a [R][D] tile (any D): 64-column blocks of R rows of 128 bytes.
   template <int R> __device__ __forceinline__ static int sw(int r, int c) {
@@ -350,17 +355,19 @@ struct PrefillSm90 {
   }
 
   // Producer warp pw's RPW rows of K and V of the tile starting at kv index t0; `off` is the element offset of
-  // row RPW pw + lane (lanes < RPW). Rows past ke are zero-filled; rows below `from` are left alone (PTAIL: they
-  // come by TMA).
-  __device__ __forceinline__ static void issue_kv(const PrefillParams& p, T* stage, long long off, int t0, int ke,
-                                                  int kvh, int pw, int lane, int from = 0) {
+  // row RPW pw + lane (lanes < RPW), off_hi of row RPW pw + 32 + lane (kHiRows). Rows past ke are zero-filled;
+  // rows below `from` are left alone (PTAIL: they come by TMA).
+  __device__ __forceinline__ static void issue_kv(const PrefillParams& p, T* stage, long long off, long long off_hi,
+                                                  int t0, int ke, int kvh, int pw, int lane, int from = 0) {
     const int chunk = lane % LPR, sub = lane / LPR;
     const KV* kg = static_cast<const KV*>(p.k) + kvh * p.kv_stride_head + chunk * 8;
     const KV* vg = static_cast<const KV*>(p.v) + kvh * p.kv_stride_head + chunk * 8;
 #pragma unroll 2
     for (int j = 0; j < RPW / RPI; ++j) {
       const int rr = j * RPI + sub;
-      const long long o = __shfl_sync(0xffffffffu, off, rr);
+      // (kHiRows: rows 32.. of the band come from off_hi; j * RPI >= 32 is the same for every lane)
+      const long long o = kHiRows ? __shfl_sync(0xffffffffu, j * RPI >= 32 ? off_hi : off, rr & 31)
+                                  : __shfl_sync(0xffffffffu, off, rr);
       const int row = RPW * pw + rr;
       if (row < from) continue;
       const int bytes = t0 + row < ke ? 16 : 0;
@@ -619,7 +626,9 @@ struct PrefillSm90 {
     }
     KVATTN_TRACE(0, slot, kTraceQIssued);
     const int my_row = RPW * pw + min(lane, RPW - 1);   // the tile row whose offset this lane holds
+    const int my_row_hi = RPW * pw + min(32 + lane, RPW - 1);   // (kHiRows) its second row
     long long off = Base::tok_offset(p, it.pages, min(it.kb + my_row, it.ke - 1));
+    long long off_hi = kHiRows ? Base::tok_offset(p, it.pages, min(it.kb + my_row_hi, it.ke - 1)) : 0;
     // full tiles as TMA boxes (16-bit cache, no key transform, a map bound by run(), item on a box boundary)
     const bool tma = kTma && p.tma_mode != 0 && (p.tma_mode == 1 || it.kb % p.tma_rows == 0);
     // (TMA, warp 0) this lane's box page id of the next tile, loaded a tile ahead (KVATTN_SM90_PREFETCH)
@@ -655,8 +664,10 @@ struct PrefillSm90 {
         if (t + 1 < ntiles) {
           if (KVATTN_SM90_PREFETCH && pw == 0) box_id = box_page(p, it, t0 + N, lane);
           // the copies' row offsets only where the next tile is copied (the item's last, partial tile)
-          if (!KVATTN_SM90_PREFETCH || t0 + 2 * N > it.ke)
+          if (!KVATTN_SM90_PREFETCH || t0 + 2 * N > it.ke) {
             off = Base::tok_offset(p, it.pages, min(t0 + N + my_row, it.ke - 1));
+            if constexpr (kHiRows) off_hi = Base::tok_offset(p, it.pages, min(t0 + N + my_row_hi, it.ke - 1));
+          }
         }
         continue;
       }
@@ -677,7 +688,7 @@ struct PrefillSm90 {
         if (by_tma > 0 && pw == 0)
           issue_kv_tma(p, kvs + st * STAGE_ELEMS, it.kb + t * N, lane,
                        KVATTN_SM90_PREFETCH ? box_id : box_page(p, it, it.kb + t * N, lane), kvh, &full[st], by_tma);
-        issue_kv(p, kvs + st * STAGE_ELEMS, off, it.kb + t * N, it.ke, kvh, pw, lane, by_tma);
+        issue_kv(p, kvs + st * STAGE_ELEMS, off, off_hi, it.kb + t * N, it.ke, kvh, pw, lane, by_tma);
         if constexpr (V::kQK) {   // announce the previous tile, transformed, while this one is in flight
           cp_async_commit();
           if (t > 0) {
@@ -689,7 +700,10 @@ struct PrefillSm90 {
           if constexpr (KVSPLIT) cp_async_mbar_arrive(&vfull[st]);
         }
       }
-      if (t + 1 < ntiles) off = Base::tok_offset(p, it.pages, min(it.kb + (t + 1) * N + my_row, it.ke - 1));
+      if (t + 1 < ntiles) {
+        off = Base::tok_offset(p, it.pages, min(it.kb + (t + 1) * N + my_row, it.ke - 1));
+        if constexpr (kHiRows) off_hi = Base::tok_offset(p, it.pages, min(it.kb + (t + 1) * N + my_row_hi, it.ke - 1));
+      }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     if constexpr (V::kQK) transform_and_announce(p, it, qs, kvs, full, vfull, ntiles - 1, g, qk_state);

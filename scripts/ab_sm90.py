@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order]
                                             [--hgroup]
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
-                                            [--lazy] [--shift] [--ptail]
+                                            [--lazy] [--shift] [--ptail] [--tilen]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -43,6 +43,9 @@
   default) against copied per thread, zero-filled (0), the --stream shapes, kv 960 and ragged random lengths.
 --ptail: a paged item's partial last KV tile as TMA boxes for its whole pages and copies for the rest
   (KVATTN_SM90_PTAIL=1, the default) against the whole tile copied per thread (0), paged page-16 shapes.
+--tilen: KV tiles over 128 tokens at head_dim 128 (TILE_BUILDS: 144 and 160 in 2 stages, a CTA a unit, beside
+  128 in 2 and 3 stages a CTA a unit and the default), non-causal and causal b1_S8192, non-causal b32_S1024, causal
+  b8_S2048.
 --kvil: paged caches' interleaved K / V tiles (KVATTN_SM90_KVIL=1, one 5-dim box a page) against the kernel before
   (64-column blocks: 2 boxes a page at head_dim 128), pages 16 / 32.
 --split, --d256, --fold, --persist, --prefetch, --order, --stream, --early, --kvsplit and --pages time their
@@ -95,6 +98,9 @@ def compile_all():
     for defs in (STREAM_OFF, EARLY_OFF, QBUF2, STAGES2, KV_APART, JOINT + STAGES2, LAZY_OFF, SHIFT_OFF):
         prefill.SM90_TUNING = defs
         prefill.sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
+    for _, defs, persist in TILE_BUILDS:   # --tilen
+        prefill.SM90_TUNING = defs
+        prefill.sm90_spec(128, Variant(), "bfloat16", persistent=persist).compile("sm_90a")
     for defs in ((), BLOCKS, PTAIL_OFF):   # the paged instances (--kvil, --pages, --ptail)
         prefill.SM90_TUNING = defs
         prefill.sm90_spec(128, Variant(), "bfloat16", interleaved=True).compile("sm_90a")
@@ -252,6 +258,28 @@ def run_ptail(bp, rng):
         compare("ptail", name, flops_of(bp, b, s, True), options, case(bp, rng, name, b, s, True, paged=True))
     compare("ptail", "paged causal 16 random", random_flops(bp), options,
             lambda: bp.paged_case(rng, RANDOM_LENS, RANDOM_LENS, 128, causal=True, backend="sm90")[1:])
+
+
+#: KV tiles over 128 tokens at head_dim 128 (FlashAttention-3 takes 176-token tiles for non-causal head_dim 128):
+#: (what, SM90_TUNING, persistent). Tiles over 128 tokens leave room for 2 stages only (K and V released apart);
+#: with a CTA a unit (240 consumer registers) 144 and 160 compile without spills (persistent, 232: 144 spills
+#: 8 bytes, 160 80), so the family runs a CTA a unit, beside its 2- and 3-stage 128-token controls and the default.
+TILE_BUILDS = [("N128 x3 (default)", (), True), ("N128 x3, CTA/unit", (), False),
+               ("N128 x2 split, C/u", STAGES2, False), ("N144 x2 split, C/u", tile_defines(144, 2), False),
+               ("N160 x2 split, C/u", tile_defines(160, 2), False)]
+
+
+def run_tilen(bp, rng):
+    """Fewer, larger KV tiles (the per-tile costs: softmax reductions, O rescale, barriers, turns) against the
+    default 128-token tiles in 3 stages."""
+    def build(defs, persist):
+        def apply():
+            prefill.SM90_TUNING, prefill.SM90_PERSISTENT = defs, persist
+        return apply
+    for name, b, s, causal in [("non-causal b1_S8192", 1, 8192, False), ("causal b1_S8192", 1, 8192, True),
+                               ("non-causal b32_S1024", 32, 1024, False), ("causal b8_S2048", 8, 2048, True)]:
+        compare("tilen", name, flops_of(bp, b, s, causal), [(w, build(d, p)) for w, d, p in TILE_BUILDS],
+                case(bp, rng, name, b, s, causal))
 
 
 def run_kvsplit(bp, rng):
@@ -420,7 +448,7 @@ def run_otma(bp, rng):
 EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma": run_qtma, "otma": run_otma, "pages": run_pages, "kvil": run_kvil, "split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold,
                "persist": run_persist,
                "prefetch": run_prefetch, "order": run_order, "hgroup": run_hgroup, "stream": run_stream,
-               "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit}
+               "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit, "tilen": run_tilen}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

@@ -205,13 +205,18 @@ def test_sm90_kernels_compile_without_spills_or_serialized_wgmma(d):
 
 @pytest.mark.parametrize("defs", [(("KVATTN_SM90_STREAM", 0),), (("KVATTN_SM90_EARLY", 0),), (("KVATTN_SM90_KVSPLIT", 1),),
                                   (("KVATTN_SM90_STAGES", 2), ("KVATTN_SM90_QBUF", 2)), (("KVATTN_SM90_LAZY", 0),),
-                                  (("KVATTN_SM90_SHIFT", 0),), (("KVATTN_SM90_PTAIL", 0),)])
+                                  (("KVATTN_SM90_SHIFT", 0),), (("KVATTN_SM90_PTAIL", 0),),
+                                  (("KVATTN_SM90_N", 144), ("KVATTN_SM90_STAGES", 2), ("persistent", 0)),
+                                  (("KVATTN_SM90_N", 160), ("KVATTN_SM90_STAGES", 2), ("persistent", 0)),
+                                  (("KVATTN_SM90_STAGES", 2), ("persistent", 0))])
 def test_sm90_experiment_builds_compile_without_spills(defs, monkeypatch):
     """The build switches scripts/ab_sm90.py times against the default stay correct builds: the persistent
-    head_dim 128 instance compiles with no spills and its shared memory mirrored by Python (a static_assert)."""
+    head_dim 128 instance (("persistent", 0): the CTA-a-unit one) compiles with no spills and its shared memory
+    mirrored by Python (a static_assert)."""
     from kvattn import prefill
-    monkeypatch.setattr(prefill, "SM90_TUNING", defs)
-    compiled, _ = sm90_spec(128, Variant(), "bfloat16", persistent=True).compile("sm_90a")
+    persistent = dict(defs).get("persistent", 1) == 1
+    monkeypatch.setattr(prefill, "SM90_TUNING", tuple(d for d in defs if d[0] != "persistent"))
+    compiled, _ = sm90_spec(128, Variant(), "bfloat16", persistent=persistent).compile("sm_90a")
     assert all(r.spill_stores == 0 and r.spill_loads == 0 for r in compiled.resources.values()), compiled.log
     # ptxas serialising the wgmmas (C7515) cost a build 25% everywhere with no spill to show for it (run 33a)
     assert "serialized" not in compiled.log, compiled.log
