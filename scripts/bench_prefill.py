@@ -186,8 +186,9 @@ def peer_rates(shapes, fi_backends):
     """TFLOP/s of kvattn, FlashInfer (ragged prefill, each of fi_backends) and PyTorch SDPA (flash, cuDNN) on the
     shapes ((name, b, s) causal at head_dim 128, or (name, b, s, head_dim, causal)), all on the same torch tensors
     and timed in turns (scripts/_bench.time_rounds: 3 rounds of alternating order, each timing after a 2 s rest so
-    every engine starts at the same clock, not under the power cap a sustained run engages (run 45e); kvattn on the torch tensors as kvattn arrays, out given), and FlashInfer's paged
-    speculative verify in TB/s (default shapes only), in this process. Each peer is optional: a missing package or
+    every engine starts at the same clock, not under the power cap a sustained run engages (run 45e); kvattn on
+    the torch tensors as kvattn arrays, out given), and FlashInfer's paged speculative verify in TB/s (default
+    shapes only), in this process. Each peer is optional: a missing package or
     an error prints a line instead of a figure."""
     out = {}
     try:
