@@ -6,8 +6,9 @@ A compute-bound prefill pulls the H200's clock from 1980 MHz to ~1650-1700 (SW p
 back-to-back calls, for every engine (run 45e, BENCHMARKS.md). Figures timed in turns can therefore compare one
 engine at full clock with another under the cap. Here each engine runs alone after `pause` seconds idle: "fresh" is
 the median of its first 30 calls, "sustained" of the second half (a serving engine's steady state), each call
-bracketed by its own events. Both orders (kvattn first, then the peer first); the table gives their mean.
-Peers, when importable: FlashInfer's fa3 ragged prefill (torch tensors, same data). bf16 Hq32/Hkv8/D128, ragged.
+bracketed by its own events. Both orders (kvattn first, then the peers first); the table gives their mean.
+Peers, when importable: FlashInfer's fa3 ragged prefill and PyTorch SDPA's cuDNN backend (torch tensors, same
+data). bf16 Hq32/Hkv8/D128, ragged.
 """
 import argparse
 import os
@@ -41,7 +42,7 @@ def series_us(fn, n: int, pause: float) -> np.ndarray:
 
 
 def engines(torch, b, s, causal):
-    """{name: fn} on the same torch tensors: kvattn (its arrays over torch's memory, out given) and fa3."""
+    """{name: fn} on the same torch tensors: kvattn (its arrays over torch's memory, out given), fa3, cuDNN."""
     ip = np.arange(0, (b + 1) * s, s, dtype=np.int32)
     tq = torch.randn((b * s, HQ, D), dtype=torch.bfloat16, device="cuda")
     tk = torch.randn((b * s, HKV, D), dtype=torch.bfloat16, device="cuda")
@@ -61,6 +62,19 @@ def engines(torch, b, s, causal):
         fns["fa3"] = lambda: f.run(tq, tk, tv)
     except Exception as exc:   # peers are optional
         print(f"# FlashInfer fa3 not measured: {exc.__class__.__name__}: {str(exc)[:100]}")
+    try:   # PyTorch SDPA's cuDNN backend on the same tensors ([b, H, s, D] views)
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        qb = tq.view(b, s, HQ, D).transpose(1, 2)
+        kb, vb = (x.view(b, s, HKV, D).transpose(1, 2) for x in (tk, tv))
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, enable_gqa=True)
+        cudnn()
+        fns["cudnn"] = cudnn
+    except Exception as exc:
+        print(f"# cuDNN (PyTorch SDPA) not measured: {exc.__class__.__name__}: {str(exc)[:100]}")
     return fns
 
 
@@ -90,9 +104,11 @@ def main():
             fresh, sus = np.mean(pairs, axis=0)
             print(f"{name:22s} {e:7s} {fresh:6.0f} {sus:9.0f}  " + " ".join(f"{a:.0f}/{c:.0f}" for a, c in pairs),
                   flush=True)
-        if "fa3" in got:
-            (kf, ks), (ff, fs) = np.mean(got["kvattn"], axis=0), np.mean(got["fa3"], axis=0)
-            print(f"{name:22s} kvattn / fa3: fresh {kf / ff:.3f}, sustained {ks / fs:.3f}", flush=True)
+        kf, ks = np.mean(got["kvattn"], axis=0)
+        for peer in ("fa3", "cudnn"):
+            if peer in got:
+                pf, ps = np.mean(got[peer], axis=0)
+                print(f"{name:22s} kvattn / {peer}: fresh {kf / pf:.3f}, sustained {ks / ps:.3f}", flush=True)
     return 0
 
 
