@@ -6,7 +6,7 @@ b1_L2048 decode (bf16 Hq32/Hkv8/D128, page 16) with torch tensors: the median ho
 each piece, the pieces taking turns (bench_interop.host_us_interleaved: the machine's drift hits them alike, the
 device synchronised between turns so the launch queue never fills). Pieces: whole run() in each call style, the
 launch alone, the stream lookup, one tensor's import, the pool allocation, and torch's own accessors that the
-import reads.
+import reads; then causal ragged prefill run() and its launch alone (b8_S2048 and b1_S256, kvattn arrays).
 """
 from __future__ import annotations
 
@@ -61,6 +61,21 @@ def main():
         "torch: current raw stream": lambda: raw(0),
         "empty lambda": lambda: None,
     }
+    # prefill's run() took ~5 us more host time than decode's on the H200's host (run 45b: 15.4 against 10.1 us, kvattn
+    # arrays, out given) while its Python is within 0.6 us of decode's (probe_host_cpu.py): its launch alone, for a
+    # causal ragged b8_S2048 (a 0.5 ms kernel: the queue stays busy) and b1_S256 (a short one), beside decode's
+    for name, b, sl in (("b8_S2048", 8, 2048), ("b1_S256", 1, 256)):
+        ip = np.arange(0, (b + 1) * sl, sl, dtype=np.int32)
+        pw = kvattn.BatchPrefillWithRaggedKVCache()
+        pw.plan(ip, ip, HQ, HKV, D, causal=True)
+        pq = kvattn.asarray(torch.randn((b * sl, HQ, D), dtype=torch.bfloat16, device="cuda"))
+        pk, pv = (kvattn.asarray(torch.randn((b * sl, HKV, D), dtype=torch.bfloat16, device="cuda")) for _ in "kv")
+        po = kvattn.empty(pq.shape, "bfloat16")
+        pw.run(pq, pk, pv, out=po)
+        pieces[f"prefill {name} run: kvattn arrays, out given"] = \
+            lambda pw=pw, a=(pq, pk, pv), po=po: pw.run(*a, out=po)
+        pieces[f"prefill {name}: the launch alone"] = lambda pl=pw.last_plan.launches[0]: pl.launch(s.handle)
+    torch.cuda.synchronize()
     us = host_us_interleaved(pieces, rounds=8, per_round=200)
     print(f"{'piece':40s} {'us':>7s}")
     for name, t in us.items():
