@@ -95,6 +95,15 @@
 #define KVATTN_SM90_PTAIL 1
 #endif
 
+// One producer warp on TMA tiles (1, the A/B of scripts/ab_sm90.py --pwarp): warp 0 alone waits for a stage and
+// announces a tile that comes whole as boxes; the other three producer warps sleep on a named barrier until a tile
+// that needs their copies (a partial tile, or tile 0 of a unit whose Q is copied per thread), instead of spinning
+// on every stage's `empty` (ncu, run 24a: 20 M of the kernel's 341 M warp instructions at b1_S8192). 0: all four
+// producer warps wait and arrive on every tile. 16-bit caches without a key transform, K and V joint.
+#ifndef KVATTN_SM90_PWARP
+#define KVATTN_SM90_PWARP 0
+#endif
+
 // 1 = every unit's rows fit one warpgroup (at most 64) and the two consumer warpgroups split its KV tiles
 // (PrefillSm90::consume_split); the instance the decode wrapper's sm90 route of large GQA groups runs. Set by the
 // host (kvattn.prefill.sm90_spec's wg_split), never a default.
@@ -209,8 +218,9 @@ struct PrefillSm90 {
   static constexpr int THREADS = 384;                 // producer warpgroup + two consumer warpgroups
   static constexpr int PRODUCERS = 128;
   // A query / key transform (fused RoPE) or the fp8 expansion runs in the producers: they get the registers for it.
-  static constexpr int PRODUCER_REGS = V::kQK || kFp8 ? 56 : kPersist ? 40 : 24;
-  static constexpr int CONSUMER_REGS = V::kQK || kFp8 ? 224 : kPersist ? 232 : 240;
+  // (KVATTN_SM90_PWARP: the producers' two paths take more registers; 16 more each, from the consumers)
+  static constexpr int PRODUCER_REGS = V::kQK || kFp8 ? 56 : (kPersist ? 40 : 24) + (KVATTN_SM90_PWARP ? 16 : 0);
+  static constexpr int CONSUMER_REGS = V::kQK || kFp8 ? 224 : (kPersist ? 232 : 240) - (KVATTN_SM90_PWARP ? 8 : 0);
   static_assert(!(kFp8 && V::kQK), "fused RoPE needs a 16-bit cache");
   static_assert(!V::kQK || PRODUCERS % (D_QK / 16) == 0,
                 "a query / key transform's threads (D_QK / 16 a row) tile the producers: D_QK 64, 128 or 256");
@@ -337,6 +347,11 @@ struct PrefillSm90 {
   static constexpr bool kShift = KVATTN_SM90_SHIFT && kTma && !KVIL && !(V::kCustomMask && V::kWindow);
   // (KVATTN_SM90_PTAIL) A paged item's partial last tile: its whole pages by TMA.
   static constexpr bool kPagedTail = KVATTN_SM90_PTAIL && kTma && !KVSPLIT;
+  static constexpr bool kPWarp = KVATTN_SM90_PWARP && kTma && !kFp8 && !V::kQK && !KVSPLIT && KVATTN_SM90_X == 0;
+  static constexpr int FULL_ARRIVALS = kPWarp ? 32 : PRODUCERS;   // a stage's `full` phase: the producers' arrivals
+  // (kPWarp) Named barriers of the producer warps on a tile that needs all four: warp 0 past the stage's `empty`
+  // wait, then the other three's counted arrivals issued (before warp 0's 32 complete the phase).
+  static constexpr int kBarStageFree = 6, kBarCopiesCounted = 7;
   __device__ __forceinline__ static int box_start(const PrefillParams& p, const Item& it, int t0) {
     return kShift && p.tma_mode == 1 && t0 + N > it.ke && it.ke - N > it.kb ? it.ke - N : t0;
   }
@@ -608,6 +623,21 @@ struct PrefillSm90 {
   // released the previous one's (qfree: its last Q K^T has completed). Units without tiles touch neither (else
   // the consumers, who need no Q for them, could run two qfree phases ahead and the parity wait would hang).
   // KVSPLIT: full / empty are K's barriers (and Q's, with tile 0), vfull / vempty V's; else they are full / empty.
+  // A producer thread's arrival on a stage's `full` barrier once its copies so far have landed. kPWarp: warp 0's 32
+  // arrivals complete the phase; on a tile that needs all four warps (`all`) the other three add theirs first as
+  // counted arrivals (each raises the phase's pending count until its copies land), then warp 0 arrives.
+  __device__ __forceinline__ static void announce(unsigned long long* bar, int pw, bool all) {
+    if constexpr (kPWarp) {
+      if (pw != 0) {
+        cp_async_mbar_arrive_counted(bar);
+        named_arrive(kBarCopiesCounted, PRODUCERS);
+        return;
+      }
+      if (all) named_sync(kBarCopiesCounted, PRODUCERS);
+    }
+    cp_async_mbar_arrive(bar);
+  }
+
   __device__ static void produce(const PrefillParams& p, const Item& it, Q* qs, T* kvs, unsigned long long* full,
                                  unsigned long long* empty, unsigned long long* qfree, int kvh, int g, int nq,
                                  int slot = 0) {
@@ -619,7 +649,8 @@ struct PrefillSm90 {
     const typename V::QKState qk_state = V::template qk_init<D_QK>(p, qk_dims<D_QK>(threadIdx.x));
     if (nq >= QBUF) mbar_wait(qfree, (nq / QBUF - 1) & 1);   // (qfree, qs: this unit's Q slot's)
     KVATTN_TRACE(0, slot, kTraceQCopy);
-    if (q_by_tma(p, it)) {
+    const bool q_tma = q_by_tma(p, it);
+    if (q_tma) {
       if (threadIdx.x == 0) issue_q_tma(p, it, qs, kvh, &full[g % STAGES]);
     } else {
       load_q(p, it, qs, kvh);   // lands before tile 0 is announced (the arrival waits for every earlier copy)
@@ -637,10 +668,27 @@ struct PrefillSm90 {
     KVATTN_TRACE(0, slot, kTraceLookup);
     for (int t = 0; t < ntiles; ++t) {
       const int u = g + t, st = u % STAGES;
-      if (u >= STAGES) mbar_wait(&empty[st], (u / STAGES - 1) & 1);
-      if (t == 0) KVATTN_TRACE(0, slot, kTraceEmpty);
+      if constexpr (!kPWarp) {
+        if (u >= STAGES) mbar_wait(&empty[st], (u / STAGES - 1) & 1);
+      }
       // boxes: a full tile, or (SHIFT) the partial last one's box moved back to end at the item's end
       const bool boxes = tma && (it.kb + (t + 1) * N <= it.ke || (kShift && box_start(p, it, it.kb + t * N) != it.kb + t * N));
+      // (kPWarp) a tile that needs all four producer warps: copied rows, or this thread's Q rows before it
+      const bool all = kPWarp && (!boxes || (t == 0 && !q_tma));
+      if constexpr (kPWarp) {
+        if (pw != 0) {
+          if (!all) continue;   // warp 0's alone
+          named_sync(kBarStageFree, PRODUCERS);   // warp 0 has seen the stage released (no parity wait of ours)
+          if (!boxes) {   // this tile's row offsets (the updates below skip the tiles this warp skips)
+            off = Base::tok_offset(p, it.pages, min(it.kb + t * N + my_row, it.ke - 1));
+            if constexpr (kHiRows) off_hi = Base::tok_offset(p, it.pages, min(it.kb + t * N + my_row_hi, it.ke - 1));
+          }
+        } else {
+          if (u >= STAGES) mbar_wait(&empty[st], (u / STAGES - 1) & 1);
+          if (all) named_arrive(kBarStageFree, PRODUCERS);
+        }
+      }
+      if (t == 0) KVATTN_TRACE(0, slot, kTraceEmpty);
       if constexpr (KVSPLIT) {   // a copied tile's K and V are copied together
         if (u >= STAGES && !boxes) mbar_wait(&vempty[st], (u / STAGES - 1) & 1);
       }
@@ -658,7 +706,7 @@ struct PrefillSm90 {
           if (pw == 0)
             issue_kv_tma(p, kvs + st * STAGE_ELEMS, t0, lane, KVATTN_SM90_PREFETCH ? box_id : box_page(p, it, t0, lane),
                          kvh, &full[st]);
-          cp_async_mbar_arrive(&full[st]);   // after this thread's earlier copies (the Q rows before tile 0)
+          announce(&full[st], pw, all);   // after this thread's earlier copies (the Q rows before tile 0)
         }
         if (t == 0) KVATTN_TRACE(0, slot, kTraceTile0);
         if (t + 1 < ntiles) {
@@ -696,7 +744,7 @@ struct PrefillSm90 {
             transform_and_announce(p, it, qs, kvs, full, vfull, t - 1, g, qk_state);
           }
         } else {
-          cp_async_mbar_arrive(&full[st]);
+          announce(&full[st], pw, all);
           if constexpr (KVSPLIT) cp_async_mbar_arrive(&vfull[st]);
         }
       }
@@ -1144,7 +1192,7 @@ struct PrefillSm90 {
     unsigned long long* vempty = vfull + STAGES;                                                   // [STAGES]
     if (threadIdx.x == 0) {
       for (int i = 0; i < STAGES; ++i) {
-        mbar_init(&full[i], PRODUCERS);
+        mbar_init(&full[i], FULL_ARRIVALS);
         mbar_init(&empty[i], 8);   // one arrival per consumer warp
         if constexpr (KVSPLIT) {
           mbar_init(&vfull[i], PRODUCERS);

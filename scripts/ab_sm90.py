@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order]
                                             [--hgroup]
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
-                                            [--lazy] [--shift] [--ptail] [--tilen]
+                                            [--lazy] [--shift] [--ptail] [--tilen] [--pwarp]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -46,6 +46,8 @@
 --tilen: KV tiles over 128 tokens at head_dim 128 (TILE_BUILDS: 144 and 160 in 2 stages, a CTA a unit, beside
   128 in 2 and 3 stages a CTA a unit and the default), non-causal and causal b1_S8192, non-causal b32_S1024, causal
   b8_S2048.
+--pwarp: one producer warp on TMA tiles (KVATTN_SM90_PWARP=1) against four, a CTA a unit, beside the default; the
+  --stream shapes and non-causal b32_S1024.
 --kvil: paged caches' interleaved K / V tiles (KVATTN_SM90_KVIL=1, one 5-dim box a page) against the kernel before
   (64-column blocks: 2 boxes a page at head_dim 128), pages 16 / 32.
 --split, --d256, --fold, --persist, --prefetch, --order, --stream, --early, --kvsplit and --pages time their
@@ -101,6 +103,9 @@ def compile_all():
     for _, defs, persist in TILE_BUILDS:   # --tilen
         prefill.SM90_TUNING = defs
         prefill.sm90_spec(128, Variant(), "bfloat16", persistent=persist).compile("sm_90a")
+    for il in (False, True):   # --pwarp (a CTA a unit; ragged, and the paged instance)
+        prefill.SM90_TUNING = PWARP
+        prefill.sm90_spec(128, Variant(), "bfloat16", persistent=False, interleaved=il).compile("sm_90a")
     for defs in ((), BLOCKS, PTAIL_OFF):   # the paged instances (--kvil, --pages, --ptail)
         prefill.SM90_TUNING = defs
         prefill.sm90_spec(128, Variant(), "bfloat16", interleaved=True).compile("sm_90a")
@@ -282,6 +287,25 @@ def run_tilen(bp, rng):
                 case(bp, rng, name, b, s, causal))
 
 
+PWARP = (("KVATTN_SM90_PWARP", 1),)
+
+
+def run_pwarp(bp, rng):
+    """One producer warp on TMA tiles (KVATTN_SM90_PWARP=1: the other three sleep on a named barrier unless a tile
+    needs their copies) against four spinning on every stage's `empty`, both a CTA a unit (the persistent PWARP
+    build spills at either register split), beside the persistent default; the --stream shapes and non-causal
+    b32_S1024."""
+    def build(defs, persist):
+        def apply():
+            prefill.SM90_TUNING, prefill.SM90_PERSISTENT = defs, persist
+        return apply
+    for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
+        compare("pwarp", name, flops_of(bp, b, s, causal),
+                [("default (persist)", build((), True)), ("4 warps, C/u", build((), False)),
+                 ("1 warp, C/u", build(PWARP, False))],
+                case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
+
+
 def run_kvsplit(bp, rng):
     for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
         compare("kvsplit", name, flops_of(bp, b, s, causal),
@@ -448,7 +472,8 @@ def run_otma(bp, rng):
 EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma": run_qtma, "otma": run_otma, "pages": run_pages, "kvil": run_kvil, "split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold,
                "persist": run_persist,
                "prefetch": run_prefetch, "order": run_order, "hgroup": run_hgroup, "stream": run_stream,
-               "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit, "tilen": run_tilen}
+               "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit, "tilen": run_tilen,
+               "pwarp": run_pwarp}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

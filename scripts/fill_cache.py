@@ -69,6 +69,9 @@ def specs():
         pf.SM90_TUNING = defs
         out += [pf.sm90_spec(128, Variant(), "bfloat16", persistent=ps, interleaved=il)
                 for ps in (False, True) for il in (False, True)]
+    pf.SM90_TUNING = (("KVATTN_SM90_PWARP", 1),)   # test_sm90_one_producer_warp and ab_sm90.py --pwarp
+    out += [pf.sm90_spec(128, Variant(), "bfloat16", persistent=ps, interleaved=il)
+            for ps in (False, True) for il in (False, True)]
     pf.SM90_TUNING = saved
     from kvattn import mixed   # the mixed op's one-launch kernels (tests: plain, window, soft cap; both dtypes)
     for t in ("bfloat16", "float16"):

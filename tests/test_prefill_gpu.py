@@ -280,6 +280,28 @@ def test_sm90_kv_tiles_over_128_tokens(n, causal, monkeypatch):
             assert f"KVATTN_SM90_N={n}" in info["kernel"].spec.uri() and info["tma"]
 
 
+@pytest.mark.parametrize("persist", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_one_producer_warp(persist, causal, monkeypatch):
+    """The A/B build with one producer warp on TMA tiles (KVATTN_SM90_PWARP=1): the other three join only the tiles
+    that need their copies, through two named barriers, and never wait on a stage themselves. Tiles of every kind:
+    whole boxes, partial last tiles (ragged: a moved box; paged page 16: page boxes and copied rows), every tile
+    copied (page size 5: no tensor map), Q copied per thread (group size 3: units that start inside a token) and by
+    TMA; 3 persistent CTAs or a CTA a unit, run twice on one plan, against the reference."""
+    if _driver.arch() != "sm_90a":
+        pytest.skip("the sm90 kernel needs an sm_90 GPU")
+    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_PWARP", 1),))
+    monkeypatch.setattr(prefill, "SM90_PERSISTENT", persist)
+    qo, kv = ([256, 32, 1, 200, 96, 5], [256, 700, 1, 1500, 120, 2000]) if causal else \
+        ([256, 32, 1, 200, 96, 5], [300, 100, 129, 1500, 0, 2000])
+    for paged, page_size, group in ((False, 16, 4), (True, 16, 4), (True, 5, 4), (False, 16, 3)):
+        w = run_case(np.random.default_rng(hash((persist, causal, paged, page_size, group)) % 2**32),
+                     dtype="bfloat16", d=128, hkv=2, group=group, qo_lens=qo, kv_lens=kv, paged=paged,
+                     page_size=page_size, cta_rows=128, backend="sm90", causal=causal, num_sms=3, runs=2)
+        info = w.last_plan.info
+        assert "KVATTN_SM90_PWARP=1" in info["kernel"].spec.uri() and info["tma"] == (page_size != 5)
+
+
 @pytest.mark.parametrize("group", [None, 2])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_persistent_ctas_walk_kv_head_groups(group, causal, monkeypatch):
