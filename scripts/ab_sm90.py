@@ -50,9 +50,9 @@
   --stream shapes and non-causal b32_S1024.
 --kvil: paged caches' interleaved K / V tiles (KVATTN_SM90_KVIL=1, one 5-dim box a page) against the kernel before
   (64-column blocks: 2 boxes a page at head_dim 128), pages 16 / 32.
---split, --d256, --fold, --persist, --prefetch, --order, --stream, --early, --kvsplit and --pages time their
-  options in 3 rounds of alternating order (the GPU's clock drifts under load: BENCHMARKS.md, run 15d); --tanh is a
-  single pass.
+--tanh is a single pass; every other experiment times its options in 3 rounds of alternating order (the GPU's clock
+  drifts under load: BENCHMARKS.md, run 15d), each measurement on freshly drawn data, so the GPU idles between them
+  and every option starts at the full clock (a sustained prefill runs under the power cap: run 45e).
 """
 import argparse
 import os
