@@ -618,11 +618,6 @@ struct PrefillSm90 {
     if constexpr (KVSPLIT) mbar_arrive(&vfull[(g + u) % STAGES]);
   }
 
-  // One unit's Q and K/V tiles; g counts the tiles the CTA's earlier units put through the ring (stage g % STAGES,
-  // its (g / STAGES)-th use), nq the earlier units that had tiles: the Q of such a unit waits until the consumers
-  // released the previous one's (qfree: its last Q K^T has completed). Units without tiles touch neither (else
-  // the consumers, who need no Q for them, could run two qfree phases ahead and the parity wait would hang).
-  // KVSPLIT: full / empty are K's barriers (and Q's, with tile 0), vfull / vempty V's; else they are full / empty.
   // A producer thread's arrival on a stage's `full` barrier once its copies so far have landed. kPWarp: warp 0's 32
   // arrivals complete the phase; on a tile that needs all four warps (`all`) the other three add theirs first as
   // counted arrivals (each raises the phase's pending count until its copies land), then warp 0 arrives.
@@ -638,6 +633,11 @@ struct PrefillSm90 {
     cp_async_mbar_arrive(bar);
   }
 
+  // One unit's Q and K/V tiles; g counts the tiles the CTA's earlier units put through the ring (stage g % STAGES,
+  // its (g / STAGES)-th use), nq the earlier units that had tiles: the Q of such a unit waits until the consumers
+  // released the previous one's (qfree: its last Q K^T has completed). Units without tiles touch neither (else
+  // the consumers, who need no Q for them, could run two qfree phases ahead and the parity wait would hang).
+  // KVSPLIT: full / empty are K's barriers (and Q's, with tile 0), vfull / vempty V's; else they are full / empty.
   __device__ static void produce(const PrefillParams& p, const Item& it, Q* qs, T* kvs, unsigned long long* full,
                                  unsigned long long* empty, unsigned long long* qfree, int kvh, int g, int nq,
                                  int slot = 0) {
@@ -658,8 +658,12 @@ struct PrefillSm90 {
     KVATTN_TRACE(0, slot, kTraceQIssued);
     const int my_row = RPW * pw + min(lane, RPW - 1);   // the tile row whose offset this lane holds
     const int my_row_hi = RPW * pw + min(32 + lane, RPW - 1);   // (kHiRows) its second row
-    long long off = Base::tok_offset(p, it.pages, min(it.kb + my_row, it.ke - 1));
-    long long off_hi = kHiRows ? Base::tok_offset(p, it.pages, min(it.kb + my_row_hi, it.ke - 1)) : 0;
+    long long off, off_hi = 0;
+    auto offsets_at = [&](int t0) {   // this lane's rows' offsets in the tile at kv index t0 (for issue_kv)
+      off = Base::tok_offset(p, it.pages, min(t0 + my_row, it.ke - 1));
+      if constexpr (kHiRows) off_hi = Base::tok_offset(p, it.pages, min(t0 + my_row_hi, it.ke - 1));
+    };
+    offsets_at(it.kb);
     // full tiles as TMA boxes (16-bit cache, no key transform, a map bound by run(), item on a box boundary)
     const bool tma = kTma && p.tma_mode != 0 && (p.tma_mode == 1 || it.kb % p.tma_rows == 0);
     // (TMA, warp 0) this lane's box page id of the next tile, loaded a tile ahead (KVATTN_SM90_PREFETCH)
@@ -679,10 +683,7 @@ struct PrefillSm90 {
         if (pw != 0) {
           if (!all) continue;   // warp 0's alone
           named_sync(kBarStageFree, PRODUCERS);   // warp 0 has seen the stage released (no parity wait of ours)
-          if (!boxes) {   // this tile's row offsets (the updates below skip the tiles this warp skips)
-            off = Base::tok_offset(p, it.pages, min(it.kb + t * N + my_row, it.ke - 1));
-            if constexpr (kHiRows) off_hi = Base::tok_offset(p, it.pages, min(it.kb + t * N + my_row_hi, it.ke - 1));
-          }
+          if (!boxes) offsets_at(it.kb + t * N);   // (the updates below skip the tiles this warp skips)
         } else {
           if (u >= STAGES) mbar_wait(&empty[st], (u / STAGES - 1) & 1);
           if (all) named_arrive(kBarStageFree, PRODUCERS);
@@ -712,10 +713,7 @@ struct PrefillSm90 {
         if (t + 1 < ntiles) {
           if (KVATTN_SM90_PREFETCH && pw == 0) box_id = box_page(p, it, t0 + N, lane);
           // the copies' row offsets only where the next tile is copied (the item's last, partial tile)
-          if (!KVATTN_SM90_PREFETCH || t0 + 2 * N > it.ke) {
-            off = Base::tok_offset(p, it.pages, min(t0 + N + my_row, it.ke - 1));
-            if constexpr (kHiRows) off_hi = Base::tok_offset(p, it.pages, min(t0 + N + my_row_hi, it.ke - 1));
-          }
+          if (!KVATTN_SM90_PREFETCH || t0 + 2 * N > it.ke) offsets_at(t0 + N);
         }
         continue;
       }
@@ -748,10 +746,7 @@ struct PrefillSm90 {
           if constexpr (KVSPLIT) cp_async_mbar_arrive(&vfull[st]);
         }
       }
-      if (t + 1 < ntiles) {
-        off = Base::tok_offset(p, it.pages, min(it.kb + (t + 1) * N + my_row, it.ke - 1));
-        if constexpr (kHiRows) off_hi = Base::tok_offset(p, it.pages, min(it.kb + (t + 1) * N + my_row_hi, it.ke - 1));
-      }
+      if (t + 1 < ntiles) offsets_at(it.kb + (t + 1) * N);
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     if constexpr (V::kQK) transform_and_announce(p, it, qs, kvs, full, vfull, ntiles - 1, g, qk_state);
@@ -830,7 +825,7 @@ struct PrefillSm90 {
     unsigned long long* vempty = KVSPLIT ? vfull + STAGES : empty;
     constexpr bool EARLY = KVATTN_SM90_EARLY;
     // (KVSPLIT) a unit whose O goes out by TMA keeps its last tile's K until the store has read it (release_o_stage)
-    constexpr bool kDeferK = KVSPLIT && kTmaO && EARLY;
+    const bool keep_last_k = KVSPLIT && kTmaO && EARLY && o_by_tma(p, it);
     Item again;   // (EARLY) the unit's item, loaded anew for the epilogue
     auto load_early = [&] {
       again = Base::load_item(p, static_cast<const volatile int*>(p.plan), w);
@@ -871,7 +866,7 @@ struct PrefillSm90 {
       if (ntiles == 1 && lane == 0) mbar_arrive(qfree);
       if (ntiles == 1) KVATTN_TRACE(128, slot, kTraceLastQk0);
       // the tile's K is done with (a unit's last K that holds its O: released after the store, release_o_stage)
-      if (KVSPLIT && lane == 0 && !(kDeferK && ntiles == 1 && o_by_tma(p, it))) mbar_arrive(&empty[g % STAGES]);
+      if (KVSPLIT && lane == 0 && !(keep_last_k && ntiles == 1)) mbar_arrive(&empty[g % STAGES]);
       softmax_tile(p, it, s, it.kb, tok, rc[0], lane, m, l, sc);
       KVATTN_TRACE(128, slot, kTraceSoft0);
       release_o_stage(vempty, pend);
@@ -893,8 +888,7 @@ struct PrefillSm90 {
         fence_regs(s);
         if (nxt == ntiles - 1 && lane == 0) mbar_arrive(qfree);   // the unit's last Q K^T has completed
         if (nxt == ntiles - 1) KVATTN_TRACE(128, slot, kTraceLastQk0);
-        if (KVSPLIT && lane == 0 && !(kDeferK && nxt == ntiles - 1 && o_by_tma(p, it)))
-          mbar_arrive(&empty[nxt_st]);                              // and this tile's K
+        if (KVSPLIT && lane == 0 && !(keep_last_k && nxt == ntiles - 1)) mbar_arrive(&empty[nxt_st]);   // its K
         softmax_tile(p, it, s, kShift ? box_start(p, it, it.kb + nxt * N) : it.kb + nxt * N, tok, rc[0], lane, m, l,
                      sc);
         wgmma_wait<0>();
