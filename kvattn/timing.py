@@ -6,8 +6,8 @@ import numpy as np
 from .stream import Event, as_stream
 
 
-def time_us(fn, *, stream=None, warmup: int = 5, reps: int = 30) -> float:
-    """Median microseconds of fn() on `stream`, each call bracketed by its own pair of events."""
+def per_call_us(fn, *, stream=None, warmup: int = 5, reps: int = 30) -> np.ndarray:
+    """[reps] microseconds of fn() on `stream`, in call order, each call bracketed by its own pair of events."""
     s = as_stream(stream)
     for _ in range(warmup):
         fn()
@@ -18,7 +18,12 @@ def time_us(fn, *, stream=None, warmup: int = 5, reps: int = 30) -> float:
         fn()
         b.record(s)
     ends[-1].synchronize()
-    return float(np.median([a.elapsed_ms(b) * 1e3 for a, b in zip(starts, ends)]))
+    return np.array([a.elapsed_ms(b) * 1e3 for a, b in zip(starts, ends)])
+
+
+def time_us(fn, *, stream=None, warmup: int = 5, reps: int = 30) -> float:
+    """Median microseconds of fn() on `stream` (per_call_us)."""
+    return float(np.median(per_call_us(fn, stream=stream, warmup=warmup, reps=reps)))
 
 
 def copy_bandwidth_tbs(nbytes: int = 2 << 30, reps: int = 30) -> float:

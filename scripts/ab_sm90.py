@@ -141,6 +141,13 @@ def persistent(on):
     return lambda: setattr(prefill, "SM90_PERSISTENT", on)
 
 
+def build(defs, persist):
+    """An option's apply(): the build switches and persistent CTAs or a CTA a unit."""
+    def apply():
+        prefill.SM90_TUNING, prefill.SM90_PERSISTENT = defs, persist
+    return apply
+
+
 def case(bp, rng, name, b, s, causal, paged=False):
     """measure() of a ragged (or paged, page 16) causal / non-causal case of b requests of s tokens on sm90."""
     def measure():
@@ -277,10 +284,6 @@ TILE_BUILDS = [("N128 x3 (default)", (), True), ("N128 x3, CTA/unit", (), False)
 def run_tilen(bp, rng):
     """Fewer, larger KV tiles (the per-tile costs: softmax reductions, O rescale, barriers, turns) against the
     default 128-token tiles in 3 stages."""
-    def build(defs, persist):
-        def apply():
-            prefill.SM90_TUNING, prefill.SM90_PERSISTENT = defs, persist
-        return apply
     for name, b, s, causal in [("non-causal b1_S8192", 1, 8192, False), ("causal b1_S8192", 1, 8192, True),
                                ("non-causal b32_S1024", 32, 1024, False), ("causal b8_S2048", 8, 2048, True)]:
         compare("tilen", name, flops_of(bp, b, s, causal), [(w, build(d, p)) for w, d, p in TILE_BUILDS],
@@ -295,10 +298,6 @@ def run_pwarp(bp, rng):
     needs their copies) against four spinning on every stage's `empty`, both a CTA a unit (the persistent PWARP
     build spills at either register split), beside the persistent default; the --stream shapes and non-causal
     b32_S1024."""
-    def build(defs, persist):
-        def apply():
-            prefill.SM90_TUNING, prefill.SM90_PERSISTENT = defs, persist
-        return apply
     for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
         compare("pwarp", name, flops_of(bp, b, s, causal),
                 [("default (persist)", build((), True)), ("4 warps, C/u", build((), False)),

@@ -182,6 +182,47 @@ def sweep():
         prefill.TUNING.pop(rows, None)
 
 
+def engine_fns(torch, name, b, s, d, causal, fi_backends, sdpa_backends=("FLASH_ATTENTION", "CUDNN_ATTENTION")):
+    """{engine: fn} of one ragged prefill shape (b requests of s tokens, bf16, Hq HQ / Hkv HKV, head_dim d) on the
+    same new torch tensors: "kvattn" (its arrays over torch's memory, out given), "fi_<backend>" for each FlashInfer
+    backend and "torch_<flash|cudnn>" for each PyTorch SDPA backend that imports and runs (else a printed line)."""
+    dt = torch.bfloat16
+    q = torch.randn(b * s, HQ, d, dtype=dt, device="cuda")   # [tokens, Hq, d]
+    k = torch.randn(b * s, HKV, d, dtype=dt, device="cuda")  # [tokens, Hkv, d]
+    v = torch.randn_like(k)
+    torch.cuda.synchronize()
+    ip = np.arange(0, (b + 1) * s, s, dtype=np.int32)
+    kw = BatchPrefillWithRaggedKVCache()
+    kw.plan(ip, ip, HQ, HKV, d, causal=causal)
+    kq, kk, kv, ko = kvattn.asarray(q), kvattn.asarray(k), kvattn.asarray(v), kvattn.empty((b * s, HQ, d), "bfloat16")
+    fns = {"kvattn": lambda: kw.run(kq, kk, kv, out=ko)}
+    try:
+        import flashinfer
+        indptr = torch.from_numpy(ip).cuda()
+        for backend in fi_backends:   # (a workspace each: they are timed in turns)
+            ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+            fw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
+            fw.plan(indptr, indptr, HQ, HKV, d, causal=causal, q_data_type=dt)
+            fw.run(q, k, v)
+            fns["fi_" + backend] = lambda fw=fw: fw.run(q, k, v)
+    except Exception as exc:
+        print(f"# FlashInfer prefill {name}: {exc.__class__.__name__}: {str(exc)[:120]}")
+    try:
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        qb = q.view(b, s, HQ, d).transpose(1, 2)
+        kb, vb = (x.view(b, s, HKV, d).transpose(1, 2) for x in (k, v))
+        for be in sdpa_backends:
+            def sdpa(be=be):
+                with sdpa_kernel(getattr(SDPBackend, be)):
+                    return F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, enable_gqa=True)
+            sdpa()
+            fns["torch_" + be.split("_")[0].lower()] = sdpa
+    except Exception as exc:
+        print(f"# PyTorch SDPA {name}: {exc.__class__.__name__}: {str(exc)[:120]}")
+    return fns
+
+
 def peer_rates(shapes, fi_backends):
     """TFLOP/s of kvattn, FlashInfer (ragged prefill, each of fi_backends) and PyTorch SDPA (flash, cuDNN) on the
     shapes ((name, b, s) causal at head_dim 128, or (name, b, s, head_dim, causal)), all on the same torch tensors
@@ -201,39 +242,7 @@ def peer_rates(shapes, fi_backends):
     for name, b, s, *more in shapes:
         d, causal = more if more else (D, True)
         flops = (2 if causal else 4) * b * HQ * s * s * d
-        q = torch.randn(b * s, HQ, d, dtype=dt, device="cuda")
-        k = torch.randn(b * s, HKV, d, dtype=dt, device="cuda")
-        v = torch.randn_like(k)
-        torch.cuda.synchronize()
-        ip = np.arange(0, (b + 1) * s, s, dtype=np.int32)
-        kw = BatchPrefillWithRaggedKVCache()
-        kw.plan(ip, ip, HQ, HKV, d, causal=causal)
-        kq, kk, kv, ko = kvattn.asarray(q), kvattn.asarray(k), kvattn.asarray(v), kvattn.empty((b * s, HQ, d), "bfloat16")
-        fns = {"kvattn": lambda: kw.run(kq, kk, kv, out=ko)}
-        try:
-            import flashinfer
-            indptr = torch.from_numpy(ip).cuda()
-            for backend in fi_backends:   # (a workspace each: they are timed in turns)
-                ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-                fw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
-                fw.plan(indptr, indptr, HQ, HKV, d, causal=causal, q_data_type=dt)
-                fw.run(q, k, v)
-                fns["fi_" + backend] = lambda fw=fw: fw.run(q, k, v)
-        except Exception as exc:
-            print(f"# FlashInfer prefill {name}: {exc.__class__.__name__}: {str(exc)[:120]}")
-        try:
-            import torch.nn.functional as F
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            qb = q.view(b, s, HQ, d).transpose(1, 2)
-            kb, vb = (x.view(b, s, HKV, d).transpose(1, 2) for x in (k, v))
-            for be in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
-                def sdpa(be=be):
-                    with sdpa_kernel(getattr(SDPBackend, be)):
-                        return F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, enable_gqa=True)
-                sdpa()
-                fns["torch_" + be.split("_")[0].lower()] = sdpa
-        except Exception as exc:
-            print(f"# PyTorch SDPA {name}: {exc.__class__.__name__}: {str(exc)[:120]}")
+        fns = engine_fns(torch, name, b, s, d, causal, fi_backends)
         for impl, us in time_rounds(fns, reps=10, rest_s=PREFILL_REST_S).items():
             out[(name, impl)] = flops / us / 1e6
     if any(more for _, _, _, *more in shapes):
