@@ -4,6 +4,7 @@
                                             [--hgroup]
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
                                             [--lazy] [--shift] [--ptail] [--tilen] [--pwarp]
+                                            [--lazymax]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -48,6 +49,8 @@
   b8_S2048.
 --pwarp: one producer warp on TMA tiles (KVATTN_SM90_PWARP=1) against four, a CTA a unit, beside the default; the
   --stream shapes and non-causal b32_S1024.
+--lazymax: a row's running max kept until a tile's max exceeds it by more than 8 (log2 units; KVATTN_LAZY_MAX=8: P up
+  to 256, the O rescale skipped) against moved at every tile, the --stream shapes and non-causal b32_S1024.
 --kvil: paged caches' interleaved K / V tiles (KVATTN_SM90_KVIL=1, one 5-dim box a page) against the kernel before
   (64-column blocks: 2 boxes a page at head_dim 128), pages 16 / 32.
 --tanh is a single pass; every other experiment times its options in 3 rounds of alternating order (the GPU's clock
@@ -305,6 +308,19 @@ def run_pwarp(bp, rng):
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 
+LAZY_MAX = (("KVATTN_LAZY_MAX", 8),)
+
+
+def run_lazymax(bp, rng):
+    """A row's running max kept until a tile's max exceeds it by more than 8 (log2 units: P up to 256, the O rescale
+    skipped; KVATTN_LAZY_MAX=8) against moved at every tile (the default), the --stream shapes and non-causal
+    b32_S1024, persistent."""
+    for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
+        compare("lazymax", name, flops_of(bp, b, s, causal),
+                [("moved (default)", tuning(())), ("lazy, 8", tuning(LAZY_MAX))],
+                case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
+
+
 def run_kvsplit(bp, rng):
     for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
         compare("kvsplit", name, flops_of(bp, b, s, causal),
@@ -472,7 +488,7 @@ EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma":
                "persist": run_persist,
                "prefetch": run_prefetch, "order": run_order, "hgroup": run_hgroup, "stream": run_stream,
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit, "tilen": run_tilen,
-               "pwarp": run_pwarp}
+               "pwarp": run_pwarp, "lazymax": run_lazymax}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

@@ -302,6 +302,27 @@ def test_sm90_one_producer_warp(persist, causal, monkeypatch):
         assert "KVATTN_SM90_PWARP=1" in info["kernel"].spec.uri() and info["tma"] == (page_size != 5)
 
 
+@pytest.mark.parametrize("dtype,sm_scale", [("bfloat16", None), ("bfloat16", 2.0), ("float16", 2.0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_lazy_running_max(dtype, sm_scale, causal, monkeypatch):
+    """The A/B build that keeps a row's running max until a tile's max exceeds it by more than 8 (log2 units;
+    KVATTN_LAZY_MAX=8, scripts/ab_sm90.py --lazymax): probabilities up to 2^8 in P (fp16 and bf16), the rescale
+    skipped. sm_scale 2.0 spreads the scores (~30 log2 units a standard deviation) so rows also move their max
+    mid-sequence, the default scale mostly keeps it after the first tile; O and the LSE against the reference,
+    persistent CTAs and a CTA a unit, paged and ragged, masked (causal) and unmasked tiles."""
+    if _driver.arch() != "sm_90a":
+        pytest.skip("the sm90 kernel needs an sm_90 GPU")
+    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_LAZY_MAX", 8),))
+    qo, kv = ([256, 33, 1, 200, 5], [256, 700, 1, 1500, 2000]) if causal else ([256, 33, 1, 200, 5], [300, 100, 129, 1500, 2000])
+    for persist in (False, True):
+        monkeypatch.setattr(prefill, "SM90_PERSISTENT", persist)
+        for paged in (False, True):
+            w = run_case(np.random.default_rng(hash((dtype, sm_scale, causal, persist, paged)) % 2**32), dtype=dtype,
+                         d=128, hkv=2, group=4, qo_lens=qo, kv_lens=kv, paged=paged, cta_rows=128, backend="sm90",
+                         causal=causal, sm_scale=sm_scale, num_sms=3, runs=2)
+            assert "KVATTN_LAZY_MAX=8" in w.last_plan.info["kernel"].spec.uri()
+
+
 @pytest.mark.parametrize("group", [None, 2])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_persistent_ctas_walk_kv_head_groups(group, causal, monkeypatch):
