@@ -104,6 +104,14 @@
 #define KVATTN_SM90_PWARP 0
 #endif
 
+// The O accumulators' rescale by a tile's softmax factor issued inside the warpgroup's turn, after the next Q K^T
+// and before the P V that reads them (1, the A/B of scripts/ab_sm90.py --late: the multiplies run while that Q K^T
+// is on the tensor cores, as FlashAttention-3 places them), instead of after the P V wait, between the warpgroup's
+// softmax and its next turn (0).
+#ifndef KVATTN_SM90_LATE
+#define KVATTN_SM90_LATE 0
+#endif
+
 // 1 = every unit's rows fit one warpgroup (at most 64) and the two consumer warpgroups split its KV tiles
 // (PrefillSm90::consume_split); the instance the decode wrapper's sm90 route of large GQA groups runs. Set by the
 // host (kvattn.prefill.sm90_spec's wg_split), never a default.
@@ -882,6 +890,11 @@ struct PrefillSm90 {
         my_turn(cwg);
         wgmma_fence();
         issue_qk(s, q_addr, kv_addr + nxt_st * STAGE_BYTES);
+        if constexpr (KVATTN_SM90_LATE) {   // (fence_regs: the multiplies stay after the Q K^T's issue)
+          fence_regs(acc);
+          rescale(acc, sc);
+          wgmma_fence();
+        }
         issue_pv(acc, pa, kv_addr + cur_st * STAGE_BYTES + K_ELEMS * sizeof(T));
         their_turn(cwg);
         wgmma_wait<1>();
@@ -894,7 +907,7 @@ struct PrefillSm90 {
         wgmma_wait<0>();
         fence_regs(acc);
         if (lane == 0) mbar_arrive(&vempty[cur_st]);   // this warp is done with tile ti's stage (KVSPLIT: its V)
-        rescale(acc, sc);
+        if constexpr (!KVATTN_SM90_LATE) rescale(acc, sc);
       }
       if constexpr (KVSPLIT) {
         mbar_wait(&vfull[(g + ntiles - 1) % STAGES], ((g + ntiles - 1) / STAGES) & 1);
@@ -903,6 +916,7 @@ struct PrefillSm90 {
       unsigned pa[N / 16][4];
       pack_p(s, pa);
       my_turn(cwg);
+      if constexpr (KVATTN_SM90_LATE) rescale(acc, sc);
       wgmma_fence();
       const int last_st = (g + ntiles - 1) % STAGES;
       issue_pv(acc, pa, kv_addr + last_st * STAGE_BYTES + K_ELEMS * sizeof(T));

@@ -4,7 +4,7 @@
                                             [--hgroup]
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
                                             [--lazy] [--shift] [--ptail] [--tilen] [--pwarp]
-                                            [--lazymax]
+                                            [--lazymax] [--late]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -51,6 +51,8 @@
   --stream shapes and non-causal b32_S1024.
 --lazymax: a row's running max kept until a tile's max exceeds it by more than 8 (log2 units; KVATTN_LAZY_MAX=8: P up
   to 256, the O rescale skipped) against moved at every tile, the --stream shapes and non-causal b32_S1024.
+--late: the O rescale inside the warpgroup's turn, between the next Q K^T's issue and the P V's (KVATTN_SM90_LATE=1)
+  against after the P V wait, each with and without the lazy max, the --stream shapes and non-causal b32_S1024.
 --kvil: paged caches' interleaved K / V tiles (KVATTN_SM90_KVIL=1, one 5-dim box a page) against the kernel before
   (64-column blocks: 2 boxes a page at head_dim 128), pages 16 / 32.
 --tanh is a single pass; every other experiment times its options in 3 rounds of alternating order (the GPU's clock
@@ -321,6 +323,20 @@ def run_lazymax(bp, rng):
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 
+LATE = (("KVATTN_SM90_LATE", 1),)
+
+
+def run_late(bp, rng):
+    """The O rescale inside the warpgroup's turn, between the next Q K^T's issue and the P V's (KVATTN_SM90_LATE=1)
+    against after the P V wait (the default), and the lazy max with each, the --stream shapes and non-causal
+    b32_S1024, persistent."""
+    for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
+        compare("late", name, flops_of(bp, b, s, causal),
+                [("after PV wait", tuning(())), ("in the turn", tuning(LATE)), ("lazy, 8", tuning(LAZY_MAX)),
+                 ("lazy + turn", tuning(LAZY_MAX + LATE))],
+                case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
+
+
 def run_kvsplit(bp, rng):
     for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
         compare("kvsplit", name, flops_of(bp, b, s, causal),
@@ -488,7 +504,8 @@ EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma":
                "persist": run_persist,
                "prefetch": run_prefetch, "order": run_order, "hgroup": run_hgroup, "stream": run_stream,
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit, "tilen": run_tilen,
-               "pwarp": run_pwarp, "lazymax": run_lazymax}
+               "pwarp": run_pwarp, "lazymax": run_lazymax,
+               "late": run_late}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

@@ -66,13 +66,15 @@ def specs():
     # test_sm90_kv_tiles_over_128_tokens / test_sm90_one_producer_warp and ab_sm90.py --tilen / --pwarp: KV tiles of
     # 144 / 160 tokens, one producer warp, their controls; persistent and a CTA a unit, ragged and paged
     for defs in ((("KVATTN_SM90_N", 144), ("KVATTN_SM90_STAGES", 2)), (("KVATTN_SM90_N", 160), ("KVATTN_SM90_STAGES", 2)),
-                 (("KVATTN_SM90_STAGES", 2),), (("KVATTN_SM90_PWARP", 1),), (("KVATTN_LAZY_MAX", 8),), ()):
+                 (("KVATTN_SM90_STAGES", 2),), (("KVATTN_SM90_PWARP", 1),), (("KVATTN_LAZY_MAX", 8),), (("KVATTN_SM90_LATE", 1),),
+                 (("KVATTN_LAZY_MAX", 8), ("KVATTN_SM90_LATE", 1)), ()):
         pf.SM90_TUNING = defs
         out += [pf.sm90_spec(128, Variant(), "bfloat16", persistent=ps, interleaved=il)
                 for ps in (False, True) for il in (False, True)]
-    pf.SM90_TUNING = (("KVATTN_LAZY_MAX", 8),)   # test_sm90_lazy_running_max (fp16 too)
-    out += [pf.sm90_spec(128, Variant(), "float16", persistent=ps, interleaved=il)
-            for ps in (False, True) for il in (False, True)]
+    for defs in ((("KVATTN_LAZY_MAX", 8),), (("KVATTN_SM90_LATE", 1),), (("KVATTN_LAZY_MAX", 8), ("KVATTN_SM90_LATE", 1))):
+        pf.SM90_TUNING = defs   # test_sm90_rescale_builds (fp16 too)
+        out += [pf.sm90_spec(128, Variant(), "float16", persistent=ps, interleaved=il)
+                for ps in (False, True) for il in (False, True)]
     pf.SM90_TUNING = saved
     from kvattn import mixed   # the mixed op's one-launch kernels (tests: plain, window, soft cap; both dtypes)
     for t in ("bfloat16", "float16"):

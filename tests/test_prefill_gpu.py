@@ -302,25 +302,29 @@ def test_sm90_one_producer_warp(persist, causal, monkeypatch):
         assert "KVATTN_SM90_PWARP=1" in info["kernel"].spec.uri() and info["tma"] == (page_size != 5)
 
 
+@pytest.mark.parametrize("defs", [(("KVATTN_LAZY_MAX", 8),), (("KVATTN_SM90_LATE", 1),),
+                                  (("KVATTN_LAZY_MAX", 8), ("KVATTN_SM90_LATE", 1))])
 @pytest.mark.parametrize("dtype,sm_scale", [("bfloat16", None), ("bfloat16", 2.0), ("float16", 2.0)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sm90_lazy_running_max(dtype, sm_scale, causal, monkeypatch):
-    """The A/B build that keeps a row's running max until a tile's max exceeds it by more than 8 (log2 units;
-    KVATTN_LAZY_MAX=8, scripts/ab_sm90.py --lazymax): probabilities up to 2^8 in P (fp16 and bf16), the rescale
-    skipped. sm_scale 2.0 spreads the scores (~30 log2 units a standard deviation) so rows also move their max
-    mid-sequence, the default scale mostly keeps it after the first tile; O and the LSE against the reference,
-    persistent CTAs and a CTA a unit, paged and ragged, masked (causal) and unmasked tiles."""
+def test_sm90_rescale_builds(defs, dtype, sm_scale, causal, monkeypatch):
+    """The A/B builds of the O rescale (scripts/ab_sm90.py --lazymax / --late): a row's running max kept until a
+    tile's max exceeds it by more than 8 log2 units (KVATTN_LAZY_MAX=8: probabilities up to 2^8 in P, fp16 and bf16,
+    the rescale skipped), the rescale inside the warpgroup's turn while the next Q K^T runs (KVATTN_SM90_LATE=1), and
+    both. sm_scale 2.0 spreads the scores (~30 log2 units a standard deviation) so rows move their max mid-sequence
+    by more than 8; the default scale mostly keeps it after the first tile. O and the LSE against the reference,
+    persistent CTAs and a CTA a unit, paged and ragged, masked (causal) and unmasked tiles, 1-tile units."""
     if _driver.arch() != "sm_90a":
         pytest.skip("the sm90 kernel needs an sm_90 GPU")
-    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_LAZY_MAX", 8),))
+    monkeypatch.setattr(prefill, "SM90_TUNING", defs)
     qo, kv = ([256, 33, 1, 200, 5], [256, 700, 1, 1500, 2000]) if causal else ([256, 33, 1, 200, 5], [300, 100, 129, 1500, 2000])
     for persist in (False, True):
         monkeypatch.setattr(prefill, "SM90_PERSISTENT", persist)
         for paged in (False, True):
-            w = run_case(np.random.default_rng(hash((dtype, sm_scale, causal, persist, paged)) % 2**32), dtype=dtype,
-                         d=128, hkv=2, group=4, qo_lens=qo, kv_lens=kv, paged=paged, cta_rows=128, backend="sm90",
-                         causal=causal, sm_scale=sm_scale, num_sms=3, runs=2)
-            assert "KVATTN_LAZY_MAX=8" in w.last_plan.info["kernel"].spec.uri()
+            w = run_case(np.random.default_rng(hash((defs, dtype, sm_scale, causal, persist, paged)) % 2**32),
+                         dtype=dtype, d=128, hkv=2, group=4, qo_lens=qo, kv_lens=kv, paged=paged, cta_rows=128,
+                         backend="sm90", causal=causal, sm_scale=sm_scale, num_sms=3, runs=2)
+            uri = w.last_plan.info["kernel"].spec.uri()
+            assert all(f"{k}={v}" in uri for k, v in defs)
 
 
 @pytest.mark.parametrize("group", [None, 2])
