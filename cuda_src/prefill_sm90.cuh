@@ -41,6 +41,12 @@
 #ifndef KVATTN_SM90_X
 #define KVATTN_SM90_X 0
 #endif
+// Timing experiment only (scripts/ab_sm90.py --late): 1 = the consumers' proxy fence after each tile's wait left
+// out in the tile loop (correct only where every tile came by TMA, whose writes are async-proxy already; the
+// timing says what the per-tile fence costs).
+#ifndef KVATTN_SM90_NOFENCE
+#define KVATTN_SM90_NOFENCE 0
+#endif
 // On tiles that need no mask, plain softmax variants take the row max over the raw scores and fold the score
 // scale into the exponent, p = exp2(fma(s, scale, -m)): one FFMA per score instead of FMUL + FADD (needs
 // scale > 0; other scales take the masked path). +2-5% on the H200 (scripts/ab_sm90.py --fold, BENCHMARKS.md).
@@ -884,7 +890,7 @@ struct PrefillSm90 {
         const int nxt = ti + 1, cur_st = (g + ti) % STAGES, nxt_st = (g + nxt) % STAGES;
         mbar_wait(&full[nxt_st], ((g + nxt) / STAGES) & 1);
         if constexpr (KVSPLIT) mbar_wait(&vfull[cur_st], ((g + ti) / STAGES) & 1);
-        fence_proxy_async();
+        if constexpr (!KVATTN_SM90_NOFENCE) fence_proxy_async();
         unsigned pa[N / 16][4];
         pack_p(s, pa);
         my_turn(cwg);

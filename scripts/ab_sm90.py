@@ -329,11 +329,13 @@ LATE = (("KVATTN_SM90_LATE", 1),)
 def run_late(bp, rng):
     """The O rescale inside the warpgroup's turn, between the next Q K^T's issue and the P V's (KVATTN_SM90_LATE=1)
     against after the P V wait (the default), and the lazy max with each, the --stream shapes and non-causal
-    b32_S1024, persistent."""
+    b32_S1024, persistent. On b1_S8192 (every tile a TMA box) also the default without the consumers' per-tile proxy
+    fence (KVATTN_SM90_NOFENCE=1, a timing build: what the fence costs)."""
     for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
         compare("late", name, flops_of(bp, b, s, causal),
                 [("after PV wait", tuning(())), ("in the turn", tuning(LATE)), ("lazy, 8", tuning(LAZY_MAX)),
-                 ("lazy + turn", tuning(LAZY_MAX + LATE))],
+                 ("lazy + turn", tuning(LAZY_MAX + LATE))]
+                + ([("no tile fence*", tuning((("KVATTN_SM90_NOFENCE", 1),)))] if "S8192" in name else []),
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 

@@ -67,7 +67,7 @@ def specs():
     # 144 / 160 tokens, one producer warp, their controls; persistent and a CTA a unit, ragged and paged
     for defs in ((("KVATTN_SM90_N", 144), ("KVATTN_SM90_STAGES", 2)), (("KVATTN_SM90_N", 160), ("KVATTN_SM90_STAGES", 2)),
                  (("KVATTN_SM90_STAGES", 2),), (("KVATTN_SM90_PWARP", 1),), (("KVATTN_LAZY_MAX", 8),), (("KVATTN_SM90_LATE", 1),),
-                 (("KVATTN_LAZY_MAX", 8), ("KVATTN_SM90_LATE", 1)), ()):
+                 (("KVATTN_LAZY_MAX", 8), ("KVATTN_SM90_LATE", 1)), (("KVATTN_SM90_NOFENCE", 1),), ()):
         pf.SM90_TUNING = defs
         out += [pf.sm90_spec(128, Variant(), "bfloat16", persistent=ps, interleaved=il)
                 for ps in (False, True) for il in (False, True)]
