@@ -66,21 +66,19 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // thread's max of the row's new scores, in the units of the running max m. Updates m and returns the factor
 // the row's old sum and accumulators take; base is what to subtract from the scores before exp2 (0 while the
 // row has seen no score, so that -inf scores give 0).
-// KVATTN_LAZY_MAX = t > 0 (the A/B of scripts/ab_sm90.py --lazymax): a running max that grows by at most t (log2
-// units) is kept, so the probabilities may reach 2^t and the factor is exactly 1: the accumulators' rescale is
-// skipped (the final O / l and the LSE m + log2 l are the same sums against another reference). 0: always moved.
-#ifndef KVATTN_LAZY_MAX
-#define KVATTN_LAZY_MAX 0
-#endif
+// LAZY = t > 0: a running max that the new scores exceed by at most t (log2 units) is kept, so the probabilities
+// may reach 2^t and the factor is exactly 1: the caller skips the accumulators' rescale (O / l and the LSE m + log2 l
+// are the same sums against another reference). 0: the max always moves.
+template <int LAZY = 0>
 __device__ __forceinline__ float online_max(float& m, float mx, float& base) {
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-#if KVATTN_LAZY_MAX > 0
-  if (m != KVATTN_NEG_INF && mx <= m + KVATTN_LAZY_MAX) {
-    base = m;
-    return 1.f;
+  if constexpr (LAZY > 0) {
+    if (m != KVATTN_NEG_INF && mx <= m + LAZY) {
+      base = m;
+      return 1.f;
+    }
   }
-#endif
   const float m_new = fmaxf(m, mx);
   const float scale = m_new == KVATTN_NEG_INF ? 1.f : fast_exp2(m - m_new);
   base = m_new == KVATTN_NEG_INF ? 0.f : m_new;

@@ -41,12 +41,6 @@
 #ifndef KVATTN_SM90_X
 #define KVATTN_SM90_X 0
 #endif
-// Timing experiment only (scripts/ab_sm90.py --late): 1 = the consumers' proxy fence after each tile's wait left
-// out in the tile loop (correct only where every tile came by TMA, whose writes are async-proxy already; the
-// timing says what the per-tile fence costs).
-#ifndef KVATTN_SM90_NOFENCE
-#define KVATTN_SM90_NOFENCE 0
-#endif
 // On tiles that need no mask, plain softmax variants take the row max over the raw scores and fold the score
 // scale into the exponent, p = exp2(fma(s, scale, -m)): one FFMA per score instead of FMUL + FADD (needs
 // scale > 0; other scales take the masked path). +2-5% on the H200 (scripts/ab_sm90.py --fold, BENCHMARKS.md).
@@ -101,21 +95,12 @@
 #define KVATTN_SM90_PTAIL 1
 #endif
 
-// One producer warp on TMA tiles (1, the A/B of scripts/ab_sm90.py --pwarp): warp 0 alone waits for a stage and
-// announces a tile that comes whole as boxes; the other three producer warps sleep on a named barrier until a tile
-// that needs their copies (a partial tile, or tile 0 of a unit whose Q is copied per thread), instead of spinning
-// on every stage's `empty` (ncu, run 24a: 20 M of the kernel's 341 M warp instructions at b1_S8192). 0: all four
-// producer warps wait and arrive on every tile. 16-bit caches without a key transform, K and V joint.
-#ifndef KVATTN_SM90_PWARP
-#define KVATTN_SM90_PWARP 0
-#endif
-
-// The O accumulators' rescale by a tile's softmax factor issued inside the warpgroup's turn, after the next Q K^T
-// and before the P V that reads them (1, the A/B of scripts/ab_sm90.py --late: the multiplies run while that Q K^T
-// is on the tensor cores, as FlashAttention-3 places them), instead of after the P V wait, between the warpgroup's
-// softmax and its next turn (0).
-#ifndef KVATTN_SM90_LATE
-#define KVATTN_SM90_LATE 0
+// A row's running max is kept until a tile's scores exceed it by more than this (log2 units; online_max's LAZY):
+// the probabilities may reach 2^8 (exact in P's 16-bit type), and the O accumulators' rescale (64 multiplies a
+// thread, between the P V wait and the next turn) is skipped on the tiles that keep it: after the first few tiles,
+// nearly all. +1.2-2.9% on the H100 (scripts/ab_sm90.py --lazymax, BENCHMARKS.md run 46b); 0: moved at every tile.
+#ifndef KVATTN_SM90_LAZY_MAX
+#define KVATTN_SM90_LAZY_MAX 8
 #endif
 
 // 1 = every unit's rows fit one warpgroup (at most 64) and the two consumer warpgroups split its KV tiles
@@ -232,9 +217,8 @@ struct PrefillSm90 {
   static constexpr int THREADS = 384;                 // producer warpgroup + two consumer warpgroups
   static constexpr int PRODUCERS = 128;
   // A query / key transform (fused RoPE) or the fp8 expansion runs in the producers: they get the registers for it.
-  // (KVATTN_SM90_PWARP: the producers' two paths take more registers; 16 more each, from the consumers)
-  static constexpr int PRODUCER_REGS = V::kQK || kFp8 ? 56 : (kPersist ? 40 : 24) + (KVATTN_SM90_PWARP ? 16 : 0);
-  static constexpr int CONSUMER_REGS = V::kQK || kFp8 ? 224 : (kPersist ? 232 : 240) - (KVATTN_SM90_PWARP ? 8 : 0);
+  static constexpr int PRODUCER_REGS = V::kQK || kFp8 ? 56 : kPersist ? 40 : 24;
+  static constexpr int CONSUMER_REGS = V::kQK || kFp8 ? 224 : kPersist ? 232 : 240;
   static_assert(!(kFp8 && V::kQK), "fused RoPE needs a 16-bit cache");
   static_assert(!V::kQK || PRODUCERS % (D_QK / 16) == 0,
                 "a query / key transform's threads (D_QK / 16 a row) tile the producers: D_QK 64, 128 or 256");
@@ -361,11 +345,6 @@ struct PrefillSm90 {
   static constexpr bool kShift = KVATTN_SM90_SHIFT && kTma && !KVIL && !(V::kCustomMask && V::kWindow);
   // (KVATTN_SM90_PTAIL) A paged item's partial last tile: its whole pages by TMA.
   static constexpr bool kPagedTail = KVATTN_SM90_PTAIL && kTma && !KVSPLIT;
-  static constexpr bool kPWarp = KVATTN_SM90_PWARP && kTma && !kFp8 && !V::kQK && !KVSPLIT && KVATTN_SM90_X == 0;
-  static constexpr int FULL_ARRIVALS = kPWarp ? 32 : PRODUCERS;   // a stage's `full` phase: the producers' arrivals
-  // (kPWarp) Named barriers of the producer warps on a tile that needs all four: warp 0 past the stage's `empty`
-  // wait, then the other three's counted arrivals issued (before warp 0's 32 complete the phase).
-  static constexpr int kBarStageFree = 6, kBarCopiesCounted = 7;
   __device__ __forceinline__ static int box_start(const PrefillParams& p, const Item& it, int t0) {
     return kShift && p.tma_mode == 1 && t0 + N > it.ke && it.ke - N > it.kb ? it.ke - N : t0;
   }
@@ -579,7 +558,7 @@ struct PrefillSm90 {
       }
     float (&sb)[N / 8][4] = reinterpret_cast<float (&)[N / 8][4]>(s);   // the C layout's 8-column blocks
 #pragma unroll
-    for (int r = 0; r < 2; ++r) scale[r] = row_probs<V, FOLD>(p, sb, r, mx[r], m[0][r], l[0][r]);
+    for (int r = 0; r < 2; ++r) scale[r] = row_probs<V, FOLD, KVATTN_SM90_LAZY_MAX>(p, sb, r, mx[r], m[0][r], l[0][r]);
   }
 
   __device__ __forceinline__ static void softmax_tile(const PrefillParams& p, const Item& it, float (&s)[SN], int t0,
@@ -632,21 +611,6 @@ struct PrefillSm90 {
     if constexpr (KVSPLIT) mbar_arrive(&vfull[(g + u) % STAGES]);
   }
 
-  // A producer thread's arrival on a stage's `full` barrier once its copies so far have landed. kPWarp: warp 0's 32
-  // arrivals complete the phase; on a tile that needs all four warps (`all`) the other three add theirs first as
-  // counted arrivals (each raises the phase's pending count until its copies land), then warp 0 arrives.
-  __device__ __forceinline__ static void announce(unsigned long long* bar, int pw, bool all) {
-    if constexpr (kPWarp) {
-      if (pw != 0) {
-        cp_async_mbar_arrive_counted(bar);
-        named_arrive(kBarCopiesCounted, PRODUCERS);
-        return;
-      }
-      if (all) named_sync(kBarCopiesCounted, PRODUCERS);
-    }
-    cp_async_mbar_arrive(bar);
-  }
-
   // One unit's Q and K/V tiles; g counts the tiles the CTA's earlier units put through the ring (stage g % STAGES,
   // its (g / STAGES)-th use), nq the earlier units that had tiles: the Q of such a unit waits until the consumers
   // released the previous one's (qfree: its last Q K^T has completed). Units without tiles touch neither (else
@@ -663,8 +627,7 @@ struct PrefillSm90 {
     const typename V::QKState qk_state = V::template qk_init<D_QK>(p, qk_dims<D_QK>(threadIdx.x));
     if (nq >= QBUF) mbar_wait(qfree, (nq / QBUF - 1) & 1);   // (qfree, qs: this unit's Q slot's)
     KVATTN_TRACE(0, slot, kTraceQCopy);
-    const bool q_tma = q_by_tma(p, it);
-    if (q_tma) {
+    if (q_by_tma(p, it)) {
       if (threadIdx.x == 0) issue_q_tma(p, it, qs, kvh, &full[g % STAGES]);
     } else {
       load_q(p, it, qs, kvh);   // lands before tile 0 is announced (the arrival waits for every earlier copy)
@@ -686,24 +649,10 @@ struct PrefillSm90 {
     KVATTN_TRACE(0, slot, kTraceLookup);
     for (int t = 0; t < ntiles; ++t) {
       const int u = g + t, st = u % STAGES;
-      if constexpr (!kPWarp) {
-        if (u >= STAGES) mbar_wait(&empty[st], (u / STAGES - 1) & 1);
-      }
+      if (u >= STAGES) mbar_wait(&empty[st], (u / STAGES - 1) & 1);
+      if (t == 0) KVATTN_TRACE(0, slot, kTraceEmpty);
       // boxes: a full tile, or (SHIFT) the partial last one's box moved back to end at the item's end
       const bool boxes = tma && (it.kb + (t + 1) * N <= it.ke || (kShift && box_start(p, it, it.kb + t * N) != it.kb + t * N));
-      // (kPWarp) a tile that needs all four producer warps: copied rows, or this thread's Q rows before it
-      const bool all = kPWarp && (!boxes || (t == 0 && !q_tma));
-      if constexpr (kPWarp) {
-        if (pw != 0) {
-          if (!all) continue;   // warp 0's alone
-          named_sync(kBarStageFree, PRODUCERS);   // warp 0 has seen the stage released (no parity wait of ours)
-          if (!boxes) offsets_at(it.kb + t * N);   // (the updates below skip the tiles this warp skips)
-        } else {
-          if (u >= STAGES) mbar_wait(&empty[st], (u / STAGES - 1) & 1);
-          if (all) named_arrive(kBarStageFree, PRODUCERS);
-        }
-      }
-      if (t == 0) KVATTN_TRACE(0, slot, kTraceEmpty);
       if constexpr (KVSPLIT) {   // a copied tile's K and V are copied together
         if (u >= STAGES && !boxes) mbar_wait(&vempty[st], (u / STAGES - 1) & 1);
       }
@@ -721,7 +670,7 @@ struct PrefillSm90 {
           if (pw == 0)
             issue_kv_tma(p, kvs + st * STAGE_ELEMS, t0, lane, KVATTN_SM90_PREFETCH ? box_id : box_page(p, it, t0, lane),
                          kvh, &full[st]);
-          announce(&full[st], pw, all);   // after this thread's earlier copies (the Q rows before tile 0)
+          cp_async_mbar_arrive(&full[st]);   // after this thread's earlier copies (the Q rows before tile 0)
         }
         if (t == 0) KVATTN_TRACE(0, slot, kTraceTile0);
         if (t + 1 < ntiles) {
@@ -756,7 +705,7 @@ struct PrefillSm90 {
             transform_and_announce(p, it, qs, kvs, full, vfull, t - 1, g, qk_state);
           }
         } else {
-          announce(&full[st], pw, all);
+          cp_async_mbar_arrive(&full[st]);
           if constexpr (KVSPLIT) cp_async_mbar_arrive(&vfull[st]);
         }
       }
@@ -890,17 +839,12 @@ struct PrefillSm90 {
         const int nxt = ti + 1, cur_st = (g + ti) % STAGES, nxt_st = (g + nxt) % STAGES;
         mbar_wait(&full[nxt_st], ((g + nxt) / STAGES) & 1);
         if constexpr (KVSPLIT) mbar_wait(&vfull[cur_st], ((g + ti) / STAGES) & 1);
-        if constexpr (!KVATTN_SM90_NOFENCE) fence_proxy_async();
+        fence_proxy_async();
         unsigned pa[N / 16][4];
         pack_p(s, pa);
         my_turn(cwg);
         wgmma_fence();
         issue_qk(s, q_addr, kv_addr + nxt_st * STAGE_BYTES);
-        if constexpr (KVATTN_SM90_LATE) {   // (fence_regs: the multiplies stay after the Q K^T's issue)
-          fence_regs(acc);
-          rescale(acc, sc);
-          wgmma_fence();
-        }
         issue_pv(acc, pa, kv_addr + cur_st * STAGE_BYTES + K_ELEMS * sizeof(T));
         their_turn(cwg);
         wgmma_wait<1>();
@@ -913,7 +857,7 @@ struct PrefillSm90 {
         wgmma_wait<0>();
         fence_regs(acc);
         if (lane == 0) mbar_arrive(&vempty[cur_st]);   // this warp is done with tile ti's stage (KVSPLIT: its V)
-        if constexpr (!KVATTN_SM90_LATE) rescale(acc, sc);
+        rescale(acc, sc);
       }
       if constexpr (KVSPLIT) {
         mbar_wait(&vfull[(g + ntiles - 1) % STAGES], ((g + ntiles - 1) / STAGES) & 1);
@@ -922,7 +866,6 @@ struct PrefillSm90 {
       unsigned pa[N / 16][4];
       pack_p(s, pa);
       my_turn(cwg);
-      if constexpr (KVATTN_SM90_LATE) rescale(acc, sc);
       wgmma_fence();
       const int last_st = (g + ntiles - 1) % STAGES;
       issue_pv(acc, pa, kv_addr + last_st * STAGE_BYTES + K_ELEMS * sizeof(T));
@@ -1206,7 +1149,7 @@ struct PrefillSm90 {
     unsigned long long* vempty = vfull + STAGES;                                                   // [STAGES]
     if (threadIdx.x == 0) {
       for (int i = 0; i < STAGES; ++i) {
-        mbar_init(&full[i], FULL_ARRIVALS);
+        mbar_init(&full[i], PRODUCERS);
         mbar_init(&empty[i], 8);   // one arrival per consumer warp
         if constexpr (KVSPLIT) {
           mbar_init(&vfull[i], PRODUCERS);

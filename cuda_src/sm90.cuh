@@ -15,11 +15,6 @@ __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
 __device__ __forceinline__ void cp_async_mbar_arrive(unsigned long long* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
-// The same as a counted arrival: raises the current phase's pending count by one now and arrives once the copies
-// land, so it need not be part of the barrier's initial count (it must be issued before that count completes).
-__device__ __forceinline__ void cp_async_mbar_arrive_counted(unsigned long long* bar) {
-  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
 // Adds `bytes` to the transaction count the barrier's current phase waits for (no arrival).
 __device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
   asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");

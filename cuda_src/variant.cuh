@@ -355,8 +355,8 @@ template <class V, class P> __device__ __forceinline__ float variant_prob(const 
 // non-softmax variant: m is 0 once the row saw a tile) or online-softmax probabilities against the row's running
 // max m (mx: the tile's max; FOLD: of the raw scores, the score scale p.score_scale folded into the exponent,
 // which needs the scale > 0 so max commutes with it); l updated. Returns the factor the row's output must be
-// multiplied by (1 for weights). Decode and both prefill kernels.
-template <class V, bool FOLD, int N8, class P>
+// multiplied by (1 for weights). LAZY: online_max's. Decode and both prefill kernels.
+template <class V, bool FOLD, int LAZY = 0, int N8, class P>
 __device__ __forceinline__ float row_probs(const P& p, float (&s)[N8][4], int r, float mx, float& m, float& l) {
   float sum = 0.f;
   if constexpr (!V::kSoftmax) {
@@ -373,7 +373,7 @@ __device__ __forceinline__ float row_probs(const P& p, float (&s)[N8][4], int r,
     return 1.f;
   }
   float base;
-  const float scale = online_max(m, FOLD ? mx * p.score_scale : mx, base);
+  const float scale = online_max<LAZY>(m, FOLD ? mx * p.score_scale : mx, base);
 #pragma unroll
   for (int nb = 0; nb < N8; ++nb)
 #pragma unroll

@@ -3,8 +3,8 @@
     PYTHONPATH=. python3 scripts/ab_sm90.py [--split] [--tanh] [--d256] [--fold] [--persist] [--prefetch] [--order]
                                             [--hgroup]
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
-                                            [--lazy] [--shift] [--ptail] [--tilen] [--pwarp]
-                                            [--lazymax] [--late]
+                                            [--lazy] [--shift] [--ptail] [--tilen]
+                                            [--lazymax]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -47,12 +47,9 @@
 --tilen: KV tiles over 128 tokens at head_dim 128 (TILE_BUILDS: 144 and 160 in 2 stages, a CTA a unit, beside
   128 in 2 and 3 stages a CTA a unit and the default), non-causal and causal b1_S8192, non-causal b32_S1024, causal
   b8_S2048.
---pwarp: one producer warp on TMA tiles (KVATTN_SM90_PWARP=1) against four, a CTA a unit, beside the default; the
-  --stream shapes and non-causal b32_S1024.
---lazymax: a row's running max kept until a tile's max exceeds it by more than 8 (log2 units; KVATTN_LAZY_MAX=8: P up
-  to 256, the O rescale skipped) against moved at every tile, the --stream shapes and non-causal b32_S1024.
---late: the O rescale inside the warpgroup's turn, between the next Q K^T's issue and the P V's (KVATTN_SM90_LATE=1)
-  against after the P V wait, each with and without the lazy max, the --stream shapes and non-causal b32_S1024.
+--lazymax: a row's running max kept until a tile's max exceeds it by more than 8 (log2 units: P up to 256, the O
+  rescale skipped; the default) against moved at every tile (KVATTN_SM90_LAZY_MAX=0), the --stream shapes and
+  non-causal b32_S1024.
 --kvil: paged caches' interleaved K / V tiles (KVATTN_SM90_KVIL=1, one 5-dim box a page) against the kernel before
   (64-column blocks: 2 boxes a page at head_dim 128), pages 16 / 32.
 --tanh is a single pass; every other experiment times its options in 3 rounds of alternating order (the GPU's clock
@@ -108,9 +105,6 @@ def compile_all():
     for _, defs, persist in TILE_BUILDS:   # --tilen
         prefill.SM90_TUNING = defs
         prefill.sm90_spec(128, Variant(), "bfloat16", persistent=persist).compile("sm_90a")
-    for il in (False, True):   # --pwarp (a CTA a unit; ragged, and the paged instance)
-        prefill.SM90_TUNING = PWARP
-        prefill.sm90_spec(128, Variant(), "bfloat16", persistent=False, interleaved=il).compile("sm_90a")
     for defs in ((), BLOCKS, PTAIL_OFF):   # the paged instances (--kvil, --pages, --ptail)
         prefill.SM90_TUNING = defs
         prefill.sm90_spec(128, Variant(), "bfloat16", interleaved=True).compile("sm_90a")
@@ -295,47 +289,16 @@ def run_tilen(bp, rng):
                 case(bp, rng, name, b, s, causal))
 
 
-PWARP = (("KVATTN_SM90_PWARP", 1),)
-
-
-def run_pwarp(bp, rng):
-    """One producer warp on TMA tiles (KVATTN_SM90_PWARP=1: the other three sleep on a named barrier unless a tile
-    needs their copies) against four spinning on every stage's `empty`, both a CTA a unit (the persistent PWARP
-    build spills at either register split), beside the persistent default; the --stream shapes and non-causal
-    b32_S1024."""
-    for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
-        compare("pwarp", name, flops_of(bp, b, s, causal),
-                [("default (persist)", build((), True)), ("4 warps, C/u", build((), False)),
-                 ("1 warp, C/u", build(PWARP, False))],
-                case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
-
-
-LAZY_MAX = (("KVATTN_LAZY_MAX", 8),)
+LAZY_OFF = (("KVATTN_SM90_LAZY_MAX", 0),)
 
 
 def run_lazymax(bp, rng):
     """A row's running max kept until a tile's max exceeds it by more than 8 (log2 units: P up to 256, the O rescale
-    skipped; KVATTN_LAZY_MAX=8) against moved at every tile (the default), the --stream shapes and non-causal
-    b32_S1024, persistent."""
+    skipped; the default since run 46b) against moved at every tile (KVATTN_SM90_LAZY_MAX=0), the --stream shapes and
+    non-causal b32_S1024, persistent."""
     for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
         compare("lazymax", name, flops_of(bp, b, s, causal),
-                [("moved (default)", tuning(())), ("lazy, 8", tuning(LAZY_MAX))],
-                case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
-
-
-LATE = (("KVATTN_SM90_LATE", 1),)
-
-
-def run_late(bp, rng):
-    """The O rescale inside the warpgroup's turn, between the next Q K^T's issue and the P V's (KVATTN_SM90_LATE=1)
-    against after the P V wait (the default), and the lazy max with each, the --stream shapes and non-causal
-    b32_S1024, persistent. On b1_S8192 (every tile a TMA box) also the default without the consumers' per-tile proxy
-    fence (KVATTN_SM90_NOFENCE=1, a timing build: what the fence costs)."""
-    for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
-        compare("late", name, flops_of(bp, b, s, causal),
-                [("after PV wait", tuning(())), ("in the turn", tuning(LATE)), ("lazy, 8", tuning(LAZY_MAX)),
-                 ("lazy + turn", tuning(LAZY_MAX + LATE))]
-                + ([("no tile fence*", tuning((("KVATTN_SM90_NOFENCE", 1),)))] if "S8192" in name else []),
+                [("moved", tuning(LAZY_OFF)), ("lazy, 8 (default)", tuning(()))],
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 
@@ -506,8 +469,7 @@ EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma":
                "persist": run_persist,
                "prefetch": run_prefetch, "order": run_order, "hgroup": run_hgroup, "stream": run_stream,
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit, "tilen": run_tilen,
-               "pwarp": run_pwarp, "lazymax": run_lazymax,
-               "late": run_late}
+               "lazymax": run_lazymax}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

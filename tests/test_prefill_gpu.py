@@ -280,51 +280,28 @@ def test_sm90_kv_tiles_over_128_tokens(n, causal, monkeypatch):
             assert f"KVATTN_SM90_N={n}" in info["kernel"].spec.uri() and info["tma"]
 
 
-@pytest.mark.parametrize("persist", [False, True])
-@pytest.mark.parametrize("causal", [False, True])
-def test_sm90_one_producer_warp(persist, causal, monkeypatch):
-    """The A/B build with one producer warp on TMA tiles (KVATTN_SM90_PWARP=1): the other three join only the tiles
-    that need their copies, through two named barriers, and never wait on a stage themselves. Tiles of every kind:
-    whole boxes, partial last tiles (ragged: a moved box; paged page 16: page boxes and copied rows), every tile
-    copied (page size 5: no tensor map), Q copied per thread (group size 3: units that start inside a token) and by
-    TMA; 3 persistent CTAs or a CTA a unit, run twice on one plan, against the reference."""
-    if _driver.arch() != "sm_90a":
-        pytest.skip("the sm90 kernel needs an sm_90 GPU")
-    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_PWARP", 1),))
-    monkeypatch.setattr(prefill, "SM90_PERSISTENT", persist)
-    qo, kv = ([256, 32, 1, 200, 96, 5], [256, 700, 1, 1500, 120, 2000]) if causal else \
-        ([256, 32, 1, 200, 96, 5], [300, 100, 129, 1500, 0, 2000])
-    for paged, page_size, group in ((False, 16, 4), (True, 16, 4), (True, 5, 4), (False, 16, 3)):
-        w = run_case(np.random.default_rng(hash((persist, causal, paged, page_size, group)) % 2**32),
-                     dtype="bfloat16", d=128, hkv=2, group=group, qo_lens=qo, kv_lens=kv, paged=paged,
-                     page_size=page_size, cta_rows=128, backend="sm90", causal=causal, num_sms=3, runs=2)
-        info = w.last_plan.info
-        assert "KVATTN_SM90_PWARP=1" in info["kernel"].spec.uri() and info["tma"] == (page_size != 5)
-
-
-@pytest.mark.parametrize("defs", [(("KVATTN_LAZY_MAX", 8),), (("KVATTN_SM90_LATE", 1),),
-                                  (("KVATTN_LAZY_MAX", 8), ("KVATTN_SM90_LATE", 1))])
+@pytest.mark.parametrize("lazy", [8, 0])
 @pytest.mark.parametrize("dtype,sm_scale", [("bfloat16", None), ("bfloat16", 2.0), ("float16", 2.0)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sm90_rescale_builds(defs, dtype, sm_scale, causal, monkeypatch):
-    """The A/B builds of the O rescale (scripts/ab_sm90.py --lazymax / --late): a row's running max kept until a
-    tile's max exceeds it by more than 8 log2 units (KVATTN_LAZY_MAX=8: probabilities up to 2^8 in P, fp16 and bf16,
-    the rescale skipped), the rescale inside the warpgroup's turn while the next Q K^T runs (KVATTN_SM90_LATE=1), and
-    both. sm_scale 2.0 spreads the scores (~30 log2 units a standard deviation) so rows move their max mid-sequence
-    by more than 8; the default scale mostly keeps it after the first tile. O and the LSE against the reference,
-    persistent CTAs and a CTA a unit, paged and ragged, masked (causal) and unmasked tiles, 1-tile units."""
+def test_sm90_running_max_kept_or_moved(lazy, dtype, sm_scale, causal, monkeypatch):
+    """A row's running max kept until a tile's max exceeds it by more than 8 log2 units (the default,
+    KVATTN_SM90_LAZY_MAX=8: probabilities up to 2^8 in P, fp16 and bf16, the O rescale skipped) and moved at every
+    tile (0, the A/B build). sm_scale 2.0 spreads the scores (~30 log2 units a standard deviation) so rows move their
+    max mid-sequence by more than 8; at the default scale they mostly keep it after the first tile. O and the LSE
+    against the reference, persistent CTAs and a CTA a unit, paged and ragged, masked (causal) and unmasked tiles,
+    1-tile units."""
     if _driver.arch() != "sm_90a":
         pytest.skip("the sm90 kernel needs an sm_90 GPU")
+    defs = (("KVATTN_SM90_LAZY_MAX", 0),) if lazy == 0 else ()
     monkeypatch.setattr(prefill, "SM90_TUNING", defs)
     qo, kv = ([256, 33, 1, 200, 5], [256, 700, 1, 1500, 2000]) if causal else ([256, 33, 1, 200, 5], [300, 100, 129, 1500, 2000])
     for persist in (False, True):
         monkeypatch.setattr(prefill, "SM90_PERSISTENT", persist)
         for paged in (False, True):
-            w = run_case(np.random.default_rng(hash((defs, dtype, sm_scale, causal, persist, paged)) % 2**32),
+            w = run_case(np.random.default_rng(hash((lazy, dtype, sm_scale, causal, persist, paged)) % 2**32),
                          dtype=dtype, d=128, hkv=2, group=4, qo_lens=qo, kv_lens=kv, paged=paged, cta_rows=128,
                          backend="sm90", causal=causal, sm_scale=sm_scale, num_sms=3, runs=2)
-            uri = w.last_plan.info["kernel"].spec.uri()
-            assert all(f"{k}={v}" in uri for k, v in defs)
+            assert ("KVATTN_SM90_LAZY_MAX=0" in w.last_plan.info["kernel"].spec.uri()) == (lazy == 0)
 
 
 @pytest.mark.parametrize("group", [None, 2])
