@@ -4,7 +4,7 @@
                                             [--hgroup]
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
                                             [--lazy] [--shift] [--ptail] [--tilen]
-                                            [--lazymax]
+                                            [--lazymax] [--mcast]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -50,6 +50,8 @@
 --lazymax: a row's running max kept until a tile's max exceeds it by more than 8 (log2 units: P up to 256, the O
   rescale skipped; the default) against moved at every tile (KVATTN_SM90_LAZY_MAX=0), the --stream shapes and
   non-causal b32_S1024.
+--mcast: K/V tiles shared by clusters of two CTAs by TMA multicast (KVATTN_SM90_MCAST=1, a CTA a unit) against a CTA a
+  unit loading its own and the persistent default; non-causal (pairs share) and causal (none does) cases.
 --kvil: paged caches' interleaved K / V tiles (KVATTN_SM90_KVIL=1, one 5-dim box a page) against the kernel before
   (64-column blocks: 2 boxes a page at head_dim 128), pages 16 / 32.
 --tanh is a single pass; every other experiment times its options in 3 rounds of alternating order (the GPU's clock
@@ -302,6 +304,21 @@ def run_lazymax(bp, rng):
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 
+MCAST = (prefill.SM90_MCAST_DEFINE,)
+
+
+def run_mcast(bp, rng):
+    """K/V tiles shared by clusters of two CTAs by TMA multicast (KVATTN_SM90_MCAST=1, a CTA a unit: where items 2i
+    and 2i + 1 read the same KV range, each CTA loads half of every tile into both) against a CTA a unit loading its
+    own and the persistent default; non-causal b1_S8192 / b32_S1024 (every pair shares), causal b1_S8192 / b8_S2048
+    (no pair shares: the clusters' own cost)."""
+    for name, b, s, causal in [("non-causal b1_S8192", 1, 8192, False), ("non-causal b32_S1024", 32, 1024, False),
+                               ("causal b1_S8192", 1, 8192, True), ("causal b8_S2048", 8, 2048, True)]:
+        compare("mcast", name, flops_of(bp, b, s, causal),
+                [("default (persist)", build((), True)), ("C/u", build((), False)), ("C/u, multicast", build(MCAST, False))],
+                case(bp, rng, name, b, s, causal))
+
+
 def run_kvsplit(bp, rng):
     for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
         compare("kvsplit", name, flops_of(bp, b, s, causal),
@@ -469,7 +486,7 @@ EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma":
                "persist": run_persist,
                "prefetch": run_prefetch, "order": run_order, "hgroup": run_hgroup, "stream": run_stream,
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit, "tilen": run_tilen,
-               "lazymax": run_lazymax}
+               "lazymax": run_lazymax, "mcast": run_mcast}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

@@ -71,6 +71,9 @@ def specs():
         pf.SM90_TUNING = defs
         out += [pf.sm90_spec(128, Variant(), "bfloat16", persistent=ps, interleaved=il)
                 for ps in (False, True) for il in (False, True)]
+    pf.SM90_TUNING = (pf.SM90_MCAST_DEFINE,)   # test_sm90_multicast_pairs, ab_sm90.py --mcast: a CTA a unit
+    out += [pf.sm90_spec(128, v, t, persistent=False, interleaved=il) for t in ("bfloat16", "float16")
+            for v in (Variant(), Variant(True, False)) for il in (False, True)]
     pf.SM90_TUNING = (("KVATTN_SM90_LAZY_MAX", 0),)   # test_sm90_running_max_kept_or_moved (fp16 too)
     out += [pf.sm90_spec(128, Variant(), "float16", persistent=ps, interleaved=il)
             for ps in (False, True) for il in (False, True)]
