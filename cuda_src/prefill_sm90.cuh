@@ -1266,12 +1266,12 @@ struct PrefillSm90 {
   }
 };
 
-template <class A, class V>
 #if KVATTN_SM90_MCAST
 #define KVATTN_SM90_CLUSTER __cluster_dims__(2, 1, 1)
 #else
 #define KVATTN_SM90_CLUSTER
 #endif
+template <class A, class V>
 __global__ void KVATTN_SM90_CLUSTER __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_constant__ PrefillParams p) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   PrefillSm90<A, V>::run(p, reinterpret_cast<typename A::Q*>(smem_raw));

@@ -203,7 +203,8 @@ def launch_grid(cfg, items: int, num_kv_heads: int, num_sms: int) -> tuple[int, 
     per (item, KV head), or for a persistent sm90 instance min(items * num_kv_heads, num_sms) CTAs. (A build with
     KVATTN_SM90_MCAST runs in clusters of two CTAs along x: an even count, the extra CTA past the items exits.)"""
     if not cfg.persistent:
-        return (items + items % 2 if SM90_MCAST_DEFINE in cfg.spec.defines else items, num_kv_heads, 1)
+        pairs = cfg.spec is not None and SM90_MCAST_DEFINE in cfg.spec.defines
+        return (items + items % 2 if pairs else items, num_kv_heads, 1)
     return (min(items * num_kv_heads, num_sms), 1, 1)
 
 
