@@ -113,6 +113,13 @@
 #define KVATTN_SM90_MCAST 0
 #endif
 
+// The producers' wait for a free stage with a suspend-time hint of this many nanoseconds (the A/B of
+// scripts/ab_sm90.py --waithint, fresh and --sustained: whether their polling of `empty` costs power under the cap;
+// run 24a's ncu counted 20 M of the kernel's 341 M warp instructions there). 0: the hardware's default limit.
+#ifndef KVATTN_SM90_WAIT_HINT
+#define KVATTN_SM90_WAIT_HINT 0
+#endif
+
 // 1 = every unit's rows fit one warpgroup (at most 64) and the two consumer warpgroups split its KV tiles
 // (PrefillSm90::consume_split); the instance the decode wrapper's sm90 route of large GQA groups runs. Set by the
 // host (kvattn.prefill.sm90_spec's wg_split), never a default.
@@ -689,7 +696,10 @@ struct PrefillSm90 {
     KVATTN_TRACE(0, slot, kTraceLookup);
     for (int t = 0; t < ntiles; ++t) {
       const int u = g + t, st = u % STAGES;
-      if (u >= STAGES) mbar_wait(&empty[st], (u / STAGES - 1) & 1);
+      if (u >= STAGES) {
+        if constexpr (KVATTN_SM90_WAIT_HINT > 0) mbar_wait_hint<KVATTN_SM90_WAIT_HINT>(&empty[st], (u / STAGES - 1) & 1);
+        else mbar_wait(&empty[st], (u / STAGES - 1) & 1);
+      }
       if (t == 0) KVATTN_TRACE(0, slot, kTraceEmpty);
       // boxes: a full tile, or (SHIFT) the partial last one's box moved back to end at the item's end
       const bool boxes = tma && (it.kb + (t + 1) * N <= it.ke || (kShift && box_start(p, it, it.kb + t * N) != it.kb + t * N));

@@ -91,6 +91,14 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
 }
+// The same, each try letting the hardware suspend the thread up to NS nanoseconds until the phase completes (it
+// wakes when it does): fewer polls, so fewer issued instructions, while a wait lasts a tile.
+template <unsigned NS> __device__ __forceinline__ void mbar_wait_hint(unsigned long long* bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)), "r"(parity), "n"(NS) : "memory");
+}
 template <int REGS> __device__ __forceinline__ void regs_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
 }

@@ -4,7 +4,7 @@
                                             [--hgroup]
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
                                             [--lazy] [--shift] [--ptail] [--tilen]
-                                            [--lazymax] [--mcast]
+                                            [--lazymax] [--mcast] [--waithint] [--sustained]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -52,6 +52,10 @@
   non-causal b32_S1024.
 --mcast: K/V tiles shared by clusters of two CTAs by TMA multicast (KVATTN_SM90_MCAST=1, a CTA a unit) against a CTA a
   unit loading its own and the persistent default; non-causal (pairs share) and causal (none does) cases.
+--waithint: the producers' wait for a free stage with a 20 us suspend-time hint (KVATTN_SM90_WAIT_HINT) against the
+  hardware's default, b1_S8192 and causal b8_S2048.
+--sustained (with any experiment): each option timed as 150 back-to-back calls after a 2 s pause, the median of the
+  second half (under the power cap), instead of 30 calls at the full clock.
 --kvil: paged caches' interleaved K / V tiles (KVATTN_SM90_KVIL=1, one 5-dim box a page) against the kernel before
   (64-column blocks: 2 boxes a page at head_dim 128), pages 16 / 32.
 --tanh is a single pass; every other experiment times its options in 3 rounds of alternating order (the GPU's clock
@@ -319,6 +323,29 @@ def run_mcast(bp, rng):
                 case(bp, rng, name, b, s, causal))
 
 
+WAIT_HINT = (("KVATTN_SM90_WAIT_HINT", 20000),)
+
+
+def run_waithint(bp, rng):
+    """The producers' wait for a free stage with a 20 us suspend-time hint (KVATTN_SM90_WAIT_HINT: fewer polls of
+    `empty`) against the hardware's default; b1_S8192 causal / non-causal, causal b8_S2048 (with --sustained: under
+    the power cap, where fewer issued instructions could show)."""
+    for name, b, s, causal in SPLIT_CASES[:3]:
+        compare("waithint", name, flops_of(bp, b, s, causal),
+                [("default", tuning(())), ("hint 20 us", tuning(WAIT_HINT))], case(bp, rng, name, b, s, causal))
+
+
+def sustained_us(fn, pause=2.0, calls=150):
+    """--sustained: fn timed as a serving engine runs it, after `pause` s idle, `calls` back-to-back calls, the
+    median of the second half (under the power cap: BENCHMARKS.md run 45e), in place of bench_prefill's time_us."""
+    import time
+    from kvattn import _driver
+    from kvattn.timing import per_call_us
+    _driver.call("cuCtxSynchronize")
+    time.sleep(pause)
+    return float(np.median(per_call_us(fn, warmup=0, reps=calls)[calls // 2:]))
+
+
 def run_kvsplit(bp, rng):
     for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
         compare("kvsplit", name, flops_of(bp, b, s, causal),
@@ -486,17 +513,19 @@ EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma":
                "persist": run_persist,
                "prefetch": run_prefetch, "order": run_order, "hgroup": run_hgroup, "stream": run_stream,
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit, "tilen": run_tilen,
-               "lazymax": run_lazymax, "mcast": run_mcast}
+               "lazymax": run_lazymax, "mcast": run_mcast, "waithint": run_waithint}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    for flag in ("compile", *EXPERIMENTS):
+    for flag in ("compile", "sustained", *EXPERIMENTS):
         ap.add_argument(f"--{flag}", action="store_true")
     args = ap.parse_args()
     if args.compile:
         compile_all()
         sys.exit(0)
     import bench_prefill as bp  # noqa: E402
+    if args.sustained:   # every option timed under the power cap (its own calls back to back), not fresh
+        bp.time_us = sustained_us
     chosen = [fn for name, fn in EXPERIMENTS.items() if getattr(args, name)] or list(EXPERIMENTS.values())
     rng = np.random.default_rng(0)
     for fn in chosen:

@@ -67,7 +67,7 @@ def specs():
     # tiles of 144 / 160 tokens, the max moved at every tile, their controls; persistent and a CTA a unit, ragged and
     # paged
     for defs in ((("KVATTN_SM90_N", 144), ("KVATTN_SM90_STAGES", 2)), (("KVATTN_SM90_N", 160), ("KVATTN_SM90_STAGES", 2)),
-                 (("KVATTN_SM90_STAGES", 2),), (("KVATTN_SM90_LAZY_MAX", 0),), ()):
+                 (("KVATTN_SM90_STAGES", 2),), (("KVATTN_SM90_LAZY_MAX", 0),), (("KVATTN_SM90_WAIT_HINT", 20000),), ()):
         pf.SM90_TUNING = defs
         out += [pf.sm90_spec(128, Variant(), "bfloat16", persistent=ps, interleaved=il)
                 for ps in (False, True) for il in (False, True)]

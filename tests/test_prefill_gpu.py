@@ -304,6 +304,22 @@ def test_sm90_running_max_kept_or_moved(lazy, dtype, sm_scale, causal, monkeypat
             assert ("KVATTN_SM90_LAZY_MAX=0" in w.last_plan.info["kernel"].spec.uri()) == (lazy == 0)
 
 
+@pytest.mark.parametrize("persist", [False, True])
+def test_sm90_wait_hint_build(persist, monkeypatch):
+    """The A/B build whose producers wait for a free stage with a suspend-time hint (KVATTN_SM90_WAIT_HINT=20000,
+    scripts/ab_sm90.py --waithint): units longer than the ring (the waits happen), causal and not, against the
+    reference."""
+    if _driver.arch() != "sm_90a":
+        pytest.skip("the sm90 kernel needs an sm_90 GPU")
+    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_WAIT_HINT", 20000),))
+    monkeypatch.setattr(prefill, "SM90_PERSISTENT", persist)
+    for causal in (False, True):
+        w = run_case(np.random.default_rng(hash((persist, causal)) % 2**32), dtype="bfloat16", d=128, hkv=2, group=4,
+                     qo_lens=[256, 33, 200], kv_lens=[1500, 1000, 2000], paged=False, cta_rows=128, backend="sm90",
+                     causal=causal, num_sms=3, runs=2)
+        assert "KVATTN_SM90_WAIT_HINT=20000" in w.last_plan.info["kernel"].spec.uri()
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_multicast_pairs(dtype, causal, monkeypatch):
