@@ -367,16 +367,22 @@ struct PrefillSm90 {
   static constexpr bool kMcast = KVATTN_SM90_MCAST && kTma && !KVIL && !KVSPLIT && !kWgSplit && D_QK == D_VO;
   static_assert(!KVATTN_SM90_MCAST || !kPersist, "KVATTN_SM90_MCAST: a CTA a unit (the clusters pair plan items)");
   // (kMcast) The cluster rank of the CTA whose unit reads the same K/V tiles as this one's (items 2i and 2i + 1 of
-  // one KV head: the same request and KV range, every tile a box of a ragged cache), or -1: each loads its own.
-  __device__ static int mcast_peer(const PrefillParams& p, int items) {
+  // one KV head: the same request and KV start, every tile a box of a ragged cache), or -1: each loads its own.
+  // Both units then run the tiles of [kb, ke): their common range, or for two causal blocks that are not cut into
+  // chunks (each ending at its last row's diagonal) and span the same number of tiles, the longer one's, whose extra
+  // columns lie past every row's diagonal of the shorter, so its causal mask drops them.
+  __device__ static int mcast_peer(const PrefillParams& p, int items, int& ke) {
     if constexpr (!kMcast) {
       return -1;
     } else {
       const int x = blockIdx.x, y = x ^ 1;
       if (p.tma_mode != 1 || x >= items || y >= items) return -1;
       const Item a = Base::load_item(p, p.plan, x), b = Base::load_item(p, p.plan, y);
-      const int n = a.ke - a.kb;
-      if (a.req != b.req || a.kb != b.kb || a.ke != b.ke || n <= 0 || (n % N != 0 && !(kShift && n > N))) return -1;
+      ke = max(a.ke, b.ke);
+      const int n = ke - a.kb;
+      const bool same = a.ke == b.ke ||
+                        (p.causal && a.partial < 0 && b.partial < 0 && (a.ke - a.kb + N - 1) / N == (b.ke - b.kb + N - 1) / N);
+      if (a.req != b.req || a.kb != b.kb || !same || n <= 0 || (n % N != 0 && !(kShift && n > N))) return -1;
       return (int)(cluster_rank() ^ 1u);
     }
   }
@@ -1200,8 +1206,8 @@ struct PrefillSm90 {
     unsigned long long* qfree = empty + STAGES;                                                     // [QBUF]
     unsigned long long* vfull = v_full(full);                                                      // [STAGES]
     unsigned long long* vempty = vfull + STAGES;                                                   // [STAGES]
-    // (kMcast) the cluster CTA sharing this one's tiles, else -1
-    const int peer = kMcast ? mcast_peer(p, plan_header(p.plan).num_items) : -1;
+    int ke_pair = 0;   // (kMcast) the cluster CTA sharing this one's tiles (else -1), and their KV end
+    const int peer = kMcast ? mcast_peer(p, plan_header(p.plan).num_items, ke_pair) : -1;
     if (threadIdx.x == 0) {
       for (int i = 0; i < STAGES; ++i) {
         mbar_init(&full[i], PRODUCERS);
@@ -1219,12 +1225,17 @@ struct PrefillSm90 {
     const int items = plan_header(p.plan).num_items;   // a padded grid (graph mode) walks only these
     if constexpr (!kPersist) {   // one CTA per unit: item blockIdx.x, KV head blockIdx.y
       if ((int)blockIdx.x >= items) return;
+      auto unit_item = [&] {   // (kMcast: both CTAs of a pair run their common tile range)
+        Item it = Base::load_item(p, p.plan, blockIdx.x);
+        if (kMcast && peer >= 0) it.ke = ke_pair;
+        return it;
+      };
       if (threadIdx.x < PRODUCERS) {
         regs_dec<PRODUCER_REGS>();
-        produce(p, Base::load_item(p, p.plan, blockIdx.x), qs, kvs, full, empty, qfree, blockIdx.y, 0, 0, 0, peer);
+        produce(p, unit_item(), qs, kvs, full, empty, qfree, blockIdx.y, 0, 0, 0, peer);
       } else {
         regs_inc<CONSUMER_REGS>();
-        const Item it = Base::load_item(p, p.plan, blockIdx.x);
+        const Item it = unit_item();
         Item none;
         int pend = -1;   // (its stage is never reloaded)
         consume<STREAM_TURNS>(p, it, qs, kvs, full, empty, qfree, blockIdx.y, blockIdx.x, 0, true, -1, none, pend, 0, 0,

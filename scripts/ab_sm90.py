@@ -51,7 +51,7 @@
   rescale skipped; the default) against moved at every tile (KVATTN_SM90_LAZY_MAX=0), the --stream shapes and
   non-causal b32_S1024.
 --mcast: K/V tiles shared by clusters of two CTAs by TMA multicast (KVATTN_SM90_MCAST=1, a CTA a unit) against a CTA a
-  unit loading its own and the persistent default; non-causal (pairs share) and causal (none does) cases.
+  unit loading its own and the persistent default; non-causal and causal cases.
 --waithint: the producers' wait for a free stage with a 20 us suspend-time hint (KVATTN_SM90_WAIT_HINT) against the
   hardware's default, b1_S8192 and causal b8_S2048.
 --sustained (with any experiment): each option timed as 150 back-to-back calls after a 2 s pause, the median of the
@@ -313,9 +313,9 @@ MCAST = (prefill.SM90_MCAST_DEFINE,)
 
 def run_mcast(bp, rng):
     """K/V tiles shared by clusters of two CTAs by TMA multicast (KVATTN_SM90_MCAST=1, a CTA a unit: where items 2i
-    and 2i + 1 read the same KV range, each CTA loads half of every tile into both) against a CTA a unit loading its
-    own and the persistent default; non-causal b1_S8192 / b32_S1024 (every pair shares), causal b1_S8192 / b8_S2048
-    (no pair shares: the clusters' own cost)."""
+    and 2i + 1 read the same KV range, or are causal blocks of one request over the same tiles, each CTA loads half of
+    every tile into both) against a CTA a unit loading its own and the persistent default; non-causal b1_S8192 /
+    b32_S1024 (every pair shares), causal b1_S8192 (every pair), causal b8_S2048 (the pairs of one request)."""
     for name, b, s, causal in [("non-causal b1_S8192", 1, 8192, False), ("non-causal b32_S1024", 32, 1024, False),
                                ("causal b1_S8192", 1, 8192, True), ("causal b8_S2048", 8, 2048, True)]:
         compare("mcast", name, flops_of(bp, b, s, causal),
