@@ -110,6 +110,21 @@ def torch_time_us(fn, warmup=5, reps=30):
 PREFILL_REST_S = 2.0
 
 
+def rest(seconds: float):
+    """Synchronise the device and leave it idle `seconds`, so a compute-bound kernel starts at the full clock."""
+    import time
+    from kvattn import _driver
+    _driver.call("cuCtxSynchronize")
+    time.sleep(seconds)
+
+
+def series_us(fn, n: int, pause: float) -> np.ndarray:
+    """[n] microseconds of n back-to-back calls of fn on the legacy stream, after `pause` seconds idle (rest)."""
+    from kvattn.timing import per_call_us
+    rest(pause)
+    return per_call_us(fn, warmup=0, reps=n)
+
+
 def time_rounds(fns: dict, rounds: int = 3, per_round: dict = None, rest_s: float = 0.0, **time_kw) -> dict:
     """{name: us}: each fn timed by kvattn.timing.time_us in `rounds` rounds, every other round in reverse order,
     and the median of its rounds kept. The GPU's clocks drift under sustained load (BENCHMARKS.md, run 15d; run
@@ -117,16 +132,13 @@ def time_rounds(fns: dict, rounds: int = 3, per_round: dict = None, rest_s: floa
     would favour whichever ran last. rest_s: the device synchronised and left idle that long before each timing
     (keep the timed calls under ~30 ms so they end before the power cap engages: run 45e). per_round (a dict, when
     given) receives each name's round figures in order."""
-    import time
-    from kvattn import _driver
     from kvattn.timing import time_us
     names = list(fns)
     got = {n: [] for n in names}
     for r in range(rounds):
         for n in (names if r % 2 == 0 else names[::-1]):
             if rest_s:
-                _driver.call("cuCtxSynchronize")
-                time.sleep(rest_s)
+                rest(rest_s)
             got[n].append(time_us(fns[n], **time_kw))
     if per_round is not None:
         per_round.update(got)

@@ -338,12 +338,8 @@ def run_waithint(bp, rng):
 def sustained_us(fn, pause=2.0, calls=150):
     """--sustained: fn timed as a serving engine runs it, after `pause` s idle, `calls` back-to-back calls, the
     median of the second half (under the power cap: BENCHMARKS.md run 45e), in place of bench_prefill's time_us."""
-    import time
-    from kvattn import _driver
-    from kvattn.timing import per_call_us
-    _driver.call("cuCtxSynchronize")
-    time.sleep(pause)
-    return float(np.median(per_call_us(fn, warmup=0, reps=calls)[calls // 2:]))
+    from _bench import series_us
+    return float(np.median(series_us(fn, calls, pause)[calls // 2:]))
 
 
 def run_kvsplit(bp, rng):

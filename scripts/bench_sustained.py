@@ -13,24 +13,16 @@ data). bf16 Hq32/Hkv8/D128, ragged.
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kvattn import _driver  # noqa: E402
-from kvattn.timing import per_call_us  # noqa: E402
+from _bench import series_us  # noqa: E402
 from bench_prefill import D, HQ, engine_fns  # noqa: E402
 
 CASES = [("causal b1_S8192", 1, 8192, True), ("causal b8_S2048", 8, 2048, True), ("causal b32_S1024", 32, 1024, True),
          ("non-causal b1_S8192", 1, 8192, False), ("causal b1_S32768", 1, 32768, True)]
-
-
-def series_us(fn, n: int, pause: float) -> np.ndarray:
-    """[n] microseconds of n back-to-back calls of fn on the legacy stream, after `pause` seconds idle."""
-    _driver.call("cuCtxSynchronize")
-    time.sleep(pause)
-    return per_call_us(fn, warmup=0, reps=n)
 
 
 def main():
