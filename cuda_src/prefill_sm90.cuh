@@ -103,23 +103,6 @@
 #define KVATTN_SM90_LAZY_MAX 8
 #endif
 
-// K/V tiles shared by a cluster of two CTAs (1, the A/B of scripts/ab_sm90.py --mcast; a CTA a unit, ragged TMA
-// tiles, built with __cluster_dims__(2)): where the cluster's two units (items 2i and 2i + 1, one KV head) read the
-// same request's same KV range and every tile is a box, CTA rank 0 loads each tile's K and rank 1 its V, each by
-// multicast into both CTAs (one L2 read for both: run 46b measured the loads at 11-16% of the kernel), and a stage
-// is refilled once the consumers of both CTAs released it (each consumer warp also arrives on the peer's `empty`).
-// Other pairs load their own tiles. 0: every CTA loads its own.
-#ifndef KVATTN_SM90_MCAST
-#define KVATTN_SM90_MCAST 0
-#endif
-
-// The producers' wait for a free stage with a suspend-time hint of this many nanoseconds (the A/B of
-// scripts/ab_sm90.py --waithint, fresh and --sustained: whether their polling of `empty` costs power under the cap;
-// run 24a's ncu counted 20 M of the kernel's 341 M warp instructions there). 0: the hardware's default limit.
-#ifndef KVATTN_SM90_WAIT_HINT
-#define KVATTN_SM90_WAIT_HINT 0
-#endif
-
 // 1 = every unit's rows fit one warpgroup (at most 64) and the two consumer warpgroups split its KV tiles
 // (PrefillSm90::consume_split); the instance the decode wrapper's sm90 route of large GQA groups runs. Set by the
 // host (kvattn.prefill.sm90_spec's wg_split), never a default.
@@ -234,9 +217,8 @@ struct PrefillSm90 {
   static constexpr int THREADS = 384;                 // producer warpgroup + two consumer warpgroups
   static constexpr int PRODUCERS = 128;
   // A query / key transform (fused RoPE) or the fp8 expansion runs in the producers: they get the registers for it.
-  // (KVATTN_SM90_MCAST: the producers' peer and multicast take the persistent split's registers)
-  static constexpr int PRODUCER_REGS = V::kQK || kFp8 ? 56 : kPersist || KVATTN_SM90_MCAST ? 40 : 24;
-  static constexpr int CONSUMER_REGS = V::kQK || kFp8 ? 224 : kPersist || KVATTN_SM90_MCAST ? 232 : 240;
+  static constexpr int PRODUCER_REGS = V::kQK || kFp8 ? 56 : kPersist ? 40 : 24;
+  static constexpr int CONSUMER_REGS = V::kQK || kFp8 ? 224 : kPersist ? 232 : 240;
   static_assert(!(kFp8 && V::kQK), "fused RoPE needs a 16-bit cache");
   static_assert(!V::kQK || PRODUCERS % (D_QK / 16) == 0,
                 "a query / key transform's threads (D_QK / 16 a row) tile the producers: D_QK 64, 128 or 256");
@@ -363,29 +345,6 @@ struct PrefillSm90 {
   static constexpr bool kShift = KVATTN_SM90_SHIFT && kTma && !KVIL && !(V::kCustomMask && V::kWindow);
   // (KVATTN_SM90_PTAIL) A paged item's partial last tile: its whole pages by TMA.
   static constexpr bool kPagedTail = KVATTN_SM90_PTAIL && kTma && !KVSPLIT;
-  // (KVATTN_SM90_MCAST) tiles shared by the cluster's two CTAs; other instances of such a build run clustered, unpaired
-  static constexpr bool kMcast = KVATTN_SM90_MCAST && kTma && !KVIL && !KVSPLIT && !kWgSplit && D_QK == D_VO;
-  static_assert(!KVATTN_SM90_MCAST || !kPersist, "KVATTN_SM90_MCAST: a CTA a unit (the clusters pair plan items)");
-  // (kMcast) The cluster rank of the CTA whose unit reads the same K/V tiles as this one's (items 2i and 2i + 1 of
-  // one KV head: the same request and KV start, every tile a box of a ragged cache), or -1: each loads its own.
-  // Both units then run the tiles of [kb, ke): their common range, or for two causal blocks that are not cut into
-  // chunks (each ending at its last row's diagonal) and span the same number of tiles, the longer one's, whose extra
-  // columns lie past every row's diagonal of the shorter, so its causal mask drops them.
-  __device__ static int mcast_peer(const PrefillParams& p, int items, int& ke) {
-    if constexpr (!kMcast) {
-      return -1;
-    } else {
-      const int x = blockIdx.x, y = x ^ 1;
-      if (p.tma_mode != 1 || x >= items || y >= items) return -1;
-      const Item a = Base::load_item(p, p.plan, x), b = Base::load_item(p, p.plan, y);
-      ke = max(a.ke, b.ke);
-      const int n = ke - a.kb;
-      const bool same = a.ke == b.ke ||
-                        (p.causal && a.partial < 0 && b.partial < 0 && (a.ke - a.kb + N - 1) / N == (b.ke - b.kb + N - 1) / N);
-      if (a.req != b.req || a.kb != b.kb || !same || n <= 0 || (n % N != 0 && !(kShift && n > N))) return -1;
-      return (int)(cluster_rank() ^ 1u);
-    }
-  }
   __device__ __forceinline__ static int box_start(const PrefillParams& p, const Item& it, int t0) {
     return kShift && p.tma_mode == 1 && t0 + N > it.ke && it.ke - N > it.kb ? it.ke - N : t0;
   }
@@ -444,11 +403,9 @@ struct PrefillSm90 {
   // Only full tiles of items that start on a box boundary come here (produce), so every box lies in one page.
   // id: the box's page id (box_page). PART: 0 both K and V on `bar`, 1 K only, 2 V only (KVSPLIT).
   // rows: the tile's first rows that come by TMA, whole boxes (PTAIL: a partial tile's whole pages; else N).
-  // mc >= 0 (kMcast, PART 0): this CTA's cluster rank; it loads only K (rank 0) or V (rank 1), by multicast into
-  // both CTAs, and its barrier expects the whole tile (the peer's half counts toward it too).
   template <int PART = 0>
   __device__ __forceinline__ static void issue_kv_tma(const PrefillParams& p, T* stage, int t0, int box, int id,
-                                                      int kvh, unsigned long long* bar, int rows = N, int mc = -1) {
+                                                      int kvh, unsigned long long* bar, int rows = N) {
     constexpr int ELEMS = PART == 0 ? STAGE_ELEMS : PART == 1 ? K_ELEMS : N * D_VO;
     if (box == 0) mbar_expect_tx(bar, ELEMS / N * rows * (int)sizeof(T));
     const int r0 = box * p.tma_rows;
@@ -469,16 +426,6 @@ struct PrefillSm90 {
       return;
     }
     const int c1 = p.tma_hnd ? slot : kvh, c2 = p.tma_hnd ? kvh : slot;
-    if constexpr (kMcast && PART == 0) {
-      if (mc >= 0) {
-        const bool v = mc == 1;
-#pragma unroll
-        for (int cb = 0; cb < D_QK / 64; ++cb)
-          tma_load_4d_mc(stage + (v ? K_ELEMS : 0) + cb * (N * 64) + r0 * 64, v ? &p.tma_v : &p.tma_k, cb * 64, c1, c2,
-                         page, bar, 3);
-        return;
-      }
-    }
     if constexpr (D_QK == D_VO && PART == 0) {
 #pragma unroll
       for (int cb = 0; cb < D_QK / 64; ++cb) {
@@ -671,7 +618,7 @@ struct PrefillSm90 {
   // KVSPLIT: full / empty are K's barriers (and Q's, with tile 0), vfull / vempty V's; else they are full / empty.
   __device__ static void produce(const PrefillParams& p, const Item& it, Q* qs, T* kvs, unsigned long long* full,
                                  unsigned long long* empty, unsigned long long* qfree, int kvh, int g, int nq,
-                                 int slot = 0, int peer = -1) {
+                                 int slot = 0) {
     unsigned long long* vfull = v_full(full);
     unsigned long long* vempty = KVSPLIT ? vfull + STAGES : empty;
     const int lane = threadIdx.x % 32, pw = threadIdx.x / 32;
@@ -702,10 +649,7 @@ struct PrefillSm90 {
     KVATTN_TRACE(0, slot, kTraceLookup);
     for (int t = 0; t < ntiles; ++t) {
       const int u = g + t, st = u % STAGES;
-      if (u >= STAGES) {
-        if constexpr (KVATTN_SM90_WAIT_HINT > 0) mbar_wait_hint<KVATTN_SM90_WAIT_HINT>(&empty[st], (u / STAGES - 1) & 1);
-        else mbar_wait(&empty[st], (u / STAGES - 1) & 1);
-      }
+      if (u >= STAGES) mbar_wait(&empty[st], (u / STAGES - 1) & 1);
       if (t == 0) KVATTN_TRACE(0, slot, kTraceEmpty);
       // boxes: a full tile, or (SHIFT) the partial last one's box moved back to end at the item's end
       const bool boxes = tma && (it.kb + (t + 1) * N <= it.ke || (kShift && box_start(p, it, it.kb + t * N) != it.kb + t * N));
@@ -725,7 +669,7 @@ struct PrefillSm90 {
         } else {
           if (pw == 0)
             issue_kv_tma(p, kvs + st * STAGE_ELEMS, t0, lane, KVATTN_SM90_PREFETCH ? box_id : box_page(p, it, t0, lane),
-                         kvh, &full[st], N, peer >= 0 ? peer ^ 1 : -1);
+                         kvh, &full[st]);
           cp_async_mbar_arrive(&full[st]);   // after this thread's earlier copies (the Q rows before tile 0)
         }
         if (t == 0) KVATTN_TRACE(0, slot, kTraceTile0);
@@ -835,7 +779,7 @@ struct PrefillSm90 {
   __device__ static void consume(const PrefillParams& p, const Item& it, const Q* qs, const T* kvs,
                                  unsigned long long* full, unsigned long long* empty, unsigned long long* qfree,
                                  int kvh, int w, int g, bool open, int w_next, Item& next, int& pend,
-                                 int qpar = 0, int slot = 0, int peer = -1) {
+                                 int qpar = 0, int slot = 0) {
     if constexpr (kWgSplit) {
       consume_split(p, it, qs, kvs, full, empty, qfree, kvh, w, g, w_next, next, qpar);
       return;
@@ -912,10 +856,7 @@ struct PrefillSm90 {
                      sc);
         wgmma_wait<0>();
         fence_regs(acc);
-        if (lane == 0) {   // this warp is done with tile ti's stage (KVSPLIT: its V; kMcast: the peer's too)
-          mbar_arrive(&vempty[cur_st]);
-          if (kMcast && peer >= 0) mbar_arrive_cta(&vempty[cur_st], peer);
-        }
+        if (lane == 0) mbar_arrive(&vempty[cur_st]);   // this warp is done with tile ti's stage (KVSPLIT: its V)
         rescale(acc, sc);
       }
       if constexpr (KVSPLIT) {
@@ -1206,44 +1147,33 @@ struct PrefillSm90 {
     unsigned long long* qfree = empty + STAGES;                                                     // [QBUF]
     unsigned long long* vfull = v_full(full);                                                      // [STAGES]
     unsigned long long* vempty = vfull + STAGES;                                                   // [STAGES]
-    int ke_pair = 0;   // (kMcast) the cluster CTA sharing this one's tiles (else -1), and their KV end
-    const int peer = kMcast ? mcast_peer(p, plan_header(p.plan).num_items, ke_pair) : -1;
     if (threadIdx.x == 0) {
       for (int i = 0; i < STAGES; ++i) {
         mbar_init(&full[i], PRODUCERS);
-        mbar_init(&empty[i], peer >= 0 ? 16 : 8);   // one arrival per consumer warp (kMcast: of both CTAs)
+        mbar_init(&empty[i], 8);   // one arrival per consumer warp
         if constexpr (KVSPLIT) {
           mbar_init(&vfull[i], PRODUCERS);
           mbar_init(&vempty[i], 8);
         }
       }
       for (int i = 0; i < QBUF; ++i) mbar_init(&qfree[i], 8);
-      if (peer >= 0) fence_mbar_init();
     }
     __syncthreads();
-    if (peer >= 0) cluster_sync();   // the peer's barriers exist before any multicast or remote arrival
     const int items = plan_header(p.plan).num_items;   // a padded grid (graph mode) walks only these
     if constexpr (!kPersist) {   // one CTA per unit: item blockIdx.x, KV head blockIdx.y
       if ((int)blockIdx.x >= items) return;
-      auto unit_item = [&] {   // (kMcast: both CTAs of a pair run their common tile range)
-        Item it = Base::load_item(p, p.plan, blockIdx.x);
-        if (kMcast && peer >= 0) it.ke = ke_pair;
-        return it;
-      };
       if (threadIdx.x < PRODUCERS) {
         regs_dec<PRODUCER_REGS>();
-        produce(p, unit_item(), qs, kvs, full, empty, qfree, blockIdx.y, 0, 0, 0, peer);
+        produce(p, Base::load_item(p, p.plan, blockIdx.x), qs, kvs, full, empty, qfree, blockIdx.y, 0, 0);
       } else {
         regs_inc<CONSUMER_REGS>();
-        const Item it = unit_item();
+        const Item it = Base::load_item(p, p.plan, blockIdx.x);
         Item none;
         int pend = -1;   // (its stage is never reloaded)
-        consume<STREAM_TURNS>(p, it, qs, kvs, full, empty, qfree, blockIdx.y, blockIdx.x, 0, true, -1, none, pend, 0, 0,
-                              peer);
+        consume<STREAM_TURNS>(p, it, qs, kvs, full, empty, qfree, blockIdx.y, blockIdx.x, 0, true, -1, none, pend);
         close_turns(it.ke > it.kb);
         if (kTmaO && threadIdx.x % 128 == 0) tma_store_wait<0>();
       }
-      if (peer >= 0) cluster_sync();   // neither exits while the other may still write its stages or barriers
       return;
     }
     const Walk walk(items, plan_header(p.plan).num_kv_heads, plan_header(p.plan).kv_head_group,
@@ -1287,13 +1217,8 @@ struct PrefillSm90 {
   }
 };
 
-#if KVATTN_SM90_MCAST
-#define KVATTN_SM90_CLUSTER __cluster_dims__(2, 1, 1)
-#else
-#define KVATTN_SM90_CLUSTER
-#endif
 template <class A, class V>
-__global__ void KVATTN_SM90_CLUSTER __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_constant__ PrefillParams p) {
+__global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_constant__ PrefillParams p) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   PrefillSm90<A, V>::run(p, reinterpret_cast<typename A::Q*>(smem_raw));
 }

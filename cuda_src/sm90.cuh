@@ -28,40 +28,12 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const void* tmap, int c0,
       ::"r"(smem_addr(dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar)) : "memory");
 }
 
-// The same, multicast: the box lands at dst's offset in every CTA of the cluster named in `mask` (bit = cluster
-// rank), and its bytes count toward the barrier at bar's offset in each of them.
-__device__ __forceinline__ void tma_load_4d_mc(void* dst, const void* tmap, int c0, int c1, int c2, int c3,
-                                               unsigned long long* bar, unsigned short mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n"
-      ::"r"(smem_addr(dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar)), "h"(mask) : "memory");
-}
-
 // The same for a 5-dim tensor map.
 __device__ __forceinline__ void tma_load_5d(void* dst, const void* tmap, int c0, int c1, int c2, int c3, int c4,
                                             unsigned long long* bar) {
   asm volatile(
       "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n"
       ::"r"(smem_addr(dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(smem_addr(bar)) : "memory");
-}
-
-// This CTA's rank in its cluster.
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-// Every thread of the cluster's CTAs (that has not exited) arrives, then waits for the others: release / acquire
-// at cluster scope (the barrier inits before it are made visible to the cluster by fence_mbar_init).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
-// Arrives on the barrier at bar's offset in the shared memory of cluster CTA `cta` (release at cluster scope).
-__device__ __forceinline__ void mbar_arrive_cta(unsigned long long* bar, unsigned cta) {
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(bar)), "r"(cta));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
 }
 
 // Arrives `count` times at once (one thread standing for `count` warps).
@@ -90,14 +62,6 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
       "{\n.reg .pred done;\nWAIT_%=:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
-}
-// The same, each try letting the hardware suspend the thread up to NS nanoseconds until the phase completes (it
-// wakes when it does): fewer polls, so fewer issued instructions, while a wait lasts a tile.
-template <unsigned NS> __device__ __forceinline__ void mbar_wait_hint(unsigned long long* bar, int parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
-      "@!done bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)), "r"(parity), "n"(NS) : "memory");
 }
 template <int REGS> __device__ __forceinline__ void regs_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));

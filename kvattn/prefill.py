@@ -86,7 +86,6 @@ def choose_cta_rows(packed_len: float, head_dim: int, wgmma: bool = False) -> in
 TUNING: dict = {}
 #: KernelSpec defines of the sm90 kernel (timing experiments of scripts/ab_sm90.py); empty = the defaults.
 SM90_TUNING: tuple = ()
-SM90_MCAST_DEFINE = ("KVATTN_SM90_MCAST", 1)   # (the A/B build of scripts/ab_sm90.py --mcast: clusters of two CTAs)
 #: The define that builds the persistent sm90 instance (sm90_persistent decides where).
 SM90_PERSIST_DEFINE = ("KVATTN_SM90_PERSIST", 1)
 #: The define of the sm90 instance with interleaved K / V tiles (paged tensor maps: kvattn.tma.interleaved_tiles).
@@ -200,11 +199,9 @@ def sm90_persistent(head_dim: int, variant: Variant, kv_dtype: str | None = None
 
 def launch_grid(cfg, items: int, num_kv_heads: int, num_sms: int) -> tuple[int, int, int]:
     """The grid of a prefill launch (LaunchConfig cfg) over `items` plan items (graph mode: their bound): one CTA
-    per (item, KV head), or for a persistent sm90 instance min(items * num_kv_heads, num_sms) CTAs. (A build with
-    KVATTN_SM90_MCAST runs in clusters of two CTAs along x: an even count, the extra CTA past the items exits.)"""
+    per (item, KV head), or for a persistent sm90 instance min(items * num_kv_heads, num_sms) CTAs."""
     if not cfg.persistent:
-        pairs = cfg.spec is not None and SM90_MCAST_DEFINE in cfg.spec.defines
-        return (items + items % 2 if pairs else items, num_kv_heads, 1)
+        return (items, num_kv_heads, 1)
     return (min(items * num_kv_heads, num_sms), 1, 1)
 
 

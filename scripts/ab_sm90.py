@@ -4,7 +4,7 @@
                                             [--hgroup]
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
                                             [--lazy] [--shift] [--ptail] [--tilen]
-                                            [--lazymax] [--mcast] [--waithint] [--sustained]
+                                            [--lazymax] [--sustained]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -50,10 +50,6 @@
 --lazymax: a row's running max kept until a tile's max exceeds it by more than 8 (log2 units: P up to 256, the O
   rescale skipped; the default) against moved at every tile (KVATTN_SM90_LAZY_MAX=0), the --stream shapes and
   non-causal b32_S1024.
---mcast: K/V tiles shared by clusters of two CTAs by TMA multicast (KVATTN_SM90_MCAST=1, a CTA a unit) against a CTA a
-  unit loading its own and the persistent default; non-causal and causal cases.
---waithint: the producers' wait for a free stage with a 20 us suspend-time hint (KVATTN_SM90_WAIT_HINT) against the
-  hardware's default, b1_S8192 and causal b8_S2048.
 --sustained (with any experiment): each option timed as 150 back-to-back calls after a 2 s pause, the median of the
   second half (under the power cap), instead of 30 calls at the full clock.
 --kvil: paged caches' interleaved K / V tiles (KVATTN_SM90_KVIL=1, one 5-dim box a page) against the kernel before
@@ -308,33 +304,6 @@ def run_lazymax(bp, rng):
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 
-MCAST = (prefill.SM90_MCAST_DEFINE,)
-
-
-def run_mcast(bp, rng):
-    """K/V tiles shared by clusters of two CTAs by TMA multicast (KVATTN_SM90_MCAST=1, a CTA a unit: where items 2i
-    and 2i + 1 read the same KV range, or are causal blocks of one request over the same tiles, each CTA loads half of
-    every tile into both) against a CTA a unit loading its own and the persistent default; non-causal b1_S8192 /
-    b32_S1024 (every pair shares), causal b1_S8192 (every pair), causal b8_S2048 (the pairs of one request)."""
-    for name, b, s, causal in [("non-causal b1_S8192", 1, 8192, False), ("non-causal b32_S1024", 32, 1024, False),
-                               ("causal b1_S8192", 1, 8192, True), ("causal b8_S2048", 8, 2048, True)]:
-        compare("mcast", name, flops_of(bp, b, s, causal),
-                [("default (persist)", build((), True)), ("C/u", build((), False)), ("C/u, multicast", build(MCAST, False))],
-                case(bp, rng, name, b, s, causal))
-
-
-WAIT_HINT = (("KVATTN_SM90_WAIT_HINT", 20000),)
-
-
-def run_waithint(bp, rng):
-    """The producers' wait for a free stage with a 20 us suspend-time hint (KVATTN_SM90_WAIT_HINT: fewer polls of
-    `empty`) against the hardware's default; b1_S8192 causal / non-causal, causal b8_S2048 (with --sustained: under
-    the power cap, where fewer issued instructions could show)."""
-    for name, b, s, causal in SPLIT_CASES[:3]:
-        compare("waithint", name, flops_of(bp, b, s, causal),
-                [("default", tuning(())), ("hint 20 us", tuning(WAIT_HINT))], case(bp, rng, name, b, s, causal))
-
-
 def sustained_us(fn, pause=2.0, calls=150):
     """--sustained: fn timed as a serving engine runs it, after `pause` s idle, `calls` back-to-back calls, the
     median of the second half (under the power cap: BENCHMARKS.md run 45e), in place of bench_prefill's time_us."""
@@ -509,7 +478,7 @@ EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma":
                "persist": run_persist,
                "prefetch": run_prefetch, "order": run_order, "hgroup": run_hgroup, "stream": run_stream,
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit, "tilen": run_tilen,
-               "lazymax": run_lazymax, "mcast": run_mcast, "waithint": run_waithint}
+               "lazymax": run_lazymax}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

@@ -63,17 +63,14 @@ def specs():
     saved = pf.SM90_TUNING   # test_sm90_kv_split_ring_with_o_by_tma: K / V on their own barriers at 3 stages
     pf.SM90_TUNING = (("KVATTN_SM90_KVSPLIT", 1),)
     out += [pf.sm90_spec(d, Variant(), "bfloat16", interleaved=il) for d in (64, 128) for il in (False, True)]
-    # test_sm90_kv_tiles_over_128_tokens / _running_max_kept_or_moved / _wait_hint_build and ab_sm90.py --tilen /
-    # --lazymax / --waithint: KV tiles of 144 / 160 tokens, the max moved at every tile, the waits' hint, their
-    # controls; persistent and a CTA a unit, ragged and paged
+    # test_sm90_kv_tiles_over_128_tokens, test_sm90_running_max_kept_or_moved and ab_sm90.py --tilen / --lazymax: KV
+    # tiles of 144 / 160 tokens, the max moved at every tile, their controls; persistent and a CTA a unit, ragged and
+    # paged
     for defs in ((("KVATTN_SM90_N", 144), ("KVATTN_SM90_STAGES", 2)), (("KVATTN_SM90_N", 160), ("KVATTN_SM90_STAGES", 2)),
-                 (("KVATTN_SM90_STAGES", 2),), (("KVATTN_SM90_LAZY_MAX", 0),), (("KVATTN_SM90_WAIT_HINT", 20000),), ()):
+                 (("KVATTN_SM90_STAGES", 2),), (("KVATTN_SM90_LAZY_MAX", 0),), ()):
         pf.SM90_TUNING = defs
         out += [pf.sm90_spec(128, Variant(), "bfloat16", persistent=ps, interleaved=il)
                 for ps in (False, True) for il in (False, True)]
-    pf.SM90_TUNING = (pf.SM90_MCAST_DEFINE,)   # test_sm90_multicast_pairs, ab_sm90.py --mcast: a CTA a unit
-    out += [pf.sm90_spec(128, Variant(), t, persistent=False, interleaved=il) for t in ("bfloat16", "float16")
-            for il in (False, True)]
     pf.SM90_TUNING = (("KVATTN_SM90_LAZY_MAX", 0),)   # test_sm90_running_max_kept_or_moved (fp16 too)
     out += [pf.sm90_spec(128, Variant(), "float16", persistent=ps, interleaved=il)
             for ps in (False, True) for il in (False, True)]

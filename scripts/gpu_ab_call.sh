@@ -2,7 +2,7 @@
 # One device call for a new kernel experiment (under 10 minutes on a bare machine): its GPU tests alone with a
 # timeout first (a wrong barrier protocol hangs rather than fails), then its A/B in alternating rounds, then the
 # time left on another A/B. Logs under $OUT; the kernel cache unpacked from .kvpack (scripts/pack_cache.sh).
-#     bash scripts/gpu_ab_call.sh TEST_FILTER AB_FLAG [MORE_AB_FLAGS]   e.g. bash scripts/gpu_ab_call.sh multicast --mcast
+#     bash scripts/gpu_ab_call.sh TEST_FILTER AB_FLAG [MORE_AB_FLAGS...]   e.g. bash scripts/gpu_ab_call.sh running_max --lazymax --lazymax --sustained
 # (repository root, on the GPU machine; carry .kvpack). TEST_FILTER: pytest -k of tests/test_prefill_gpu.py.
 set -u
 OUT=${OUT:-/tmp/kvattn-out}; mkdir -p "$OUT"
@@ -14,7 +14,7 @@ source scripts/_unpack_cache.sh
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_prefill_gpu.py -k "$1" > "$OUT/t_ab.log" 2>&1
 echo "tests -k '$1': rc $? | $(tail -1 "$OUT/t_ab.log")"; grep -E "^(FAILED|ERROR)" "$OUT/t_ab.log" | head -5
 timeout "$(left 400)" python3 scripts/ab_sm90.py "$2" > "$OUT/ab.log" 2>&1; echo "ab_sm90 $2: rc $?"; cat "$OUT/ab.log"
-if [ -n "${3:-}" ] && [ "$(left)" -gt 60 ]; then
-  timeout "$(left)" python3 scripts/ab_sm90.py "$3" > "$OUT/ab2.log" 2>&1; echo "ab_sm90 $3: rc $?"; cat "$OUT/ab2.log"
+if [ -n "${3:-}" ] && [ "$(left)" -gt 60 ]; then   # the rest of the arguments: one more ab_sm90.py call's flags
+  timeout "$(left)" python3 scripts/ab_sm90.py "${@:3}" > "$OUT/ab2.log" 2>&1; echo "ab_sm90 ${*:3}: rc $?"; cat "$OUT/ab2.log"
 fi
 echo "elapsed $(( $(date +%s) - T0 )) s"

@@ -209,8 +209,7 @@ def test_sm90_kernels_compile_without_spills_or_serialized_wgmma(d):
                                   (("KVATTN_SM90_N", 144), ("KVATTN_SM90_STAGES", 2), ("persistent", 0)),
                                   (("KVATTN_SM90_N", 160), ("KVATTN_SM90_STAGES", 2), ("persistent", 0)),
                                   (("KVATTN_SM90_STAGES", 2), ("persistent", 0)),
-                                  (("KVATTN_SM90_LAZY_MAX", 0),), (("KVATTN_SM90_MCAST", 1), ("persistent", 0)),
-                                  (("KVATTN_SM90_WAIT_HINT", 20000),)])
+                                  (("KVATTN_SM90_LAZY_MAX", 0),)])
 def test_sm90_experiment_builds_compile_without_spills(defs, monkeypatch):
     """The build switches scripts/ab_sm90.py times against the default stay correct builds: the persistent
     head_dim 128 instance (("persistent", 0): the CTA-a-unit one) compiles with no spills and its shared memory
@@ -387,19 +386,3 @@ def test_wg_split_needs_the_sm90_kernel(monkeypatch):
     cfg = prefill.launch_config("auto", 128, 128, Variant(), "bfloat16", wg_split=True)
     assert cfg.backend == "sm90" and ("KVATTN_SM90_WGSPLIT", 1) in cfg.spec.defines
 
-
-def test_multicast_build_launches_an_even_grid_of_ctas_a_unit(monkeypatch):
-    """The multicast A/B build runs in clusters of two CTAs along x (__cluster_dims__): its grid pads an odd item
-    count to even, other builds keep theirs; a persistent multicast build does not compile (static_assert)."""
-    from kvattn import prefill
-    monkeypatch.setattr(prefill, "SM90_TUNING", (prefill.SM90_MCAST_DEFINE,))
-    spec = sm90_spec(128, Variant(), "bfloat16", persistent=False)
-    cfg = prefill.LaunchConfig("sm90", spec, 384, 0, 1)
-    assert prefill.launch_grid(cfg, 7, 8, 132) == (8, 8, 1)
-    assert prefill.launch_grid(cfg, 6, 8, 132) == (6, 8, 1)
-    monkeypatch.setattr(prefill, "SM90_TUNING", ())
-    plain = prefill.LaunchConfig("sm90", sm90_spec(128, Variant(), "bfloat16", persistent=False), 384, 0, 1)
-    assert prefill.launch_grid(plain, 7, 8, 132) == (7, 8, 1)
-    monkeypatch.setattr(prefill, "SM90_TUNING", (prefill.SM90_MCAST_DEFINE,))
-    with pytest.raises(Exception, match="KVATTN_SM90_MCAST"):
-        sm90_spec(128, Variant(), "bfloat16", persistent=True).compile("sm_90a")

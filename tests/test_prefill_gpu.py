@@ -304,43 +304,6 @@ def test_sm90_running_max_kept_or_moved(lazy, dtype, sm_scale, causal, monkeypat
             assert ("KVATTN_SM90_LAZY_MAX=0" in w.last_plan.info["kernel"].spec.uri()) == (lazy == 0)
 
 
-@pytest.mark.parametrize("persist", [False, True])
-def test_sm90_wait_hint_build(persist, monkeypatch):
-    """The A/B build whose producers wait for a free stage with a suspend-time hint (KVATTN_SM90_WAIT_HINT=20000,
-    scripts/ab_sm90.py --waithint): units longer than the ring (the waits happen), causal and not, against the
-    reference."""
-    if _driver.arch() != "sm_90a":
-        pytest.skip("the sm90 kernel needs an sm_90 GPU")
-    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_WAIT_HINT", 20000),))
-    monkeypatch.setattr(prefill, "SM90_PERSISTENT", persist)
-    for causal in (False, True):
-        w = run_case(np.random.default_rng(hash((persist, causal)) % 2**32), dtype="bfloat16", d=128, hkv=2, group=4,
-                     qo_lens=[256, 33, 200], kv_lens=[1500, 1000, 2000], paged=False, cta_rows=128, backend="sm90",
-                     causal=causal, num_sms=3, runs=2)
-        assert "KVATTN_SM90_WAIT_HINT=20000" in w.last_plan.info["kernel"].spec.uri()
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("causal", [False, True])
-def test_sm90_multicast_pairs(dtype, causal, monkeypatch):
-    """The A/B build whose clusters of two CTAs share K/V tiles by TMA multicast (KVATTN_SM90_MCAST=1, a CTA a unit,
-    scripts/ab_sm90.py --mcast): pairs of items that read the same request's KV range (every tile a box, the last one
-    moved: kv 1000), or causal blocks of one request spanning the same tiles (the shorter runs the longer's range, its
-    causal mask dropping the extra columns), load half a tile each into both CTAs and release stages in both; pairs
-    that do not (different requests or tile counts, kv shorter than a tile, an odd item count, the paged instance)
-    run clustered with CTA-local barriers. A batch and one long request, run twice on one plan, against the
-    reference (a wrong release hangs)."""
-    if _driver.arch() != "sm_90a":
-        pytest.skip("the sm90 kernel needs an sm_90 GPU")
-    monkeypatch.setattr(prefill, "SM90_TUNING", (prefill.SM90_MCAST_DEFINE,))
-    monkeypatch.setattr(prefill, "SM90_PERSISTENT", False)
-    batch = ([256, 33, 96, 200, 64], [256, 1000, 96, 1500, 2048] if causal else [384, 1000, 96, 1500, 2048])
-    for (qo, kv), paged in ((batch, False), (batch, True), (([512], [700]), False)):
-        w = run_case(np.random.default_rng(hash((dtype, causal, paged, len(qo))) % 2**32), dtype=dtype, d=128, hkv=2,
-                     group=4, qo_lens=qo, kv_lens=kv, paged=paged, cta_rows=128, backend="sm90", causal=causal, runs=2)
-        assert "KVATTN_SM90_MCAST=1" in w.last_plan.info["kernel"].spec.uri()
-
-
 @pytest.mark.parametrize("group", [None, 2])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_persistent_ctas_walk_kv_head_groups(group, causal, monkeypatch):
