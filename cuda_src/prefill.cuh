@@ -402,6 +402,15 @@ struct PrefillKernel {
     head = kvh * p.group_size + (pr - tq * p.group_size);
   }
 
+  // A finished row's output factor 1 / l (0 for an empty row) and its LSE (natural log; -inf when empty), from its
+  // running max m and its sum l over the row's quad. A non-softmax row is empty when its weights sum to 0 (its m is
+  // 0 once it saw a tile).
+  __device__ __forceinline__ static void row_scale(float m, float l, float& inv, float& lse) {
+    const bool empty = V::kSoftmax ? m == KVATTN_NEG_INF : !(l > 0.f);
+    inv = empty ? 0.f : 1.f / l;
+    lse = empty ? KVATTN_NEG_INF : (m + __log2f(l)) * kLn2;
+  }
+
   // Epilogue of warps that own whole rows: MTX 16-row tiles from row 16 * MTX * warp_m, accumulators in the
   // mma.sync C layout (o[mt][n8 block][4]; rows lane / 4 and lane / 4 + 8). l is this thread's partial sum.
   // SMEM (sm90, whole units of one request): the O rows go to shared memory, element (row, col) at so + place(row,
@@ -422,10 +431,8 @@ struct PrefillKernel {
         if (row < it.nrows) {
           int tq, head;
           row_dest(p, it, row, kvh, tq, head);
-          // a non-softmax row is empty when its weights sum to 0 (its m is 0 once it saw a tile)
-          const bool empty = V::kSoftmax ? m[mt][r] == KVATTN_NEG_INF : !(lr > 0.f);
-          float inv = empty ? 0.f : 1.f / lr;
-          float lse = empty ? KVATTN_NEG_INF : (m[mt][r] + __log2f(lr)) * kLn2;
+          float inv, lse;
+          row_scale(m[mt][r], lr, inv, lse);
           const int col = 2 * (lane % 4);
           if (it.partial < 0) {
             if constexpr (V::kOutput) inv *= V::output(p, head, lse);

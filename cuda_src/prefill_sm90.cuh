@@ -103,6 +103,28 @@
 #define KVATTN_SM90_LAZY_MAX 8
 #endif
 
+// Masked tiles whose masks are column bounds only (the causal diagonal, the item's KV end, a moved box's repeated
+// first columns) on a plain softmax: each row keeps one column range, tested as two integer compares with the
+// column offset as an immediate against per-row limits set once a tile, the score scale folded into the exponent as
+// on unmasked tiles (1); 0: the general masked path (per score: the scale's multiply, the column index, three
+// compares), for the A/B of scripts/ab_sm90.py --bounds. Causal units end on such a tile.
+#ifndef KVATTN_SM90_BOUNDS
+#define KVATTN_SM90_BOUNDS 1
+#endif
+
+// The producers look up a unit's first tile (its rows' offsets, its boxes' page ids: dependent global loads) before
+// they wait for the consumers to free the Q tile (qfree), so the loads' latency passes during that wait instead of
+// between the Q copy's issue and tile 0's (1); 0: after the Q copy (the A/B of scripts/ab_sm90.py --boundary).
+#ifndef KVATTN_SM90_LOOKUP_FIRST
+#define KVATTN_SM90_LOOKUP_FIRST 1
+#endif
+
+// A whole unit's normalised O rows staged for its bulk store by stmatrix (1: four 8x8 blocks a store, 8 stores a
+// thread at head_dim 128), or by 4-byte shared-memory stores (0: 32 a thread; the A/B of ab_sm90.py --boundary).
+#ifndef KVATTN_SM90_STSM
+#define KVATTN_SM90_STSM 1
+#endif
+
 // 1 = every unit's rows fit one warpgroup (at most 64) and the two consumer warpgroups split its KV tiles
 // (PrefillSm90::consume_split); the instance the decode wrapper's sm90 route of large GQA groups runs. Set by the
 // host (kvattn.prefill.sm90_spec's wg_split), never a default.
@@ -212,6 +234,8 @@ struct PrefillSm90 {
   // head_dim 128 (at 256 the fold's extra live value makes the sliding-window instance spill).
   static constexpr bool kFold =
       KVATTN_SM90_FOLD && D_QK <= 128 && D_VO <= 128 && !V::kLogits && !V::kPositional && V::kSoftmax;
+  // (KVATTN_SM90_BOUNDS) variants whose masks are column bounds only: their masked tiles take softmax<true, true>
+  static constexpr bool kBoundsMask = KVATTN_SM90_BOUNDS && kFold && !V::kWindow && !V::kKeep && !V::kCustomMask;
   using Base = PrefillKernel<A, 4, 2, V>;   // helpers only (items, masks, epilogue)
   using Item = typename Base::Item;
   static constexpr int THREADS = 384;                 // producer warpgroup + two consumer warpgroups
@@ -357,7 +381,7 @@ struct PrefillSm90 {
   __device__ __forceinline__ static void issue_q_tma(const PrefillParams& p, const Item& it, Q* qs, int kvh,
                                                      unsigned long long* bar) {
     mbar_expect_tx(bar, Q_ELEMS * (int)sizeof(Q));
-    const int tok = it.qo_start + it.row0 / p.group_size;
+    const int tok = it.qo_start + it.tok_lo;
 #pragma unroll
     for (int cb = 0; cb < QK_BLOCKS; ++cb) tma_load_4d(qs + cb * (ROWS * 64), &p.tma_qmap, cb * 64, 0, kvh, tok, bar);
   }
@@ -531,12 +555,20 @@ struct PrefillSm90 {
 
   // Scores of the tile at t0 -> probabilities in place (online softmax over this thread's rows g, g + 8);
   // `scale` is the factor O must be multiplied by. lo: the tile's own first kv index (own_start; t0 < lo: a moved
-  // box, whose columns below lo repeat the tile before and are masked).
-  template <bool MASK>
+  // box, whose columns below lo repeat the tile before and are masked). BOUNDS (kBoundsMask, score scale > 0): the
+  // masks are row r's column range [lo, min(ke - 1, diagonal)], as offsets from this thread's first column.
+  template <bool MASK, bool BOUNDS = false>
   __device__ __forceinline__ static void softmax(const PrefillParams& p, const Item& it, float (&s)[SN], int t0, int lo,
                                                  const int (&tok)[2], const float (&rc)[2], int lane,
                                                  float (&m)[1][2], float (&l)[1][2], float (&scale)[2]) {
-    constexpr bool FOLD = kFold && !MASK;
+    constexpr bool FOLD = kFold && (!MASK || BOUNDS);
+    int hi[2] = {0, 0}, lo_c = 0;   // (BOUNDS) the kept columns' offsets from this thread's first: [lo_c, hi[r]]
+    if constexpr (BOUNDS) {
+      const int c0 = t0 + 2 * (lane % 4);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) hi[r] = (p.causal ? min(it.ke - 1, it.delta + tok[r]) : it.ke - 1) - c0;
+      lo_c = lo - c0;
+    }
     unsigned cm[2][MW];   // custom mask: bit 8 nb + e of cm[r][..] is this thread's pair (row r, column nb, e)
     if constexpr (V::kCustomMask && MASK) {
 #pragma unroll
@@ -549,10 +581,16 @@ struct PrefillSm90 {
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1;
         const bool keep = !(V::kCustomMask && MASK) || ((cm[r][nb / 4] >> ((nb % 4) * 8 + (e & 1))) & 1u);
-        float x = FOLD ? s[4 * nb + e] :
-                  Base::template score<MASK, false, true>(p, it, s[4 * nb + e],
-                                                          t0 + nb * 8 + 2 * (lane % 4) + (e & 1), tok[r], rc[r], keep);
-        if (MASK && kShift && t0 + nb * 8 + 2 * (lane % 4) + (e & 1) < lo) x = KVATTN_NEG_INF;
+        float x;
+        if constexpr (BOUNDS) {
+          const int c = nb * 8 + (e & 1);   // (an immediate)
+          x = c <= hi[r] && c >= lo_c ? s[4 * nb + e] : KVATTN_NEG_INF;
+        } else {
+          x = FOLD ? s[4 * nb + e] :
+              Base::template score<MASK, false, true>(p, it, s[4 * nb + e], t0 + nb * 8 + 2 * (lane % 4) + (e & 1),
+                                                      tok[r], rc[r], keep);
+          if (MASK && kShift && t0 + nb * 8 + 2 * (lane % 4) + (e & 1) < lo) x = KVATTN_NEG_INF;
+        }
         s[4 * nb + e] = x;
         mx[e >> 1] = fmaxf(mx[e >> 1], x);
       }
@@ -569,8 +607,9 @@ struct PrefillSm90 {
       return;
     }
     const int lo = kShift ? own_start(p, it, t0) : t0;
-    if (Base::needs_mask(p, it, t0, N) || (kShift && t0 < lo) || (kFold && !(p.score_scale > 0.f)))
-      softmax<true>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
+    const bool masked = Base::needs_mask(p, it, t0, N) || (kShift && t0 < lo), fold = p.score_scale > 0.f;
+    if (kBoundsMask && masked && fold) softmax<true, kBoundsMask>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
+    else if (masked || (kFold && !fold)) softmax<true>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
     else softmax<false>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
   }
 
@@ -625,6 +664,19 @@ struct PrefillSm90 {
     const int ntiles = (it.ke - it.kb + N - 1) / N;
     if (ntiles == 0) return;
     const typename V::QKState qk_state = V::template qk_init<D_QK>(p, qk_dims<D_QK>(threadIdx.x));
+    const int my_row = RPW * pw + min(lane, RPW - 1);   // the tile row whose offset this lane holds
+    const int my_row_hi = RPW * pw + min(32 + lane, RPW - 1);   // (kHiRows) its second row
+    long long off, off_hi = 0;
+    auto offsets_at = [&](int t0) {   // this lane's rows' offsets in the tile at kv index t0 (for issue_kv)
+      off = Base::tok_offset(p, it.pages, min(t0 + my_row, it.ke - 1));
+      if constexpr (kHiRows) off_hi = Base::tok_offset(p, it.pages, min(t0 + my_row_hi, it.ke - 1));
+    };
+    // full tiles as TMA boxes (16-bit cache, no key transform, a map bound by run(), item on a box boundary)
+    const bool tma = kTma && p.tma_mode != 0 && (p.tma_mode == 1 || it.kb % p.tma_rows == 0);
+    // (TMA, warp 0) this lane's box page id of the next tile, loaded a tile ahead (KVATTN_SM90_PREFETCH)
+    int box_id = 0;
+    auto lookups = [&] { box_id = KVATTN_SM90_PREFETCH && tma && pw == 0 ? box_page(p, it, it.kb, lane) : 0; };
+    if constexpr (KVATTN_SM90_LOOKUP_FIRST) lookups();
     if (nq >= QBUF) mbar_wait(qfree, (nq / QBUF - 1) & 1);   // (qfree, qs: this unit's Q slot's)
     KVATTN_TRACE(0, slot, kTraceQCopy);
     if (q_by_tma(p, it)) {
@@ -633,18 +685,8 @@ struct PrefillSm90 {
       load_q(p, it, qs, kvh);   // lands before tile 0 is announced (the arrival waits for every earlier copy)
     }
     KVATTN_TRACE(0, slot, kTraceQIssued);
-    const int my_row = RPW * pw + min(lane, RPW - 1);   // the tile row whose offset this lane holds
-    const int my_row_hi = RPW * pw + min(32 + lane, RPW - 1);   // (kHiRows) its second row
-    long long off, off_hi = 0;
-    auto offsets_at = [&](int t0) {   // this lane's rows' offsets in the tile at kv index t0 (for issue_kv)
-      off = Base::tok_offset(p, it.pages, min(t0 + my_row, it.ke - 1));
-      if constexpr (kHiRows) off_hi = Base::tok_offset(p, it.pages, min(t0 + my_row_hi, it.ke - 1));
-    };
-    offsets_at(it.kb);
-    // full tiles as TMA boxes (16-bit cache, no key transform, a map bound by run(), item on a box boundary)
-    const bool tma = kTma && p.tma_mode != 0 && (p.tma_mode == 1 || it.kb % p.tma_rows == 0);
-    // (TMA, warp 0) this lane's box page id of the next tile, loaded a tile ahead (KVATTN_SM90_PREFETCH)
-    int box_id = KVATTN_SM90_PREFETCH && tma && pw == 0 ? box_page(p, it, it.kb, lane) : 0;
+    offsets_at(it.kb);   // (copied tiles' rows; before the qfree wait they made the persistent producers spill)
+    if constexpr (!KVATTN_SM90_LOOKUP_FIRST) lookups();
     if (KVATTN_SM90_TRACE && threadIdx.x == 0 && (box_id | (int)off) == -12345) trace_stamp(slot, 0);   // (use both)
     KVATTN_TRACE(0, slot, kTraceLookup);
     for (int t = 0; t < ntiles; ++t) {
@@ -727,6 +769,35 @@ struct PrefillSm90 {
   // stage for the warpgroup's 4 warps (vempty) once the store has read it. qfree / qpar: the unit's Q barrier and
   // the parity of its phase (every consumer's last Q K^T has completed: nothing reads the K half any more).
   // The release is release_o_stage's (`pend` := the stage): here, or after the next unit's first softmax (LAZY).
+  // (KVATTN_SM90_STSM) This warp's 16 rows of a whole unit (every row real, partial < 0), normalised, into the
+  // staged tile at so + place(row, col) by stmatrix, 16 columns a store; their LSE to global memory.
+  template <class Place>
+  __device__ __forceinline__ static void stage_rows(const PrefillParams& p, const Item& it, int kvh, int cw, int lane,
+                                                    const float (&o)[1][CHUNKS][4], const float (&m)[1][2],
+                                                    const float (&l)[1][2], typename A::O* so, Place place) {
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float lr = l[0][r];
+      lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+      lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+      int tq, head;
+      Base::row_dest(p, it, cw * 16 + lane / 4 + 8 * r, kvh, tq, head);
+      float lse;
+      Base::row_scale(m[0][r], lr, inv[r], lse);
+      if constexpr (V::kOutput) inv[r] *= V::output(p, head, lse);
+      if (p.lse && lane % 4 == 0) p.lse[(long long)(it.qo_start + tq) * p.lse_stride_n + head] = lse;
+    }
+    using M = Mma<typename A::O>;
+    const int row = cw * 16 + (lane / 8 % 2) * 8 + lane % 8, half = lane / 16;   // this lane's address: block lane / 8
+#pragma unroll
+    for (int dn = 0; dn < CHUNKS; dn += 2)
+      stmatrix_x4(so + place(row, (dn + half) * 8),
+                  M::pack(o[0][dn][0] * inv[0], o[0][dn][1] * inv[0]), M::pack(o[0][dn][2] * inv[1], o[0][dn][3] * inv[1]),
+                  M::pack(o[0][dn + 1][0] * inv[0], o[0][dn + 1][1] * inv[0]),
+                  M::pack(o[0][dn + 1][2] * inv[1], o[0][dn + 1][3] * inv[1]));
+  }
+
   __device__ __forceinline__ static void store_o_tma(const PrefillParams& p, const Item& it, int kvh, int cw, int lane,
                                                      const float (&o)[1][CHUNKS][4], const float (&m)[1][2],
                                                      const float (&l)[1][2], T* so, unsigned long long* vempty,
@@ -738,10 +809,12 @@ struct PrefillSm90 {
     mbar_wait(qfree, qpar);
     KVATTN_TRACE(128, slot, kTraceOQfree0);
     // row (0..127) of the tile, column: this warpgroup's rows as D_VO / 64 boxes of 64 rows of 128 swizzled bytes
-    Base::template store_rows<1, true>(p, it, kvh, cw, lane, o, m, l, mine, [](int row, int col) {
+    auto place = [](int row, int col) {
       const int r = row & 63;
       return (col >> 6) * 4096 + r * 64 + ((((col & 63) >> 3) ^ (r & 7)) << 3) + (col & 7);
-    });
+    };
+    if constexpr (KVATTN_SM90_STSM) stage_rows(p, it, kvh, cw, lane, o, m, l, mine, place);
+    else Base::template store_rows<1, true>(p, it, kvh, cw, lane, o, m, l, mine, place);
     fence_proxy_async();   // the stores (generic proxy) before the bulk store's reads (async proxy)
     KVATTN_TRACE(128, slot, kTraceORows0);
     named_sync(4 + cwg, 128);

@@ -48,6 +48,12 @@ __device__ __forceinline__ void tma_store_4d(const void* tmap, const void* src, 
   asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n"
                ::"l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(src)) : "memory");
 }
+// Four 8x8 blocks of 16-bit elements to shared memory from the mma C-fragment layout (register i: block i's row
+// lane / 4, columns 2 (lane % 4) and + 1); lane l gives the address of block l / 8's row l % 8 (16 bytes).
+__device__ __forceinline__ void stmatrix_x4(void* dst, unsigned a, unsigned b, unsigned c, unsigned d) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr(dst)), "r"(a), "r"(b),
+               "r"(c), "r"(d) : "memory");
+}
 __device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void tma_store_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");

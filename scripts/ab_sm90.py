@@ -4,7 +4,7 @@
                                             [--hgroup]
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
                                             [--lazy] [--shift] [--ptail] [--tilen]
-                                            [--lazymax] [--sustained]
+                                            [--lazymax] [--boundary] [--sustained]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -50,6 +50,9 @@
 --lazymax: a row's running max kept until a tile's max exceeds it by more than 8 (log2 units: P up to 256, the O
   rescale skipped; the default) against moved at every tile (KVATTN_SM90_LAZY_MAX=0), the --stream shapes and
   non-causal b32_S1024.
+--boundary: a unit's boundary costs, each off alone and all off against the default (all on): the masked tiles'
+  column-bounds softmax (KVATTN_SM90_BOUNDS), the producers' tile-0 page lookups before the qfree wait
+  (KVATTN_SM90_LOOKUP_FIRST), the epilogue's rows staged by stmatrix (KVATTN_SM90_STSM); the --lazymax shapes.
 --sustained (with any experiment): each option timed as 150 back-to-back calls after a 2 s pause, the median of the
   second half (under the power cap), instead of 30 calls at the full clock.
 --kvil: paged caches' interleaved K / V tiles (KVATTN_SM90_KVIL=1, one 5-dim box a page) against the kernel before
@@ -304,6 +307,20 @@ def run_lazymax(bp, rng):
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 
+BOUNDARY_OFF = (("KVATTN_SM90_BOUNDS", 0), ("KVATTN_SM90_LOOKUP_FIRST", 0), ("KVATTN_SM90_STSM", 0))
+BOUNDARY_BUILDS = [("all off (before)", BOUNDARY_OFF)] + [
+    (f"{name} only", tuple(d for d in BOUNDARY_OFF if d[0] != knob)) for name, knob in
+    (("bounds", "KVATTN_SM90_BOUNDS"), ("lookup", "KVATTN_SM90_LOOKUP_FIRST"), ("stmatrix", "KVATTN_SM90_STSM"))] + [
+    ("all on (default)", ())]
+
+
+def run_boundary(bp, rng):
+    """The unit-boundary changes of session 34 (BENCHMARKS.md), each alone and together against none of them."""
+    for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
+        compare("boundary", name, flops_of(bp, b, s, causal), [(what, tuning(defs)) for what, defs in BOUNDARY_BUILDS],
+                case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
+
+
 def sustained_us(fn, pause=2.0, calls=150):
     """--sustained: fn timed as a serving engine runs it, after `pause` s idle, `calls` back-to-back calls, the
     median of the second half (under the power cap: BENCHMARKS.md run 45e), in place of bench_prefill's time_us."""
@@ -478,7 +495,8 @@ EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma":
                "persist": run_persist,
                "prefetch": run_prefetch, "order": run_order, "hgroup": run_hgroup, "stream": run_stream,
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit, "tilen": run_tilen,
-               "lazymax": run_lazymax}
+               "lazymax": run_lazymax,
+               "boundary": run_boundary}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
