@@ -105,18 +105,13 @@
 
 // Masked tiles whose masks are column bounds only (the causal diagonal, the item's KV end, a moved box's repeated
 // first columns) on a plain softmax: each row keeps one column range, tested as two integer compares with the
-// column offset as an immediate against per-row limits set once a tile, the score scale folded into the exponent as
-// on unmasked tiles (1); 0: the general masked path (per score: the scale's multiply, the column index, three
-// compares), for the A/B of scripts/ab_sm90.py --bounds. Causal units end on such a tile.
+// column offset as an immediate against per-row limits set once a tile. 1: the score scale folded into the exponent
+// as on unmasked tiles (scale > 0; the general masked path stays for other scales); 2: the scale multiplied, any
+// scale, and no general masked path in the instance (a smaller tile loop); 0: the general masked path (per score:
+// the scale's multiply, the column index, three compares). The A/B of scripts/ab_sm90.py --boundary / --bounds.
+// Causal units end on such a tile.
 #ifndef KVATTN_SM90_BOUNDS
-#define KVATTN_SM90_BOUNDS 1
-#endif
-
-// The producers look up a unit's first tile (its rows' offsets, its boxes' page ids: dependent global loads) before
-// they wait for the consumers to free the Q tile (qfree), so the loads' latency passes during that wait instead of
-// between the Q copy's issue and tile 0's (1); 0: after the Q copy (the A/B of scripts/ab_sm90.py --boundary).
-#ifndef KVATTN_SM90_LOOKUP_FIRST
-#define KVATTN_SM90_LOOKUP_FIRST 1
+#define KVATTN_SM90_BOUNDS 2
 #endif
 
 // A whole unit's normalised O rows staged for its bulk store by stmatrix (1: four 8x8 blocks a store, 8 stores a
@@ -555,13 +550,13 @@ struct PrefillSm90 {
 
   // Scores of the tile at t0 -> probabilities in place (online softmax over this thread's rows g, g + 8);
   // `scale` is the factor O must be multiplied by. lo: the tile's own first kv index (own_start; t0 < lo: a moved
-  // box, whose columns below lo repeat the tile before and are masked). BOUNDS (kBoundsMask, score scale > 0): the
+  // box, whose columns below lo repeat the tile before and are masked). BOUNDS (kBoundsMask; KVATTN_SM90_BOUNDS 1: scale > 0): the
   // masks are row r's column range [lo, min(ke - 1, diagonal)], as offsets from this thread's first column.
   template <bool MASK, bool BOUNDS = false>
   __device__ __forceinline__ static void softmax(const PrefillParams& p, const Item& it, float (&s)[SN], int t0, int lo,
                                                  const int (&tok)[2], const float (&rc)[2], int lane,
                                                  float (&m)[1][2], float (&l)[1][2], float (&scale)[2]) {
-    constexpr bool FOLD = kFold && (!MASK || BOUNDS);
+    constexpr bool FOLD = kFold && (!MASK || (BOUNDS && KVATTN_SM90_BOUNDS == 1));
     int hi[2] = {0, 0}, lo_c = 0;   // (BOUNDS) the kept columns' offsets from this thread's first: [lo_c, hi[r]]
     if constexpr (BOUNDS) {
       const int c0 = t0 + 2 * (lane % 4);
@@ -584,7 +579,7 @@ struct PrefillSm90 {
         float x;
         if constexpr (BOUNDS) {
           const int c = nb * 8 + (e & 1);   // (an immediate)
-          x = c <= hi[r] && c >= lo_c ? s[4 * nb + e] : KVATTN_NEG_INF;
+          x = c <= hi[r] && c >= lo_c ? (FOLD ? s[4 * nb + e] : s[4 * nb + e] * p.score_scale) : KVATTN_NEG_INF;
         } else {
           x = FOLD ? s[4 * nb + e] :
               Base::template score<MASK, false, true>(p, it, s[4 * nb + e], t0 + nb * 8 + 2 * (lane % 4) + (e & 1),
@@ -608,9 +603,14 @@ struct PrefillSm90 {
     }
     const int lo = kShift ? own_start(p, it, t0) : t0;
     const bool masked = Base::needs_mask(p, it, t0, N) || (kShift && t0 < lo), fold = p.score_scale > 0.f;
-    if (kBoundsMask && masked && fold) softmax<true, kBoundsMask>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
-    else if (masked || (kFold && !fold)) softmax<true>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
-    else softmax<false>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
+    if constexpr (kBoundsMask && KVATTN_SM90_BOUNDS == 2) {
+      if (masked || !fold) softmax<true, true>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
+      else softmax<false>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
+    } else {
+      if (kBoundsMask && masked && fold) softmax<true, kBoundsMask>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
+      else if (masked || (kFold && !fold)) softmax<true>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
+      else softmax<false>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
+    }
   }
 
   // The O accumulators of this thread's two rows times the softmax's rescale factors (skipped where both are 1).
@@ -674,9 +674,6 @@ struct PrefillSm90 {
     // full tiles as TMA boxes (16-bit cache, no key transform, a map bound by run(), item on a box boundary)
     const bool tma = kTma && p.tma_mode != 0 && (p.tma_mode == 1 || it.kb % p.tma_rows == 0);
     // (TMA, warp 0) this lane's box page id of the next tile, loaded a tile ahead (KVATTN_SM90_PREFETCH)
-    int box_id = 0;
-    auto lookups = [&] { box_id = KVATTN_SM90_PREFETCH && tma && pw == 0 ? box_page(p, it, it.kb, lane) : 0; };
-    if constexpr (KVATTN_SM90_LOOKUP_FIRST) lookups();
     if (nq >= QBUF) mbar_wait(qfree, (nq / QBUF - 1) & 1);   // (qfree, qs: this unit's Q slot's)
     KVATTN_TRACE(0, slot, kTraceQCopy);
     if (q_by_tma(p, it)) {
@@ -685,8 +682,8 @@ struct PrefillSm90 {
       load_q(p, it, qs, kvh);   // lands before tile 0 is announced (the arrival waits for every earlier copy)
     }
     KVATTN_TRACE(0, slot, kTraceQIssued);
-    offsets_at(it.kb);   // (copied tiles' rows; before the qfree wait they made the persistent producers spill)
-    if constexpr (!KVATTN_SM90_LOOKUP_FIRST) lookups();
+    offsets_at(it.kb);
+    int box_id = KVATTN_SM90_PREFETCH && tma && pw == 0 ? box_page(p, it, it.kb, lane) : 0;
     if (KVATTN_SM90_TRACE && threadIdx.x == 0 && (box_id | (int)off) == -12345) trace_stamp(slot, 0);   // (use both)
     KVATTN_TRACE(0, slot, kTraceLookup);
     for (int t = 0; t < ntiles; ++t) {

@@ -304,18 +304,19 @@ def test_sm90_running_max_kept_or_moved(lazy, dtype, sm_scale, causal, monkeypat
             assert ("KVATTN_SM90_LAZY_MAX=0" in w.last_plan.info["kernel"].spec.uri()) == (lazy == 0)
 
 
-BOUNDARY_OFF = (("KVATTN_SM90_BOUNDS", 0), ("KVATTN_SM90_LOOKUP_FIRST", 0), ("KVATTN_SM90_STSM", 0))
+BOUNDARY_OFF = (("KVATTN_SM90_BOUNDS", 0), ("KVATTN_SM90_STSM", 0))
 
 
-@pytest.mark.parametrize("defs", [(), BOUNDARY_OFF])
+@pytest.mark.parametrize("defs", [(), BOUNDARY_OFF, (("KVATTN_SM90_BOUNDS", 1),)])
 @pytest.mark.parametrize("dtype,sm_scale", [("bfloat16", None), ("float16", None), ("bfloat16", -0.05)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_boundary_builds(defs, dtype, sm_scale, causal, monkeypatch):
-    """The default unit boundary (masked tiles by column bounds with the scale folded, tile 0's page ids looked up
-    before the qfree wait, O rows staged by stmatrix) and the build without them (scripts/ab_sm90.py --boundary):
+    """The default unit boundary (masked tiles by column bounds, the scale multiplied, O rows staged by stmatrix),
+    the build with the bounds' scale folded beside the general masked path (BOUNDS 1) and the build without either
+    (scripts/ab_sm90.py --boundary):
     causal diagonals with queries shorter than their KV, moved last boxes (KV not a multiple of 128), a KV shorter
     than a tile (copied, masked past its end), one-token requests, whole units (O by TMA) and partial ones; a
-    negative score scale takes the general masked path. O and the LSE against the reference, persistent CTAs and a
+    negative score scale (BOUNDS 2: the bounds path on every tile; 1 and 0: the general masked path). O and the LSE against the reference, persistent CTAs and a
     CTA a unit, paged and ragged."""
     if _driver.arch() != "sm_90a":
         pytest.skip("the sm90 kernel needs an sm_90 GPU")
@@ -327,7 +328,7 @@ def test_sm90_boundary_builds(defs, dtype, sm_scale, causal, monkeypatch):
             w = run_case(np.random.default_rng(hash((defs, dtype, sm_scale, causal, persist, paged)) % 2**32),
                          dtype=dtype, d=128, hkv=2, group=4, qo_lens=qo, kv_lens=kv, paged=paged, cta_rows=128,
                          backend="sm90", causal=causal, sm_scale=sm_scale, num_sms=3, runs=2)
-            assert ("KVATTN_SM90_STSM=0" in w.last_plan.info["kernel"].spec.uri()) == bool(defs)
+            assert all(f"{k}={v}" in w.last_plan.info["kernel"].spec.uri() for k, v in defs)
 
 
 @pytest.mark.parametrize("group", [None, 2])
