@@ -550,8 +550,8 @@ struct PrefillSm90 {
 
   // Scores of the tile at t0 -> probabilities in place (online softmax over this thread's rows g, g + 8);
   // `scale` is the factor O must be multiplied by. lo: the tile's own first kv index (own_start; t0 < lo: a moved
-  // box, whose columns below lo repeat the tile before and are masked). BOUNDS (kBoundsMask; KVATTN_SM90_BOUNDS 1: scale > 0): the
-  // masks are row r's column range [lo, min(ke - 1, diagonal)], as offsets from this thread's first column.
+  // box, whose columns below lo repeat the tile before and are masked). BOUNDS (kBoundsMask): the masks are row r's
+  // column range [lo, min(ke - 1, diagonal)], as offsets from this thread's first column.
   template <bool MASK, bool BOUNDS = false>
   __device__ __forceinline__ static void softmax(const PrefillParams& p, const Item& it, float (&s)[SN], int t0, int lo,
                                                  const int (&tok)[2], const float (&rc)[2], int lane,
@@ -664,16 +664,6 @@ struct PrefillSm90 {
     const int ntiles = (it.ke - it.kb + N - 1) / N;
     if (ntiles == 0) return;
     const typename V::QKState qk_state = V::template qk_init<D_QK>(p, qk_dims<D_QK>(threadIdx.x));
-    const int my_row = RPW * pw + min(lane, RPW - 1);   // the tile row whose offset this lane holds
-    const int my_row_hi = RPW * pw + min(32 + lane, RPW - 1);   // (kHiRows) its second row
-    long long off, off_hi = 0;
-    auto offsets_at = [&](int t0) {   // this lane's rows' offsets in the tile at kv index t0 (for issue_kv)
-      off = Base::tok_offset(p, it.pages, min(t0 + my_row, it.ke - 1));
-      if constexpr (kHiRows) off_hi = Base::tok_offset(p, it.pages, min(t0 + my_row_hi, it.ke - 1));
-    };
-    // full tiles as TMA boxes (16-bit cache, no key transform, a map bound by run(), item on a box boundary)
-    const bool tma = kTma && p.tma_mode != 0 && (p.tma_mode == 1 || it.kb % p.tma_rows == 0);
-    // (TMA, warp 0) this lane's box page id of the next tile, loaded a tile ahead (KVATTN_SM90_PREFETCH)
     if (nq >= QBUF) mbar_wait(qfree, (nq / QBUF - 1) & 1);   // (qfree, qs: this unit's Q slot's)
     KVATTN_TRACE(0, slot, kTraceQCopy);
     if (q_by_tma(p, it)) {
@@ -682,7 +672,17 @@ struct PrefillSm90 {
       load_q(p, it, qs, kvh);   // lands before tile 0 is announced (the arrival waits for every earlier copy)
     }
     KVATTN_TRACE(0, slot, kTraceQIssued);
+    const int my_row = RPW * pw + min(lane, RPW - 1);   // the tile row whose offset this lane holds
+    const int my_row_hi = RPW * pw + min(32 + lane, RPW - 1);   // (kHiRows) its second row
+    long long off, off_hi = 0;
+    auto offsets_at = [&](int t0) {   // this lane's rows' offsets in the tile at kv index t0 (for issue_kv)
+      off = Base::tok_offset(p, it.pages, min(t0 + my_row, it.ke - 1));
+      if constexpr (kHiRows) off_hi = Base::tok_offset(p, it.pages, min(t0 + my_row_hi, it.ke - 1));
+    };
     offsets_at(it.kb);
+    // full tiles as TMA boxes (16-bit cache, no key transform, a map bound by run(), item on a box boundary)
+    const bool tma = kTma && p.tma_mode != 0 && (p.tma_mode == 1 || it.kb % p.tma_rows == 0);
+    // (TMA, warp 0) this lane's box page id of the next tile, loaded a tile ahead (KVATTN_SM90_PREFETCH)
     int box_id = KVATTN_SM90_PREFETCH && tma && pw == 0 ? box_page(p, it, it.kb, lane) : 0;
     if (KVATTN_SM90_TRACE && threadIdx.x == 0 && (box_id | (int)off) == -12345) trace_stamp(slot, 0);   // (use both)
     KVATTN_TRACE(0, slot, kTraceLookup);
