@@ -295,13 +295,19 @@ def test_sm90_running_max_kept_or_moved(lazy, dtype, sm_scale, causal, monkeypat
     defs = (("KVATTN_SM90_LAZY_MAX", 0),) if lazy == 0 else ()
     monkeypatch.setattr(prefill, "SM90_TUNING", defs)
     qo, kv = ([256, 33, 1, 200, 5], [256, 700, 1, 1500, 2000]) if causal else ([256, 33, 1, 200, 5], [300, 100, 129, 1500, 2000])
+    for w in _sm90_walks(monkeypatch, (lazy, dtype, sm_scale, causal), qo, kv, dtype=dtype, causal=causal,
+                         sm_scale=sm_scale):
+        assert ("KVATTN_SM90_LAZY_MAX=0" in w.last_plan.info["kernel"].spec.uri()) == (lazy == 0)
+
+
+def _sm90_walks(monkeypatch, key, qo, kv, **case):
+    """run_case on the sm90 kernel (head_dim 128, Hkv 2, group 4, 3 SMs, two runs a plan) with persistent CTAs and a
+    CTA a unit, on a ragged and a paged cache: yields each wrapper (its data seeded from key)."""
     for persist in (False, True):
         monkeypatch.setattr(prefill, "SM90_PERSISTENT", persist)
         for paged in (False, True):
-            w = run_case(np.random.default_rng(hash((lazy, dtype, sm_scale, causal, persist, paged)) % 2**32),
-                         dtype=dtype, d=128, hkv=2, group=4, qo_lens=qo, kv_lens=kv, paged=paged, cta_rows=128,
-                         backend="sm90", causal=causal, sm_scale=sm_scale, num_sms=3, runs=2)
-            assert ("KVATTN_SM90_LAZY_MAX=0" in w.last_plan.info["kernel"].spec.uri()) == (lazy == 0)
+            yield run_case(np.random.default_rng(hash((key, persist, paged)) % 2**32), d=128, hkv=2, group=4,
+                           qo_lens=qo, kv_lens=kv, paged=paged, cta_rows=128, backend="sm90", num_sms=3, runs=2, **case)
 
 
 BOUNDARY_OFF = (("KVATTN_SM90_BOUNDS", 0), ("KVATTN_SM90_STSM", 0))
@@ -322,13 +328,9 @@ def test_sm90_boundary_builds(defs, dtype, sm_scale, causal, monkeypatch):
         pytest.skip("the sm90 kernel needs an sm_90 GPU")
     monkeypatch.setattr(prefill, "SM90_TUNING", defs)
     qo, kv = [256, 33, 1, 200, 96, 64], [256, 700, 1, 1500, 100, 2048]
-    for persist in (False, True):
-        monkeypatch.setattr(prefill, "SM90_PERSISTENT", persist)
-        for paged in (False, True):
-            w = run_case(np.random.default_rng(hash((defs, dtype, sm_scale, causal, persist, paged)) % 2**32),
-                         dtype=dtype, d=128, hkv=2, group=4, qo_lens=qo, kv_lens=kv, paged=paged, cta_rows=128,
-                         backend="sm90", causal=causal, sm_scale=sm_scale, num_sms=3, runs=2)
-            assert all(f"{k}={v}" in w.last_plan.info["kernel"].spec.uri() for k, v in defs)
+    for w in _sm90_walks(monkeypatch, (defs, dtype, sm_scale, causal), qo, kv, dtype=dtype, causal=causal,
+                         sm_scale=sm_scale):
+        assert all(f"{k}={v}" in w.last_plan.info["kernel"].spec.uri() for k, v in defs)
 
 
 @pytest.mark.parametrize("group", [None, 2])
