@@ -105,13 +105,13 @@
 
 // Masked tiles whose masks are column bounds only (the causal diagonal, the item's KV end, a moved box's repeated
 // first columns) on a plain softmax: each row keeps one column range, tested as two integer compares with the
-// column offset as an immediate against per-row limits set once a tile. 1: the score scale folded into the exponent
-// as on unmasked tiles (scale > 0; the general masked path stays for other scales); 2: the scale multiplied, any
-// scale, and no general masked path in the instance (a smaller tile loop); 0: the general masked path (per score:
-// the scale's multiply, the column index, three compares). The A/B of scripts/ab_sm90.py --boundary / --bounds.
-// Causal units end on such a tile.
+// column offset as an immediate against per-row limits set once a tile; this is the instance's only masked path,
+// for any score scale (1). 0: the general masked path (per score: the column index, three compares), the A/B of
+// scripts/ab_sm90.py --boundary. Causal units end on such a tile: +0.7-2.1% on short causal batches over 0, and the
+// tile loop 1113 instructions instead of 1232 (run 47d); the scale folded into the exponent here too, beside the
+// general path, lost 0.7-1.4% on unmasked cases (a 1706-instruction loop, run 47c).
 #ifndef KVATTN_SM90_BOUNDS
-#define KVATTN_SM90_BOUNDS 2
+#define KVATTN_SM90_BOUNDS 1
 #endif
 
 // A whole unit's normalised O rows staged for its bulk store by stmatrix (1: four 8x8 blocks a store, 8 stores a
@@ -230,6 +230,7 @@ struct PrefillSm90 {
   static constexpr bool kFold =
       KVATTN_SM90_FOLD && D_QK <= 128 && D_VO <= 128 && !V::kLogits && !V::kPositional && V::kSoftmax;
   // (KVATTN_SM90_BOUNDS) variants whose masks are column bounds only: their masked tiles take softmax<true, true>
+  // (kFold: plain softmax, no logits transform)
   static constexpr bool kBoundsMask = KVATTN_SM90_BOUNDS && kFold && !V::kWindow && !V::kKeep && !V::kCustomMask;
   using Base = PrefillKernel<A, 4, 2, V>;   // helpers only (items, masks, epilogue)
   using Item = typename Base::Item;
@@ -556,7 +557,7 @@ struct PrefillSm90 {
   __device__ __forceinline__ static void softmax(const PrefillParams& p, const Item& it, float (&s)[SN], int t0, int lo,
                                                  const int (&tok)[2], const float (&rc)[2], int lane,
                                                  float (&m)[1][2], float (&l)[1][2], float (&scale)[2]) {
-    constexpr bool FOLD = kFold && (!MASK || (BOUNDS && KVATTN_SM90_BOUNDS == 1));
+    constexpr bool FOLD = kFold && !MASK;
     int hi[2] = {0, 0}, lo_c = 0;   // (BOUNDS) the kept columns' offsets from this thread's first: [lo_c, hi[r]]
     if constexpr (BOUNDS) {
       const int c0 = t0 + 2 * (lane % 4);
@@ -579,7 +580,7 @@ struct PrefillSm90 {
         float x;
         if constexpr (BOUNDS) {
           const int c = nb * 8 + (e & 1);   // (an immediate)
-          x = c <= hi[r] && c >= lo_c ? (FOLD ? s[4 * nb + e] : s[4 * nb + e] * p.score_scale) : KVATTN_NEG_INF;
+          x = c <= hi[r] && c >= lo_c ? s[4 * nb + e] * p.score_scale : KVATTN_NEG_INF;
         } else {
           x = FOLD ? s[4 * nb + e] :
               Base::template score<MASK, false, true>(p, it, s[4 * nb + e], t0 + nb * 8 + 2 * (lane % 4) + (e & 1),
@@ -603,14 +604,8 @@ struct PrefillSm90 {
     }
     const int lo = kShift ? own_start(p, it, t0) : t0;
     const bool masked = Base::needs_mask(p, it, t0, N) || (kShift && t0 < lo), fold = p.score_scale > 0.f;
-    if constexpr (kBoundsMask && KVATTN_SM90_BOUNDS == 2) {
-      if (masked || !fold) softmax<true, true>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
-      else softmax<false>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
-    } else {
-      if (kBoundsMask && masked && fold) softmax<true, kBoundsMask>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
-      else if (masked || (kFold && !fold)) softmax<true>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
-      else softmax<false>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
-    }
+    if (masked || (kFold && !fold)) softmax<true, kBoundsMask>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
+    else softmax<false>(p, it, s, t0, lo, tok, rc, lane, m, l, scale);
   }
 
   // The O accumulators of this thread's two rows times the softmax's rescale factors (skipped where both are 1).

@@ -73,10 +73,10 @@ def specs():
                 for ps in (False, True) for il in (False, True)]
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ab_sm90 import BOUNDARY_BUILDS   # ab_sm90.py --boundary, test_sm90_boundary_builds: ragged and paged
-    for what, defs in BOUNDARY_BUILDS[:-1]:   # (the test: "before" and bounds 1, fp16 too, a CTA a unit too)
+    for what, defs in BOUNDARY_BUILDS[:-1]:   # (the test's "before": fp16 too, a CTA a unit too)
         pf.SM90_TUNING = defs
         out += [pf.sm90_spec(128, Variant(), t, persistent=ps, interleaved=il) for il in (False, True)
-                for ps in (True, False) for t in ("bfloat16", "float16") if "bounds 0" not in what or (ps and t == "bfloat16")]
+                for ps in (True, False) for t in ("bfloat16", "float16") if what == "before" or (ps and t == "bfloat16")]
     pf.SM90_TUNING = (("KVATTN_SM90_LAZY_MAX", 0),)   # test_sm90_running_max_kept_or_moved (fp16 too)
     out += [pf.sm90_spec(128, Variant(), "float16", persistent=ps, interleaved=il)
             for ps in (False, True) for il in (False, True)]
