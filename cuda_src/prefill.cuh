@@ -23,6 +23,13 @@
 #include "variant.cuh"
 #include "warp_merge.cuh"
 
+// Packed rows' query tokens (row / group_size) by the plan's multiplier and shift, one wide multiply (1), or by
+// division (0: the default until timed; each runtime division is ~18 instructions, several through the MUFU pipe the
+// softmax's exp2 share). The A/B of scripts/ab_sm90.py --groupdiv.
+#ifndef KVATTN_GROUP_MAGIC
+#define KVATTN_GROUP_MAGIC 0
+#endif
+
 namespace kvattn {
 
 // Mirrored by kvattn.prefill.PREFILL_PARAMS (a test checks the size). Strides in elements; offsets in int32
@@ -58,6 +65,8 @@ struct PrefillParams {
   int tma_q;                   // sm90: 1 = each unit's Q tile by tma_qmap (kvattn.tma.RowsTensorMap), 0 = per-thread copies
   int tma_o;                   // sm90: 1 = whole units' O by tma_omap (stored from shared memory), 0 = per-thread stores
   int off_counters;            // sm90 fused split merge (KVATTN_SM90_FMERGE): int32 arrival counters in the plan; 0 = none
+  unsigned group_mul;          // x / group_size = (x * group_mul) >> group_shr for 0 <= x < 2^31 (kvattn.prefill.group_magic)
+  int group_shr;
   TmaMap tma_k, tma_v;         // cuTensorMapEncodeTiled descriptors of k and v, written by run()
   TmaMap tma_qmap;             // of q: (D_QK, group, Hkv, tokens), boxes of (64, group, 1, 128 / group), written by run()
   TmaMap tma_omap;             // of o: (D_VO, group, Hkv, tokens), boxes of (64, group, 1, 64 / group), written by run()
@@ -238,7 +247,7 @@ struct PrefillKernel {
       const int r = i / Q_CHUNKS, ch = i % Q_CHUNKS;
       const bool ok = r < it.nrows;
       const int pr = it.row0 + (ok ? r : 0);
-      const int tq = pr / group, h = pr - tq * group;
+      const int tq = row_token(p, pr), h = pr - tq * group;
       const Q* src = qg + (long long)(it.qo_start + tq) * p.q_stride_n + (long long)(kvh * group + h) * p.q_stride_h + ch * 8;
       cp_async16(qs + place(r, ch), src, ok ? 16 : 0);
     }
@@ -395,10 +404,19 @@ struct PrefillKernel {
 
   // Final (or partial) output of one packed row: `vals` are 8 consecutive elements starting at column `col`,
   // already normalised.
+  // Packed row x's query token, x / p.group_size (0 <= x < 2^31).
+  __device__ __forceinline__ static int row_token(const PrefillParams& p, int x) {
+#if KVATTN_GROUP_MAGIC
+    return (int)(((unsigned long long)(unsigned)x * p.group_mul) >> p.group_shr);
+#else
+    return x / p.group_size;
+#endif
+  }
+
   __device__ __forceinline__ static void row_dest(const PrefillParams& p, const Item& it, int row, int kvh, int& tq,
                                                   int& head) {
     const int pr = it.row0 + row;
-    tq = pr / p.group_size;
+    tq = row_token(p, pr);
     head = kvh * p.group_size + (pr - tq * p.group_size);
   }
 
@@ -472,8 +490,8 @@ struct PrefillKernel {
     it.qo_len = plan[p.off_qo_indptr + it.req + 1] - it.qo_start;
     it.kv_len = plan[p.off_kv_len + it.req];
     it.delta = it.kv_len - it.qo_len;
-    it.tok_lo = it.row0 / p.group_size;
-    it.tok_hi = (it.row0 + it.nrows - 1) / p.group_size;
+    it.tok_lo = row_token(p, it.row0);
+    it.tok_hi = row_token(p, it.row0 + it.nrows - 1);
     it.pages = p.plan + p.off_page_indices + plan[p.off_page_indptr + it.req];
     it.mask_bit0 = V::kCustomMask ? (long long)plan[p.off_mask_indptr + it.req] * 8 : 0;
     return it;
@@ -517,7 +535,7 @@ struct PrefillKernel {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = min((warp_m * MT + mt) * 16 + lane / 4 + 8 * r, it.nrows - 1);
-        tokr[mt][r] = (it.row0 + row) / p.group_size;
+        tokr[mt][r] = row_token(p, it.row0 + row);
       }
     float rc[MT][2];
     row_consts(p, it, kvh, warp_m * MT * 16, lane, rc);
@@ -548,7 +566,7 @@ struct PrefillKernel {
       if constexpr (V::kQK) {   // rotate Q (with tile 0) and this tile's keys in place; every warp reads them
         if (ti == 0)
           transform_rows<V, D_QK>(p, qk_state, qs, 0, it.nrows, tid, THREADS, it.req, false,
-                               [&](int r) { return it.delta + (it.row0 + r) / p.group_size; });
+                               [&](int r) { return it.delta + row_token(p, it.row0 + r); });
         const int t0 = it.kb + ti * TILE;
         transform_rows<V, D_QK>(p, qk_state, tile, 0, min(TILE, it.ke - t0), tid, THREADS,
                              it.req, true, [&](int r) { return t0 + r; });
@@ -579,7 +597,7 @@ struct PrefillKernel {
           for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r)
-              tk[mt][r] = (row0 + min((warp_m * MT + mt) * 16 + lane / 4 + 8 * r, nrows - 1)) / p.group_size;
+              tk[mt][r] = row_token(p, row0 + min((warp_m * MT + mt) * 16 + lane / 4 + 8 * r, nrows - 1));
           compute<true, SUBN>(p, it, qs, ks, t0, tk, rc, qf, lane, warp_m, warp_n, o, m, l);
         } else {
           compute<true, SUBN>(p, it, qs, ks, t0, tokr, rc, qf, lane, warp_m, warp_n, o, m, l);

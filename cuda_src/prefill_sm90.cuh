@@ -637,7 +637,7 @@ struct PrefillSm90 {
     const int t0 = it.kb + u * N;
     if (u == 0)
       transform_rows_at<V, D_QK>(p, qk_state, qs, [](int r, int c) { return sw<ROWS>(r, c); }, 0, it.nrows, threadIdx.x,
-                              PRODUCERS, it.req, false, [&](int r) { return it.delta + (it.row0 + r) / p.group_size; });
+                              PRODUCERS, it.req, false, [&](int r) { return it.delta + Base::row_token(p, it.row0 + r); });
     transform_rows_at<V, D_QK>(p, qk_state, kvs + ((g + u) % STAGES) * STAGE_ELEMS, [](int r, int c) { return kvsw<QK_BLOCKS>(r, c); },
                             0, min(N, it.ke - t0), threadIdx.x, PRODUCERS, it.req, true, [&](int r) { return t0 + r; });
     fence_proxy_async();
@@ -812,7 +812,7 @@ struct PrefillSm90 {
     named_sync(4 + cwg, 128);
     KVATTN_TRACE(128, slot, kTraceOSync0);
     if (threadIdx.x % 128 == 0) {
-      const int tok = it.qo_start + (it.row0 + cwg * 64) / p.group_size;
+      const int tok = it.qo_start + Base::row_token(p, it.row0 + cwg * 64);
 #pragma unroll
       for (int cb = 0; cb < VO_BLOCKS; ++cb) tma_store_4d(&p.tma_omap, mine + cb * 4096, cb * 64, 0, kvh, tok);
       tma_store_commit();
@@ -864,7 +864,7 @@ struct PrefillSm90 {
     // This thread's rows (cw * 16 + lane / 4 + 8 r): their query tokens, clamped for padding rows.
     int tok[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) tok[r] = (it.row0 + min(cw * 16 + lane / 4 + 8 * r, it.nrows - 1)) / p.group_size;
+    for (int r = 0; r < 2; ++r) tok[r] = Base::row_token(p, it.row0 + min(cw * 16 + lane / 4 + 8 * r, it.nrows - 1));
     float rc[1][2];   // the variant's per-row constants (kPositional)
     Base::row_consts(p, it, kvh, cw * 16, lane, rc);
     float o[1][CHUNKS][4];
@@ -1072,7 +1072,7 @@ struct PrefillSm90 {
     const bool owner_last = ntiles > 0 && ((ntiles - 1) & 1) == first;   // whether the unit's last tile is this one's
     int tok[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) tok[r] = (it.row0 + min(rw * 16 + lane / 4 + 8 * r, it.nrows - 1)) / p.group_size;
+    for (int r = 0; r < 2; ++r) tok[r] = Base::row_token(p, it.row0 + min(rw * 16 + lane / 4 + 8 * r, it.nrows - 1));
     float rc[1][2];
     Base::row_consts(p, it, kvh, rw * 16, lane, rc);
     float o[1][CHUNKS][4];

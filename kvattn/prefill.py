@@ -55,7 +55,7 @@ _PREFILL_SCALARS = np.dtype([
     ("score_scale", "f4"), ("cap_log2", "f4"), ("variant_data", "u8"),
     ("k_scale_ptr", "u8"), ("v_scale_ptr", "u8"), ("k_scale", "f4"), ("v_scale", "f4"),
     ("tma_mode", "i4"), ("tma_rows", "i4"), ("tma_hnd", "i4"), ("tma_q", "i4"), ("tma_o", "i4"),
-    ("off_counters", "i4"),
+    ("off_counters", "i4"), ("group_mul", "u4"), ("group_shr", "i4"),
 ], align=True)
 _TMA_OFFSET = -(-_PREFILL_SCALARS.itemsize // 64) * 64   # the tensor maps are 64-byte aligned (alignas(64) in C)
 PREFILL_PARAMS = np.dtype({
@@ -69,6 +69,16 @@ DEFAULT_WORKSPACE = 256 << 20
 RAGGED_PAGE_SHIFT = 30
 #: query tile (packed rows per CTA) -> (WARPS_M, MT) of prefill_kernel
 CONFIGS = {128: (4, 2), 64: (4, 1), 16: (1, 1)}
+
+
+def group_magic(group: int) -> tuple[int, int]:
+    """(mul, shift) with x // group == (x * mul) >> shift for every 0 <= x < 2**31 (the kernels' row_token with
+    KVATTN_GROUP_MAGIC): shift = 31 + ceil(log2 group), mul = ceil(2**shift / group) < 2**32; exact because
+    mul * group - 2**shift < group <= 2**(shift - 31)."""
+    shift = 31 + (group - 1).bit_length()
+    mul = -(-(1 << shift) // group)
+    assert mul < 1 << 32
+    return mul, shift
 
 
 def choose_cta_rows(packed_len: float, head_dim: int, wgmma: bool = False) -> int:
@@ -339,6 +349,7 @@ def level_params(base: int, off: dict, tmp_o: int, tmp_lse: int, mask: int, *, h
           off_qo_indptr=off["qo_indptr"], off_kv_len=off["kv_len"], off_page_indptr=off["page_indptr"],
           off_page_indices=off["page_indices"], off_mask_indptr=off["mask_indptr"], off_items=off["items"],
           num_qo_heads=hq, group_size=group, page_size=page_size, page_shift=page_shift, causal=int(causal),
+          **dict(zip(("group_mul", "group_shr"), group_magic(group))),
           window_left=window_left,
           score_scale=(scale / cap) if cap > 0 else scale * LOG2E, cap_log2=cap * LOG2E,
           variant_data=variant_ptr, k_scale=1.0, v_scale=1.0)

@@ -4,7 +4,7 @@
                                             [--hgroup]
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
                                             [--lazy] [--shift] [--ptail] [--tilen]
-                                            [--lazymax] [--boundary] [--sustained]
+                                            [--lazymax] [--boundary] [--groupdiv] [--sustained]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -53,6 +53,8 @@
 --boundary: a unit's boundary: the epilogue's rows staged by stmatrix (KVATTN_SM90_STSM) and the masked tiles'
   column-bounds softmax (KVATTN_SM90_BOUNDS), both the default, against stmatrix alone and neither (the kernel
   before); the --lazymax shapes.
+--groupdiv: packed rows' query tokens by the plan's multiplier and shift (KVATTN_GROUP_MAGIC=1) against division by
+  the group size (the default); the --lazymax shapes.
 --sustained (with any experiment): each option timed as 150 back-to-back calls after a 2 s pause, the median of the
   second half (under the power cap), instead of 30 calls at the full clock.
 --kvil: paged caches' interleaved K / V tiles (KVATTN_SM90_KVIL=1, one 5-dim box a page) against the kernel before
@@ -318,6 +320,17 @@ def run_boundary(bp, rng):
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 
+GROUP_MAGIC = (("KVATTN_GROUP_MAGIC", 1),)
+
+
+def run_groupdiv(bp, rng):
+    """Row tokens by multiply and shift against by division (each ~18 instructions, some on the MUFU pipe)."""
+    for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
+        compare("groupdiv", name, flops_of(bp, b, s, causal),
+                [("divide (default)", tuning(())), ("multiply + shift", tuning(GROUP_MAGIC))],
+                case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
+
+
 def sustained_us(fn, pause=2.0, calls=150):
     """--sustained: fn timed as a serving engine runs it, after `pause` s idle, `calls` back-to-back calls, the
     median of the second half (under the power cap: BENCHMARKS.md run 45e), in place of bench_prefill's time_us."""
@@ -493,7 +506,7 @@ EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma":
                "prefetch": run_prefetch, "order": run_order, "hgroup": run_hgroup, "stream": run_stream,
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit, "tilen": run_tilen,
                "lazymax": run_lazymax,
-               "boundary": run_boundary}
+               "boundary": run_boundary, "groupdiv": run_groupdiv}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

@@ -211,7 +211,8 @@ def test_sm90_kernels_compile_without_spills_or_serialized_wgmma(d):
                                   (("KVATTN_SM90_STAGES", 2), ("persistent", 0)),
                                   (("KVATTN_SM90_LAZY_MAX", 0),),
                                   (("KVATTN_SM90_BOUNDS", 0), ("KVATTN_SM90_STSM", 0)),
-                                  (("KVATTN_SM90_BOUNDS", 0),)])
+                                  (("KVATTN_SM90_BOUNDS", 0),), (("KVATTN_GROUP_MAGIC", 1),),
+                                  (("KVATTN_GROUP_MAGIC", 1), ("persistent", 0))])
 def test_sm90_experiment_builds_compile_without_spills(defs, monkeypatch):
     """The build switches scripts/ab_sm90.py times against the default stay correct builds: the persistent
     head_dim 128 instance (("persistent", 0): the CTA-a-unit one) compiles with no spills and its shared memory
@@ -388,3 +389,17 @@ def test_wg_split_needs_the_sm90_kernel(monkeypatch):
     cfg = prefill.launch_config("auto", 128, 128, Variant(), "bfloat16", wg_split=True)
     assert cfg.backend == "sm90" and ("KVATTN_SM90_WGSPLIT", 1) in cfg.spec.defines
 
+
+
+@pytest.mark.parametrize("group", list(range(1, 257)))
+def test_group_magic_divides_every_row_exactly(group):
+    """The plan's (mul, shift) for the kernels' row_token (KVATTN_GROUP_MAGIC): (x * mul) >> shift == x // group on
+    small rows, random ones up to 2^31 - 1, multiples of the group and their neighbours; mul fits 32 bits."""
+    from kvattn.prefill import group_magic
+    mul, shift = group_magic(group)
+    assert 0 < mul < 1 << 32
+    rng = np.random.default_rng(group)
+    x = np.concatenate([np.arange(1 << 14), rng.integers(0, 2**31, 1 << 14), [2**31 - 1],
+                        np.arange(1, 1 << 12) * group * 524287 % 2**31]).astype(np.uint64)
+    x = np.concatenate([x, x - (x > 0), np.minimum(x + 1, 2**31 - 1)])
+    assert np.array_equal((x * np.uint64(mul)) >> np.uint64(shift), x // np.uint64(group))

@@ -301,13 +301,14 @@ def test_sm90_running_max_kept_or_moved(lazy, dtype, sm_scale, causal, monkeypat
 
 
 def _sm90_walks(monkeypatch, key, qo, kv, **case):
-    """run_case on the sm90 kernel (head_dim 128, Hkv 2, group 4, 3 SMs, two runs a plan) with persistent CTAs and a
-    CTA a unit, on a ragged and a paged cache: yields each wrapper (its data seeded from key)."""
+    """run_case on the sm90 kernel (head_dim 128, Hkv 2, group 4 unless given, 3 SMs, two runs a plan) with persistent
+    CTAs and a CTA a unit, on a ragged and a paged cache: yields each wrapper (its data seeded from key)."""
+    case = dict(dict(d=128, hkv=2, group=4), **case)
     for persist in (False, True):
         monkeypatch.setattr(prefill, "SM90_PERSISTENT", persist)
         for paged in (False, True):
-            yield run_case(np.random.default_rng(hash((key, persist, paged)) % 2**32), d=128, hkv=2, group=4,
-                           qo_lens=qo, kv_lens=kv, paged=paged, cta_rows=128, backend="sm90", num_sms=3, runs=2, **case)
+            yield run_case(np.random.default_rng(hash((key, persist, paged)) % 2**32), qo_lens=qo, kv_lens=kv,
+                           paged=paged, cta_rows=128, backend="sm90", num_sms=3, runs=2, **case)
 
 
 BOUNDARY_OFF = (("KVATTN_SM90_BOUNDS", 0), ("KVATTN_SM90_STSM", 0))
@@ -330,6 +331,20 @@ def test_sm90_boundary_builds(defs, dtype, sm_scale, causal, monkeypatch):
     for w in _sm90_walks(monkeypatch, (defs, dtype, sm_scale, causal), qo, kv, dtype=dtype, causal=causal,
                          sm_scale=sm_scale):
         assert all(f"{k}={v}" in w.last_plan.info["kernel"].spec.uri() for k, v in defs)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_group_magic_build(group, causal, monkeypatch):
+    """The build whose packed rows find their query tokens by the plan's multiplier and shift (KVATTN_GROUP_MAGIC=1,
+    scripts/ab_sm90.py --groupdiv) instead of dividing by the group size: groups 1, 3 (no power of two), 4 and 8,
+    whole and partial units, causal and not, against the reference (O and LSE)."""
+    if _driver.arch() != "sm_90a":
+        pytest.skip("the sm90 kernel needs an sm_90 GPU")
+    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_GROUP_MAGIC", 1),))
+    qo, kv = [256, 33, 1, 200, 96], [256, 700, 1, 1500, 100]
+    for w in _sm90_walks(monkeypatch, (group, causal), qo, kv, dtype="bfloat16", causal=causal, group=group):
+        assert "KVATTN_GROUP_MAGIC=1" in w.last_plan.info["kernel"].spec.uri()
 
 
 @pytest.mark.parametrize("group", [None, 2])
