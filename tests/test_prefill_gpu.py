@@ -319,11 +319,11 @@ BOUNDARY_OFF = (("KVATTN_SM90_BOUNDS", 0), ("KVATTN_SM90_STSM", 0))
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_boundary_builds(defs, dtype, sm_scale, causal, monkeypatch):
     """The default unit boundary (masked tiles by column bounds, O rows staged by stmatrix) and the build without
-    either (scripts/ab_sm90.py --boundary):
-    causal diagonals with queries shorter than their KV, moved last boxes (KV not a multiple of 128), a KV shorter
-    than a tile (copied, masked past its end), one-token requests, whole units (O by TMA) and partial ones; a
-    negative score scale (the default: the bounds path on every tile; the build before: the general masked path). O and the LSE against the reference, persistent CTAs and a
-    CTA a unit, paged and ragged."""
+    either (scripts/ab_sm90.py --boundary): causal diagonals with queries shorter than their KV, moved last boxes (KV
+    not a multiple of 128), a KV shorter than a tile (copied, masked past its end), one-token requests, whole units
+    (O by TMA) and partial ones; a negative score scale (the default: the bounds path on every tile; the build
+    before: the general masked path). O and the LSE against the reference, persistent CTAs and a CTA a unit, paged
+    and ragged."""
     if _driver.arch() != "sm_90a":
         pytest.skip("the sm90 kernel needs an sm_90 GPU")
     monkeypatch.setattr(prefill, "SM90_TUNING", defs)
