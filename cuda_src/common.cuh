@@ -62,6 +62,12 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// The sum of x over this lane's quad (the 4 lanes holding one row of an mma accumulator).
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
 // Online softmax of one row whose scores are spread over a quad of lanes (the mma accumulator layout): mx is this
 // thread's max of the row's new scores, in the units of the running max m. Updates m and returns the factor
 // the row's old sum and accumulators take; base is what to subtract from the scores before exp2 (0 while the

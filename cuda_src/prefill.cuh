@@ -442,9 +442,7 @@ struct PrefillKernel {
     for (int mt = 0; mt < MTX; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float lr = l[mt][r];
-        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+        const float lr = quad_sum(l[mt][r]);
         const int row = (warp_m * MTX + mt) * 16 + lane / 4 + 8 * r;
         if (row < it.nrows) {
           int tq, head;

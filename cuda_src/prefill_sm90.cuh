@@ -770,9 +770,7 @@ struct PrefillSm90 {
     float inv[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float lr = l[0][r];
-      lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-      lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+      const float lr = quad_sum(l[0][r]);
       int tq, head;
       Base::row_dest(p, it, cw * 16 + lane / 4 + 8 * r, kvh, tq, head);
       float lse;

@@ -41,9 +41,7 @@ template <int D, int WARPS, bool SOFTMAX = true, int PAD = 4> struct WarpMerge {
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float lr = l[r];
-      lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-      lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+      const float lr = quad_sum(l[r]);
       if (t == 0) { sm[warp * 16 + g + 8 * r] = m[r]; sl[warp * 16 + g + 8 * r] = lr; }
     }
   }
@@ -84,9 +82,7 @@ template <int D, int WARPS, bool SOFTMAX = true, int PAD = 4> struct WarpMerge {
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float lr = l[r];
-      lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-      lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+      const float lr = quad_sum(l[r]);
       const int row = g + 8 * r;
       if (t == 0) { sm[warp * 16 + row] = m[r]; sl[warp * 16 + row] = lr; }
 #pragma unroll
