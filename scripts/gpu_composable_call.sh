@@ -8,9 +8,7 @@ export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 KVATTN_CACHE_DIR=${KVATTN
 T0=$(date +%s)
 left() { echo $(( ${1:-585} - ($(date +%s) - T0) )); }
 source scripts/_unpack_cache.sh
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .peers/*.whl
-export PYTHONPATH=/tmp/site:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fi FLASHINFER_CUDA_ARCH_LIST=9.0a \
-       TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=12
+source scripts/_peers_env.sh
 ( python3 scripts/bench_block_sparse.py --warm-peers > "$OUT/warm_bs.log" 2>&1; python3 scripts/bench_mixed.py --warm-peers > "$OUT/warm_mixed.log" 2>&1 ) &
 warm=$!
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee "$OUT/gpu.txt"

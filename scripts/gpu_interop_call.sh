@@ -8,15 +8,9 @@ OUT=${OUT:-/tmp/kvattn-out}; mkdir -p "$OUT"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export KVATTN_CACHE_DIR=${KVATTN_CACHE_DIR:-/tmp/kvc}
 source scripts/_unpack_cache.sh
-if ls .peers/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .peers/*.whl
-  export PYTHONPATH=/tmp/site:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fi FLASHINFER_CUDA_ARCH_LIST=9.0a \
-         TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=12
-  python3 scripts/bench_interop.py --warm-peers > "$OUT/warm_peers.log" 2>&1 &
-  warm=$!
-else
-  echo "no .peers/: FlashInfer not measured"; warm=
-fi
+source scripts/_peers_env.sh
+warm=
+if [ -n "$peers" ]; then python3 scripts/bench_interop.py --warm-peers > "$OUT/warm_peers.log" 2>&1 & warm=$!; fi
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee "$OUT/gpu.txt"
 git log -1 --format='commit %h %s' 2>/dev/null | tee "$OUT/commit.txt"
 timeout 150 python3 -m kvattn > "$OUT/main.log" 2>&1; echo "python -m kvattn: rc $? | $(tail -1 "$OUT/main.log")"
