@@ -50,6 +50,15 @@ def fail(name: str, err):
     raise CudaError(name, err, _error_string(err))
 
 
+def release(name: str, handle):
+    """A finalizer's driver call (cuMemFree, cuStreamDestroy, ...): errors are ignored, as the context or the
+    interpreter may already be gone when the owner is collected."""
+    try:
+        getattr(driver(), name)(handle)
+    except Exception:
+        pass
+
+
 def _error_string(err) -> str:
     drv = _driver_module()
     try:

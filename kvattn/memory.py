@@ -25,14 +25,7 @@ class _Allocation:
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
         self.ptr = int(_driver.call("cuMemAlloc", max(nbytes, 1)))
-        self._finalizer = weakref.finalize(self, _free, self.ptr)
-
-
-def _free(ptr):
-    try:
-        _driver.driver().cuMemFree(ptr)
-    except Exception:
-        pass
+        self._finalizer = weakref.finalize(self, _driver.release, "cuMemFree", self.ptr)
 
 
 class DeviceArray:
@@ -297,19 +290,12 @@ class PinnedBuffer:
     def __init__(self, nbytes: int):
         self.nbytes = max(int(nbytes), 1)
         self.ptr = int(_driver.call("cuMemHostAlloc", self.nbytes, 0))
-        self._finalizer = weakref.finalize(self, _free_host, self.ptr)
+        self._finalizer = weakref.finalize(self, _driver.release, "cuMemFreeHost", self.ptr)
         raw = (ctypes.c_uint8 * self.nbytes).from_address(self.ptr)
         self.bytes = np.frombuffer(raw, np.uint8)
 
     def view(self, dtype) -> np.ndarray:
         return self.bytes.view(dtype)
-
-
-def _free_host(ptr):
-    try:
-        _driver.driver().cuMemFreeHost(ptr)
-    except Exception:
-        pass
 
 
 class StagingRing:

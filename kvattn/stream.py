@@ -31,7 +31,7 @@ class Stream:
         drv = _driver.driver()
         if _handle is None:
             self.handle = _driver.call("cuStreamCreate", drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
-            self._finalizer = weakref.finalize(self, _destroy_stream, self.handle)
+            self._finalizer = weakref.finalize(self, _driver.release, "cuStreamDestroy", self.handle)
         else:  # a borrowed handle: not ours to destroy
             self.handle = drv.CUstream(int(_handle))
             self._finalizer = None
@@ -84,13 +84,6 @@ class Stream:
         return f"kvattn.Stream({name or f'0x{self.ptr:x}'})"
 
 
-def _destroy_stream(handle):
-    try:
-        _driver.driver().cuStreamDestroy(handle)
-    except Exception:
-        pass
-
-
 class Event:
     """A CUDA event; timing is on unless disable_timing=True."""
 
@@ -98,7 +91,7 @@ class Event:
         drv = _driver.driver()
         flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING if disable_timing else drv.CUevent_flags.CU_EVENT_DEFAULT
         self.handle = _driver.call("cuEventCreate", flags)
-        self._finalizer = weakref.finalize(self, _destroy_event, self.handle)
+        self._finalizer = weakref.finalize(self, _driver.release, "cuEventDestroy", self.handle)
 
     def record(self, stream=None):
         _driver.call("cuEventRecord", self.handle, as_stream(stream).handle)
@@ -109,13 +102,6 @@ class Event:
     def elapsed_ms(self, end: "Event") -> float:
         """Milliseconds between this event and a later one."""
         return float(_driver.call("cuEventElapsedTime", self.handle, end.handle))
-
-
-def _destroy_event(handle):
-    try:
-        _driver.driver().cuEventDestroy(handle)
-    except Exception:
-        pass
 
 
 _special: dict[int, Stream] = {}
