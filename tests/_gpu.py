@@ -22,6 +22,16 @@ def rel_l2(out, ref):
     return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
 
 
+def assert_decode_rows(got, ref, kv_lens, tol):
+    """One decode row a request (got, ref: [batch, Hq, D]): an empty request gives exactly 0, every other is within
+    tol (relative L2) of the reference."""
+    for i, n in enumerate(kv_lens):
+        if n == 0:
+            assert np.all(got[i] == 0), f"request {i}: an empty request gives 0"
+        else:
+            assert rel_l2(got[i], ref[i]) <= tol, f"request {i} (kv_len {n})"
+
+
 def assert_lse(got, ref, tol):
     got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
     assert not np.any(np.isnan(got)), "LSE has NaN"
