@@ -200,6 +200,10 @@ def sm90_smem_bytes(head_dim: int, head_dim_vo: int | None = None) -> int:
 #: no fused RoPE, head_dim <= 128 (elsewhere the loop's state does not fit the warpgroups' registers). False: one
 #: CTA per unit everywhere (the A/B of scripts/ab_sm90.py --persist).
 SM90_PERSISTENT = True
+#: The persistent walk's tail split (kvattn.scheduler._tail_split): where nothing else splits a plan and its last
+#: round of units leaves CTAs idle, the walk's last blocks are cut into chunks (merged like any split) whose units
+#: fill that round. Not in graph or deterministic mode, nor with wg_split. Off until measured (ab_sm90.py --tail).
+SM90_TAIL_SPLIT = False
 
 
 def sm90_persistent(head_dim: int, variant: Variant, kv_dtype: str | None = None) -> bool:
@@ -488,7 +492,11 @@ class _BatchPrefill(AttentionOp):
                                       ctas_per_sm=occ * (1 if self.use_cuda_graph else self.split_waves),
                                       split_tokens=DETERMINISTIC_SPLIT_TOKENS if self.deterministic else None,
                                       max_split_chunks=DETERMINISTIC_SPLIT_CHUNKS if self.deterministic else None,
-                                      kv_bytes_per_token=hkv * 2 * head_dim * _dtypes.to_numpy(kv_dtype).itemsize)
+                                      kv_bytes_per_token=hkv * 2 * head_dim * _dtypes.to_numpy(kv_dtype).itemsize,
+                                      persistent_ctas=self.num_sms if (SM90_TAIL_SPLIT and cfg.persistent
+                                                                       and not self.use_cuda_graph
+                                                                       and not self.deterministic
+                                                                       and not wg_split) else 0)
 
         fused = (self.fused_merge and cfg.backend == "sm90" and plan.merge_slots > 0
                  and plan.max_chunks <= FUSED_MERGE_MAX_CHUNKS and not self.deterministic and not self.use_cuda_graph

@@ -857,16 +857,95 @@ def _prefill_items(breq, t0, ntok, lo, hi, csize, nchunk, nz, hs, group, pbase, 
 
 
 
+#: The persistent walk's tail split (plan_prefill's ``persistent_ctas``; the prefill wrapper's ``tail_split``).
+#: Model of a unit's time in 128-token tiles: run 30's clock stamps (causal b8_S2048: 4633 cycles a unit beyond
+#: its tiles, 3068 a tile, 1460 more for a causal unit's masked last tile); a split chunk's float32 partial store
+#: and its share of the merge counted as one more tile (an estimate).
+TAIL_UNIT_TILES = 1.5
+TAIL_MASK_TILES = 0.5
+TAIL_PART_TILES = 1.0
+#: The split is taken only where the model's slowest CTA gains at least this fraction.
+TAIL_MIN_GAIN = 0.01
+TAIL_MAX_CHUNKS = 8
+_TAIL_TILE = 128
+
+
+def _snake_ctas(pos, nb: int) -> np.ndarray:
+    """The persistent CTA of each walk position (int64 [...]): CTA p % nb in even rounds (p // nb), nb - 1 - p % nb
+    in odd ones (the sm90 kernel's Walk)."""
+    col = pos % nb
+    return np.where((pos // nb) & 1, nb - 1 - col, col)
+
+
+def _tail_split(ln, win, nb: int, hg: int, causal: bool):
+    """Where the persistent walk's last round leaves CTAs idle (e.g. 2048 equal units on 132 CTAs: 16 rounds where
+    15.5 would do), cut the walk's last blocks into chunks whose units fill it. ln: int64 [NB] blocks' KV tokens,
+    win: [NB] their L2 windows, nb: the persistent grid, hg: KV heads walked together (each head group walks the
+    same list, so one group's balance is every group's). Returns (blocks, csize, nchunk) or None: no cut of the
+    last ceil((NB * hg % nb) / hg) blocks into 2..TAIL_MAX_CHUNKS chunks gains TAIL_MIN_GAIN in the model."""
+    NB = ln.size
+    per = NB * hg
+    if per <= nb or per % nb == 0:
+        return None
+    m = -(-(per % nb) // hg)
+    order = np.lexsort((-ln, win))
+    start = NB - int((win[order] == win[order[-1]]).sum())   # the last window's first block in the walk
+    if m > NB - start:
+        return None   # the chunks would leave their window
+    mask = TAIL_MASK_TILES if causal else 0.0
+    lens = ln[order]
+    cost = TAIL_UNIT_TILES + mask + -(-lens // _TAIL_TILE)
+    # The walk from the first position a chunk can reach (chunks are re-sorted with the last window's blocks,
+    # longest first; a chunk is no longer than its block); the loads before it are the same for every candidate.
+    units = np.repeat(cost, hg)
+    ctas = _snake_ctas(np.arange(per), nb)
+    if np.bincount(ctas, weights=units, minlength=nb).max() < units.sum() / nb * (1 + TAIL_MIN_GAIN):
+        return None   # balanced already
+    first = min(start + int(np.searchsorted(-lens[start:], -lens[NB - m], side="right")), NB - m)
+    pre = np.bincount(ctas[:first * hg], weights=units[:first * hg], minlength=nb)
+    # Candidate 0 is the walk as it is; candidate c >= 1 cuts the last m blocks into c + 1 chunks.
+    tl = lens[NB - m:]
+    K = np.arange(1, TAIL_MAX_CHUNKS + 1)
+    cs = np.maximum(_ceil64(-(-tl[None, :] // K[:, None])), 64)          # [K, m]
+    cs[0] = np.maximum(tl, 1)
+    nc = -(-tl[None, :] // cs)
+    ok = np.concatenate([[True], (nc[1:] >= 2).all(1)])
+    nck = nc.ravel()
+    rep = np.repeat(np.arange(nck.size), nck)                              # a piece's (candidate, block)
+    j = np.arange(rep.size) - (np.cumsum(nck) - nck)[rep]
+    plen = np.minimum(cs.ravel()[rep], tl[rep % m] - j * cs.ravel()[rep])
+    pcand = rep // m
+    pcost = (TAIL_UNIT_TILES + np.where(pcand > 0, TAIL_PART_TILES, 0.0) + -(-plen // _TAIL_TILE)
+             + np.where(j == nck[rep] - 1, mask, 0.0))
+    nkeep = NB - m - first
+    cand = np.concatenate([np.repeat(K - 1, nkeep), pcand])
+    allen = np.concatenate([np.tile(lens[first:NB - m], K.size), plen])
+    allcost = np.concatenate([np.tile(cost[first:NB - m], K.size), pcost])
+    srt = np.lexsort((-allen, cand))
+    cand, allcost = cand[srt], allcost[srt]
+    rank = np.arange(cand.size) - np.searchsorted(cand, cand, side="left")
+    pos = first * hg + (rank * hg)[:, None] + np.arange(hg)[None, :]
+    loads = np.bincount((cand[:, None] * nb + _snake_ctas(pos, nb)).ravel(), weights=np.repeat(allcost, hg),
+                        minlength=K.size * nb).reshape(K.size, nb) + pre
+    worst = np.where(ok, loads.max(1), np.inf)
+    c = int(np.argmin(worst))
+    if c == 0 or worst[c] > worst[0] * (1 - TAIL_MIN_GAIN):
+        return None
+    return order[NB - m:], cs[c], nc[c]
+
+
 def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal=False, window_left=-1,
                  num_sms=132, ctas_per_sm=2, split_tokens=None, max_split_chunks=None,
-                 kv_bytes_per_token=0) -> PrefillPlan:
+                 kv_bytes_per_token=0, persistent_ctas=0) -> PrefillPlan:
     """Schedule a prefill / append batch (see the section doc above).  qo_lens, kv_lens: int [B].
     ``kv_bytes_per_token``: K and V bytes of one token over all KV heads (0: no L2 windows).
     ``split_tokens`` (a multiple of 64) is the batch-invariant schedule: ``L = split_tokens`` whatever the batch,
     so a block's chunks (near-equal 64-aligned pieces of its own KV range) and their merge order depend on the
     block alone. ``max_split_chunks`` (with split_tokens) caps a block's chunks: a KV range longer than
     ``split_tokens * max_split_chunks`` is cut into that many chunks (still a function of the block alone), so
-    the partial states of any batch are bounded by ``max_total_qo * max_split_chunks`` (graph mode)."""
+    the partial states of any batch are bounded by ``max_total_qo * max_split_chunks`` (graph mode).
+    ``persistent_ctas`` (> 0: the persistent sm90 grid, outside graph mode): where nothing else splits, the walk's
+    last blocks may be cut so that the last round's units fill the grid (``_tail_split``)."""
     group = _as_int("group_size", group_size, 1)
     hkv = _as_int("num_kv_heads", num_kv_heads, 1)
     rows = _as_int("cta_rows", cta_rows, 16)
@@ -910,6 +989,16 @@ def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal
                 L = L0
             csize, nchunk = _cut(ln, L, _as_int("max_split_chunks", max_split_chunks, 1)
                                  if split_tokens is not None and max_split_chunks is not None else None)
+    bpt = _as_int("kv_bytes_per_token", kv_bytes_per_token, 0)
+    hg = kv_head_group(kv, hkv, bpt)
+    windows = _l2_windows(kv, bpt * hg // hkv)
+    if persistent_ctas and split_tokens is None and L == 0 and nz == 1 and NB:
+        nb = min(_as_int("persistent_ctas", persistent_ctas, 1), NB * hkv)
+        cut = _tail_split(ln, windows[breq], nb, hg if 0 < hg < hkv and NB * hg >= nb else hkv, causal)
+        if cut is not None:
+            blocks, cs, nc = cut
+            csize, nchunk = csize.copy(), nchunk.copy()
+            csize[blocks], nchunk[blocks] = cs, nc
     split_blk = nchunk > 1
     ntok = t1 - t0
     pcount = np.where(split_blk, ntok * nchunk, 0)
@@ -917,13 +1006,11 @@ def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal
     num_partial = int(pcount.sum())
 
     sb = split_blk
-    bpt = _as_int("kv_bytes_per_token", kv_bytes_per_token, 0)
-    hg = kv_head_group(kv, hkv, bpt)
     max_chunks = int(nchunk.max(initial=1))
     slots = int(sb.sum()) * nz
     slots = slots if slots and fused_merge_fits(max_chunks, slots) else 0
     items = _prefill_items(breq, t0, ntok, lo, hi, csize, nchunk, nz, hs, group,
-                           np.where(sb, pbase, -1), np.where(sb, nchunk, 1), sb, _l2_windows(kv, bpt * hg // hkv),
+                           np.where(sb, pbase, -1), np.where(sb, nchunk, 1), sb, windows,
                            np.cumsum(sb) - 1 if slots else None)
 
     # merges: every token of every split block, its chunks' partial rows are consecutive

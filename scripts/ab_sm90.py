@@ -4,7 +4,7 @@
                                             [--hgroup]
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
                                             [--lazy] [--shift] [--ptail] [--tilen]
-                                            [--lazymax] [--boundary] [--groupdiv] [--sustained]
+                                            [--lazymax] [--boundary] [--groupdiv] [--tail] [--sustained]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -55,6 +55,8 @@
   before); the --lazymax shapes.
 --groupdiv: packed rows' query tokens by the plan's multiplier and shift (KVATTN_GROUP_MAGIC=1) against division by
   the group size (the default); the --lazymax shapes.
+--tail: the persistent walk's last round filled by cutting its last blocks into chunks (prefill.SM90_TAIL_SPLIT)
+  against the walk as it is, non-causal batches whose units leave the last round part empty, causal controls.
 --sustained (with any experiment): each option timed as 150 back-to-back calls after a 2 s pause, the median of the
   second half (under the power cap), instead of 30 calls at the full clock.
 --kvil: paged caches' interleaved K / V tiles (KVATTN_SM90_KVIL=1, one 5-dim box a page) against the kernel before
@@ -331,6 +333,28 @@ def run_groupdiv(bp, rng):
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 
+TAIL_CASES = [("non-causal b1_S8192", 1, 8192, False), ("non-causal b2_S8192", 2, 8192, False),
+              ("non-causal b32_S1024", 32, 1024, False), ("non-causal b4_S4096", 4, 4096, False),
+              ("causal b1_S8192", 1, 8192, True), ("causal b8_S2048", 8, 2048, True)]
+
+
+def run_tail(bp, rng):
+    """The persistent walk's last round filled by cutting its last blocks into chunks (prefill.SM90_TAIL_SPLIT,
+    kvattn.scheduler._tail_split) against the walk as it is; the causal cases are controls (their plans do not
+    change: the model finds their walks balanced within 1% or no cut that helps)."""
+    def tail(on):
+        return lambda: setattr(prefill, "SM90_TAIL_SPLIT", on)
+    for name, b, s, causal in TAIL_CASES:
+        qo = np.full(b, s)
+        plan = scheduler.plan_prefill(qo, qo, bp.HQ // bp.HKV, bp.HKV, 128, causal=causal, num_sms=132,
+                                      kv_bytes_per_token=bp.HKV * 4 * bp.D, persistent_ctas=132)
+        print(f"tail {name}: {plan.num_items} items with the cut ({int(plan.split)} split, "
+              f"{plan.max_chunks} chunks at most)", flush=True)
+        compare("tail", name, flops_of(bp, b, s, causal), [("walk as is", tail(False)), ("tail split", tail(True))],
+                case(bp, rng, name, b, s, causal))
+    prefill.SM90_TAIL_SPLIT = False
+
+
 def sustained_us(fn, pause=2.0, calls=150):
     """--sustained: fn timed as a serving engine runs it, after `pause` s idle, `calls` back-to-back calls, the
     median of the second half (under the power cap: BENCHMARKS.md run 45e), in place of bench_prefill's time_us."""
@@ -506,7 +530,7 @@ EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma":
                "prefetch": run_prefetch, "order": run_order, "hgroup": run_hgroup, "stream": run_stream,
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit, "tilen": run_tilen,
                "lazymax": run_lazymax,
-               "boundary": run_boundary, "groupdiv": run_groupdiv}
+               "boundary": run_boundary, "groupdiv": run_groupdiv, "tail": run_tail}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

@@ -403,3 +403,58 @@ def test_group_magic_divides_every_row_exactly(group):
                         np.arange(1, 1 << 12) * group * 524287 % 2**31]).astype(np.uint64)
     x = np.concatenate([x, x - (x > 0), np.minimum(x + 1, 2**31 - 1)])
     assert np.array_equal((x * np.uint64(mul)) >> np.uint64(shift), x // np.uint64(group))
+
+
+def _walk_makespan(plan, hkv, nb, causal):
+    """The slowest persistent CTA's summed unit costs (the TAIL_* model of kvattn.scheduler) over the plan's items
+    in the sm90 kernel's snake walk, counted one unit at a time (independent of the scheduler's vectorised
+    version)."""
+    hg = plan.kv_head_group
+    W = plan.num_items
+    hg = hg if 0 < hg < hkv and hkv % hg == 0 and W * hg >= nb else hkv
+    loads = [0.0] * nb
+    for g in range(hkv // hg):
+        for local in range(W * hg):
+            r, c = divmod(local, nb)
+            it = plan.items[local // hg]
+            tiles = -(-int(it[4] - it[3]) // 128)
+            cost = scheduler.TAIL_UNIT_TILES + tiles + (scheduler.TAIL_PART_TILES if it[5] >= 0 else 0)
+            if causal and int(it[4]) == int(plan.items[:, 4][(plan.items[:, 0] == it[0]) & (plan.items[:, 1] == it[1])].max()):
+                cost += scheduler.TAIL_MASK_TILES
+            loads[nb - 1 - c if r & 1 else c] += cost
+    return max(loads)
+
+
+def test_tail_split_fills_the_last_round():
+    """Non-causal b1_S8192 at Hq32 / Hkv8 on 132 persistent CTAs: 2048 equal units walk 16 rounds where 15.5 would
+    do; with persistent_ctas the walk's last 9 blocks are cut into 5 chunks each (every pair still covered once,
+    merged once), and the model's slowest CTA gains. A balanced causal walk, and persistent_ctas 0, keep the plan."""
+    qo = [8192]
+    plain = scheduler.plan_prefill(qo, qo, 4, 8, 128, num_sms=132, kv_bytes_per_token=4096)
+    cut = scheduler.plan_prefill(qo, qo, 4, 8, 128, num_sms=132, kv_bytes_per_token=4096, persistent_ctas=132)
+    assert not plain.split and cut.split and cut.max_chunks == 5 and cut.num_items == 256 - 9 + 45
+    coverage(cut, qo, qo, 4, False, -1)
+    before, after = _walk_makespan(plain, 8, 132, False), _walk_makespan(cut, 8, 132, False)
+    assert after <= before * (1 - scheduler.TAIL_MIN_GAIN)
+    causal = dict(causal=True, num_sms=132, kv_bytes_per_token=4096)
+    assert np.array_equal(scheduler.plan_prefill(qo, qo, 4, 8, 128, persistent_ctas=132, **causal).items,
+                          scheduler.plan_prefill(qo, qo, 4, 8, 128, **causal).items)
+
+
+@settings(max_examples=40, deadline=None)
+@given(qo=st.lists(st.integers(1, 200), min_size=1, max_size=6), extra=st.lists(st.integers(0, 3000), min_size=6,
+       max_size=6), group=st.sampled_from([1, 4, 8]), hkv=st.sampled_from([1, 2, 8]), causal=st.booleans(),
+       ctas=st.sampled_from([3, 17, 132]))
+def test_tail_split_keeps_coverage_and_only_gains(qo, extra, group, hkv, causal, ctas):
+    """Any batch with persistent_ctas: every (row, KV position) covered once and merged once; where the plan
+    changes, the model's slowest CTA gains at least TAIL_MIN_GAIN."""
+    kv = [q + e for q, e in zip(qo, extra)]
+    kw = dict(causal=causal, num_sms=ctas, kv_bytes_per_token=hkv * 512)
+    plain = scheduler.plan_prefill(qo, kv, group, hkv, 128, **kw)
+    cut = scheduler.plan_prefill(qo, kv, group, hkv, 128, persistent_ctas=ctas, **kw)
+    coverage(cut, qo, kv, group, causal, -1)
+    if plain.split or np.array_equal(plain.items, cut.items):
+        assert np.array_equal(plain.items, cut.items)   # an already split plan is never cut again
+        return
+    nb = min(ctas, plain.num_items * hkv)
+    assert _walk_makespan(cut, hkv, nb, causal) <= _walk_makespan(plain, hkv, nb, causal) * (1 - scheduler.TAIL_MIN_GAIN) + 1e-9

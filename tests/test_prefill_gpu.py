@@ -347,6 +347,24 @@ def test_sm90_group_magic_build(group, causal, monkeypatch):
         assert "KVATTN_GROUP_MAGIC=1" in w.last_plan.info["kernel"].spec.uri()
 
 
+@pytest.mark.parametrize("qo,kv,causal,sms", [([163], [427], True, 5), ([129], [894], False, 3),
+                                              ([69, 41], [730, 839], False, 3), ([5, 13, 34], [1895, 2764, 2327], False, 3),
+                                              ([90, 44], [1222, 412], True, 3)])
+def test_sm90_tail_split(qo, kv, causal, sms, monkeypatch):
+    """The persistent walk's tail split (prefill.SM90_TAIL_SPLIT, scripts/ab_sm90.py --tail): plans that nothing
+    else splits, whose last round the scheduler fills by cutting the walk's last blocks into 2-3 chunks (found on
+    the CPU: each of these plans splits with the switch on and not without), merged by the merge kernel; ragged and
+    paged, two runs a plan, O and LSE against the reference."""
+    if _driver.arch() != "sm_90a":
+        pytest.skip("the sm90 kernel needs an sm_90 GPU")
+    monkeypatch.setattr(prefill, "SM90_TAIL_SPLIT", True)
+    for paged in (False, True):
+        w = run_case(np.random.default_rng(hash((tuple(qo), paged)) % 2**32), qo_lens=qo, kv_lens=kv, paged=paged,
+                     d=128, hkv=2, group=4, dtype="bfloat16", causal=causal, cta_rows=128, backend="sm90",
+                     num_sms=sms, runs=2)
+        assert w.last_plan.info["schedule"].split, "the tail split did not cut this plan"
+
+
 @pytest.mark.parametrize("group", [None, 2])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_persistent_ctas_walk_kv_head_groups(group, causal, monkeypatch):
