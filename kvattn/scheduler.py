@@ -857,7 +857,7 @@ def _prefill_items(breq, t0, ntok, lo, hi, csize, nchunk, nz, hs, group, pbase, 
 
 
 
-#: The persistent walk's tail split (plan_prefill's ``persistent_ctas``; the prefill wrapper's ``tail_split``).
+#: The persistent walk's tail split (plan_prefill's ``persistent_ctas``; switched on by prefill.SM90_TAIL_SPLIT).
 #: Model of a unit's time in 128-token tiles: run 30's clock stamps (causal b8_S2048: 4633 cycles a unit beyond
 #: its tiles, 3068 a tile, 1460 more for a causal unit's masked last tile); a split chunk's float32 partial store
 #: and its share of the merge counted as one more tile (an estimate).
