@@ -8,12 +8,13 @@ set -u
 OUT=${OUT:-/tmp/kvattn-out}; mkdir -p "$OUT"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 KVATTN_CACHE_DIR=${KVATTN_CACHE_DIR:-/tmp/kvc}
 T0=$(date +%s)
-left() { echo $(( ${1:-585} - ($(date +%s) - T0) )); }
+BUDGET=${BUDGET:-585}   # seconds this script may take (the device call's limit, less a margin)
+left() { echo $(( ${1:-$BUDGET} - ($(date +%s) - T0) )); }
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,driver_version --format=csv,noheader
 source scripts/_unpack_cache.sh
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_prefill_gpu.py -k "$1" > "$OUT/t_ab.log" 2>&1
 echo "tests -k '$1': rc $? | $(tail -1 "$OUT/t_ab.log")"; grep -E "^(FAILED|ERROR)" "$OUT/t_ab.log" | head -5
-timeout "$(left 400)" python3 scripts/ab_sm90.py "$2" > "$OUT/ab.log" 2>&1; echo "ab_sm90 $2: rc $?"; cat "$OUT/ab.log"
+timeout "$(left $(( BUDGET * 2 / 3 )))" python3 scripts/ab_sm90.py "$2" > "$OUT/ab.log" 2>&1; echo "ab_sm90 $2: rc $?"; cat "$OUT/ab.log"
 if [ -n "${3:-}" ] && [ "$(left)" -gt 60 ]; then   # the rest of the arguments: one more ab_sm90.py call's flags
   timeout "$(left)" python3 scripts/ab_sm90.py "${@:3}" > "$OUT/ab2.log" 2>&1; echo "ab_sm90 ${*:3}: rc $?"; cat "$OUT/ab2.log"
 fi
