@@ -165,6 +165,7 @@ class BatchMixedWithPagedKVCache:
             raise ValueError(f"tuning: unknown keys {sorted(unknown)}; known: {sorted(self.DEFAULT_TUNING)}")
         self.tuning = {**self.DEFAULT_TUNING, **(tuning or {})}
         self._pre = BatchPrefillWithPagedKVCache(kv_layout, workspace_bytes=workspace_bytes, device=device)
+        self._pre.tail_split = False   # its share of the SMs runs beside the decode part: not measured with it
         self._dec = BatchDecodeWithPagedKVCache(kv_layout, workspace_bytes=workspace_bytes, device=device)
         self.kv_layout = self._pre.kv_layout
         self._device_arg = self._pre._device_arg

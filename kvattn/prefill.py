@@ -202,8 +202,10 @@ def sm90_smem_bytes(head_dim: int, head_dim_vo: int | None = None) -> int:
 SM90_PERSISTENT = True
 #: The persistent walk's tail split (kvattn.scheduler._tail_split): where nothing else splits a plan and its last
 #: round of units leaves CTAs idle, the walk's last blocks are cut into chunks (merged like any split) whose units
-#: fill that round. Not in graph or deterministic mode, nor with wg_split. Off until measured (ab_sm90.py --tail).
-SM90_TAIL_SPLIT = False
+#: fill that round. Not in graph or deterministic mode, nor with wg_split; a wrapper's `tail_split` (this default)
+#: turns it off for that wrapper. Run 48a (H100, ab_sm90.py --tail, BENCHMARKS.md session 36): non-causal b1_S8192
+#: +1.8%, b2_S8192 +4.2%, b4_S4096 +3.6%, b32_S1024 +0.7%; causal anchor plans unchanged.
+SM90_TAIL_SPLIT = True
 
 
 def sm90_persistent(head_dim: int, variant: Variant, kv_dtype: str | None = None) -> bool:
@@ -397,6 +399,8 @@ class _BatchPrefill(AttentionOp):
         #: wg_split. The decode route's A/B (decode tuning sm90_route_fused_merge); off: runs 43c-43d (BENCHMARKS.md),
         #: 1-5 us slower than the merge kernel after a programmatic launch.
         self.fused_merge = False
+        #: The persistent walk's tail split (SM90_TAIL_SPLIT, the default).
+        self.tail_split = SM90_TAIL_SPLIT
         self._fp8 = None   # the current plan's Fp8Expansion, or None
 
     # -- plan ------------------------------------------------------------------------------------
@@ -493,7 +497,7 @@ class _BatchPrefill(AttentionOp):
                                       split_tokens=DETERMINISTIC_SPLIT_TOKENS if self.deterministic else None,
                                       max_split_chunks=DETERMINISTIC_SPLIT_CHUNKS if self.deterministic else None,
                                       kv_bytes_per_token=hkv * 2 * head_dim * _dtypes.to_numpy(kv_dtype).itemsize,
-                                      persistent_ctas=self.num_sms if (SM90_TAIL_SPLIT and cfg.persistent
+                                      persistent_ctas=self.num_sms if (self.tail_split and cfg.persistent
                                                                        and not self.use_cuda_graph
                                                                        and not self.deterministic
                                                                        and not wg_split) else 0)

@@ -342,6 +342,8 @@ def run_tail(bp, rng):
     """The persistent walk's last round filled by cutting its last blocks into chunks (prefill.SM90_TAIL_SPLIT,
     kvattn.scheduler._tail_split) against the walk as it is; the causal cases are controls (their plans do not
     change: the model finds their walks balanced within 1% or no cut that helps)."""
+    default = prefill.SM90_TAIL_SPLIT
+
     def tail(on):
         return lambda: setattr(prefill, "SM90_TAIL_SPLIT", on)
     for name, b, s, causal in TAIL_CASES:
@@ -352,7 +354,7 @@ def run_tail(bp, rng):
               f"{plan.max_chunks} chunks at most)", flush=True)
         compare("tail", name, flops_of(bp, b, s, causal), [("walk as is", tail(False)), ("tail split", tail(True))],
                 case(bp, rng, name, b, s, causal))
-    prefill.SM90_TAIL_SPLIT = False
+    prefill.SM90_TAIL_SPLIT = default
 
 
 def sustained_us(fn, pause=2.0, calls=150):
