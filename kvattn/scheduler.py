@@ -895,12 +895,12 @@ def _tail_split(ln, win, nb: int, hg: int, causal: bool):
     mask = TAIL_MASK_TILES if causal else 0.0
     lens = ln[order]
     cost = TAIL_UNIT_TILES + mask + -(-lens // _TAIL_TILE)
-    # The walk from the first position a chunk can reach (chunks are re-sorted with the last window's blocks,
-    # longest first; a chunk is no longer than its block); the loads before it are the same for every candidate.
     units = np.repeat(cost, hg)
     ctas = _snake_ctas(np.arange(per), nb)
     if np.bincount(ctas, weights=units, minlength=nb).max() < units.sum() / nb * (1 + TAIL_MIN_GAIN):
         return None   # balanced already
+    # The walk from the first position a chunk can reach (chunks are re-sorted with the last window's blocks,
+    # longest first; a chunk is no longer than its block); the loads before it are the same for every candidate.
     first = min(start + int(np.searchsorted(-lens[start:], -lens[NB - m], side="right")), NB - m)
     pre = np.bincount(ctas[:first * hg], weights=units[:first * hg], minlength=nb)
     # Candidate 0 is the walk as it is; candidate c >= 1 cuts the last m blocks into c + 1 chunks.
