@@ -23,11 +23,11 @@
 #include "variant.cuh"
 #include "warp_merge.cuh"
 
-// Packed rows' query tokens (row / group_size) by the plan's multiplier and shift, one wide multiply (1), or by
-// division (0: the default until timed; each runtime division is ~18 instructions, several through the MUFU pipe the
-// softmax's exp2 share). The A/B of scripts/ab_sm90.py --groupdiv.
+// Packed rows' query tokens (row / group_size) by the plan's multiplier and shift, one wide multiply (1: the default,
+// +0.3-6% on the sm90 kernel, run 48b), or by division (0: each runtime division is ~18 instructions, several through
+// the MUFU pipe the softmax's exp2 share). The A/B of scripts/ab_sm90.py --groupdiv.
 #ifndef KVATTN_GROUP_MAGIC
-#define KVATTN_GROUP_MAGIC 0
+#define KVATTN_GROUP_MAGIC 1
 #endif
 
 namespace kvattn {

@@ -77,7 +77,7 @@ def specs():
         pf.SM90_TUNING = defs
         out += [pf.sm90_spec(128, Variant(), t, persistent=ps, interleaved=il) for il in (False, True)
                 for ps in (True, False) for t in ("bfloat16", "float16") if what == "before" or (ps and t == "bfloat16")]
-    pf.SM90_TUNING = (("KVATTN_GROUP_MAGIC", 1),)   # test_sm90_group_magic_build, ab_sm90.py --groupdiv
+    pf.SM90_TUNING = (("KVATTN_GROUP_MAGIC", 0),)   # test_sm90_group_divide_build, ab_sm90.py --groupdiv
     out += [pf.sm90_spec(128, Variant(), "bfloat16", persistent=ps, interleaved=il)
             for ps in (True, False) for il in (False, True)]
     pf.SM90_TUNING = (("KVATTN_SM90_LAZY_MAX", 0),)   # test_sm90_running_max_kept_or_moved (fp16 too)

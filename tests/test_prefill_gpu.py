@@ -335,16 +335,16 @@ def test_sm90_boundary_builds(defs, dtype, sm_scale, causal, monkeypatch):
 
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sm90_group_magic_build(group, causal, monkeypatch):
-    """The build whose packed rows find their query tokens by the plan's multiplier and shift (KVATTN_GROUP_MAGIC=1,
-    scripts/ab_sm90.py --groupdiv) instead of dividing by the group size: groups 1, 3 (no power of two), 4 and 8,
-    whole and partial units, causal and not, against the reference (O and LSE)."""
+def test_sm90_group_divide_build(group, causal, monkeypatch):
+    """The build whose packed rows find their query tokens by dividing by the group size (KVATTN_GROUP_MAGIC=0,
+    scripts/ab_sm90.py --groupdiv) instead of the default multiplier and shift: groups 1, 3 (no power of two), 4 and
+    8, whole and partial units, causal and not, against the reference (O and LSE)."""
     if _driver.arch() != "sm_90a":
         pytest.skip("the sm90 kernel needs an sm_90 GPU")
-    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_GROUP_MAGIC", 1),))
+    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_GROUP_MAGIC", 0),))
     qo, kv = [256, 33, 1, 200, 96], [256, 700, 1, 1500, 100]
     for w in _sm90_walks(monkeypatch, (group, causal), qo, kv, dtype="bfloat16", causal=causal, group=group):
-        assert "KVATTN_GROUP_MAGIC=1" in w.last_plan.info["kernel"].spec.uri()
+        assert "KVATTN_GROUP_MAGIC=0" in w.last_plan.info["kernel"].spec.uri()
 
 
 @pytest.mark.parametrize("qo,kv,causal,sms", [([163], [427], True, 5), ([129], [894], False, 3),
