@@ -48,6 +48,7 @@ class BlockSparseAttentionWrapper(_BatchPrefill):
     """
 
     _paged = True
+    _own_kv = False   # every block row reads the one k / v
 
     @on_device
     def plan(self, bsr: BlockSparse, num_qo_heads, num_kv_heads, head_dim, *, mask=None, sm_scale=None,

@@ -934,6 +934,63 @@ def _tail_split(ln, win, nb: int, hg: int, causal: bool):
     return order[NB - m:], cs[c], nc[c]
 
 
+#: Whether plan_prefill's ``persistent_ctas`` also places the items in the walk so that the CTAs' loads balance
+#: (``_balance_walk``; scripts/ab_sm90.py --balance times it against the plain snake).
+WALK_BALANCE = False   # until its A/B (ab_sm90.py --balance) runs on the GPU
+
+
+def _walk_costs(items, causal: bool, qo, kv, group: int, tpb: int) -> np.ndarray:
+    """float64 [W]: the TAIL_* model's cost of each item's unit (items int32 [W, 8]; qo, kv int64 [B]): its KV
+    tiles, the fixed cost, a chunk's partial store, a causal block's masked last tile."""
+    ln = items[:, 4].astype(np.int64) - items[:, 3]
+    cost = TAIL_UNIT_TILES + -(-ln // _TAIL_TILE) + np.where(items[:, 5] >= 0, TAIL_PART_TILES, 0.0)
+    if causal:
+        req = items[:, 0]
+        t1 = np.minimum(items[:, 1] // group + tpb, qo[req])
+        cost += np.where(items[:, 4] == np.minimum(kv[req], kv[req] - qo[req] + t1), TAIL_MASK_TILES, 0.0)
+    return cost
+
+
+def walk_makespan(plan: "PrefillPlan", num_kv_heads: int, nb: int, causal: bool, qo_lens, kv_lens,
+                  group_size: int) -> float:
+    """The model's slowest persistent CTA (summed unit costs in KV tiles, _walk_costs) of a plan on nb CTAs in the
+    sm90 kernel's snake walk (scripts: the prediction beside an A/B)."""
+    qo, kv = (np.asarray(x, np.int64) for x in (qo_lens, kv_lens))
+    W, hkv, hg = plan.num_items, num_kv_heads, plan.kv_head_group
+    hg = hg if 0 < hg < hkv and hkv % hg == 0 and W * hg >= nb else hkv
+    cost = _walk_costs(plan.items, causal, qo, kv, group_size, plan.tokens_per_block)
+    load = np.bincount(_snake_ctas(np.arange(W * hg), nb), weights=np.repeat(cost, hg), minlength=nb)
+    return float(load.max()) * (hkv // hg)
+
+
+def _balance_walk(cost, win, nb: int, hg: int):
+    """A placement (int64 [W]: the item at each walk slot) that lowers the slowest persistent CTA's summed cost,
+    or None where the snake walk of the items as sorted is within TAIL_MIN_GAIN of it. The snake deals a round's
+    units by position alone, so where item lengths vary (mixed lengths, causal, block-sparse rows) some CTAs get
+    the long ones of several rounds. Here each round's items (longest first, as sorted) go to that round's slots
+    in order of the load their CTAs carry so far, least first (a per-round LPT); items keep their L2 window and
+    round. cost: float64 [W] (_walk_costs); win: int64 [W] windows, nondecreasing; hg: KV heads a unit group
+    (an item's units take hg consecutive walk positions)."""
+    W = cost.size
+    per = W * hg
+    if per <= nb:
+        return None   # one round: every unit has its own CTA
+    ctas = _snake_ctas(np.arange(per), nb).reshape(W, hg)
+    before = np.bincount(ctas.ravel(), weights=np.repeat(cost, hg), minlength=nb)
+    worst = before.max()
+    if worst < before.mean() * (1 + TAIL_MIN_GAIN):
+        return None
+    seg = win * (per // nb + 1) + np.arange(W) * hg // nb   # (window, round of the item's first position)
+    edges = np.flatnonzero(np.diff(seg)) + 1
+    place = np.arange(W)
+    load = np.zeros(nb)
+    for a, b in zip(np.r_[0, edges], np.r_[edges, W]):
+        slots = a + np.argsort(load[ctas[a:b]].max(1), kind="stable")
+        place[slots] = np.arange(a, b)
+        load += np.bincount(ctas[slots].ravel(), weights=np.repeat(cost[a:b], hg), minlength=nb)
+    return place if load.max() <= worst * (1 - TAIL_MIN_GAIN) else None
+
+
 def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal=False, window_left=-1,
                  num_sms=132, ctas_per_sm=2, split_tokens=None, max_split_chunks=None,
                  kv_bytes_per_token=0, persistent_ctas=0) -> PrefillPlan:
@@ -945,7 +1002,8 @@ def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal
     ``split_tokens * max_split_chunks`` is cut into that many chunks (still a function of the block alone), so
     the partial states of any batch are bounded by ``max_total_qo * max_split_chunks`` (graph mode).
     ``persistent_ctas`` (> 0: the persistent sm90 grid, outside graph mode): where nothing else splits, the walk's
-    last blocks may be cut so that the last round's units fill the grid (``_tail_split``)."""
+    last blocks may be cut so that the last round's units fill the grid (``_tail_split``); and the items are placed
+    in the walk so that the CTAs' loads balance (``_balance_walk``, WALK_BALANCE)."""
     group = _as_int("group_size", group_size, 1)
     hkv = _as_int("num_kv_heads", num_kv_heads, 1)
     rows = _as_int("cta_rows", cta_rows, 16)
@@ -1012,6 +1070,12 @@ def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal
     items = _prefill_items(breq, t0, ntok, lo, hi, csize, nchunk, nz, hs, group,
                            np.where(sb, pbase, -1), np.where(sb, nchunk, 1), sb, windows,
                            np.cumsum(sb) - 1 if slots else None)
+    if persistent_ctas and WALK_BALANCE and split_tokens is None and items.size:
+        nb = min(int(persistent_ctas), items.shape[0] * hkv)
+        hgw = hg if 0 < hg < hkv and hkv % hg == 0 and items.shape[0] * hg >= nb else hkv   # the kernel's Walk
+        place = _balance_walk(_walk_costs(items, causal, qo, kv, group, tpb), windows[items[:, 0]], nb, hgw)
+        if place is not None:
+            items = np.ascontiguousarray(items[place])
 
     # merges: every token of every split block, its chunks' partial rows are consecutive
     sblk = np.nonzero(split_blk)[0]

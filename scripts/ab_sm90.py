@@ -4,7 +4,8 @@
                                             [--hgroup]
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
                                             [--lazy] [--shift] [--ptail] [--tilen]
-                                            [--lazymax] [--boundary] [--groupdiv] [--tail] [--sustained]
+                                            [--lazymax] [--boundary] [--groupdiv] [--tail] [--balance]
+                                            [--sustained]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
 --split: where a tile's time goes: the K/V loads left out (KVATTN_SM90_X=1) and the softmax left out (X=2),
@@ -55,6 +56,8 @@
   before); the --lazymax shapes.
 --groupdiv: packed rows' query tokens by the plan's multiplier and shift (the default) against division by the
   group size (KVATTN_GROUP_MAGIC=0); the --lazymax shapes.
+--balance: the walk's items placed so that the persistent CTAs' loads balance (kvattn.scheduler.WALK_BALANCE)
+  against the snake walk of the items as sorted: mixed-length causal and non-causal batches, appends, controls.
 --tail: the persistent walk's last round filled by cutting its last blocks into chunks (prefill.SM90_TAIL_SPLIT)
   against the walk as it is, non-causal batches whose units leave the last round part empty, causal controls.
 --sustained (with any experiment): each option timed as 150 back-to-back calls after a 2 s pause, the median of the
@@ -357,6 +360,39 @@ def run_tail(bp, rng):
     prefill.SM90_TAIL_SPLIT = default
 
 
+#: --balance: (name, qo lens, kv lens, causal): mixed lengths, appends, and uniform controls
+def balance_cases():
+    rng = np.random.default_rng(7)
+    q = [int(x) for x in rng.integers(1, 600, 32)]
+    return [("causal 16 random 300-3800", RANDOM_LENS, RANDOM_LENS, True),
+            ("append 32 q1-600 kv+0-3000", q, [x + int(e) for x, e in zip(q, rng.integers(0, 3000, 32))], True),
+            ("non-causal 48 random 100-2000", *([[int(x) for x in rng.integers(100, 2000, 48)]] * 2), False),
+            ("causal b4_S4096", [4096] * 4, [4096] * 4, True), ("causal b8_S2048", [2048] * 8, [2048] * 8, True),
+            ("non-causal b32_S1024 (control)", [1024] * 32, [1024] * 32, False)]
+
+
+def run_balance(bp, rng):
+    """The walk's items placed so that the persistent CTAs' loads balance (kvattn.scheduler.WALK_BALANCE,
+    _balance_walk) against the snake walk of the items as sorted; the model's slowest CTA printed first."""
+    default = scheduler.WALK_BALANCE
+
+    def balance(on):
+        return lambda: setattr(scheduler, "WALK_BALANCE", on)
+    for name, qo, kv, causal in balance_cases():
+        kw = dict(causal=causal, num_sms=132, kv_bytes_per_token=bp.HKV * 4 * bp.D, persistent_ctas=132)
+        loads = []
+        for on in (False, True):
+            scheduler.WALK_BALANCE = on
+            plan = scheduler.plan_prefill(qo, kv, bp.HQ // bp.HKV, bp.HKV, 128, **kw)
+            loads.append(scheduler.walk_makespan(plan, bp.HKV, 132, causal, qo, kv, bp.HQ // bp.HKV))
+        print(f"balance {name}: model slowest CTA {loads[0]:.1f} -> {loads[1]:.1f} tiles "
+              f"({loads[0] / loads[1] - 1:+.1%})", flush=True)
+        flops = sum(4 * bp.HQ * a * b * bp.D - (2 * bp.HQ * a * a * bp.D if causal else 0) for a, b in zip(qo, kv))
+        compare("balance", name[:24], flops, [("snake", balance(False)), ("balanced", balance(True))],
+                lambda: bp.ragged_case(rng, name, qo, kv, 128, causal=causal, backend="sm90")[1:])
+    scheduler.WALK_BALANCE = default
+
+
 def sustained_us(fn, pause=2.0, calls=150):
     """--sustained: fn timed as a serving engine runs it, after `pause` s idle, `calls` back-to-back calls, the
     median of the second half (under the power cap: BENCHMARKS.md run 45e), in place of bench_prefill's time_us."""
@@ -532,7 +568,7 @@ EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma":
                "prefetch": run_prefetch, "order": run_order, "hgroup": run_hgroup, "stream": run_stream,
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit, "tilen": run_tilen,
                "lazymax": run_lazymax,
-               "boundary": run_boundary, "groupdiv": run_groupdiv, "tail": run_tail}
+               "boundary": run_boundary, "groupdiv": run_groupdiv, "tail": run_tail, "balance": run_balance}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

@@ -7,7 +7,8 @@ FlashInfer's BlockSparseAttentionWrapper, same process.
 (4 * nnz_blocks * R * C * Hq * D); vs_dense: that rate over kvattn's dense non-causal prefill (ragged, the same
 q / k / v) in the same process; kv_TBps: the K / V bytes the block rows read (each block row its own blocks) per
 second (at R = 1 the rate is bound by these reads: each byte serves one query row of each of the group's heads);
-sm80_us: the same pattern forced onto the mma.sync kernel. torch_us: torch tensors in, out=None. err: relative L2 error of 8 sampled block
+by_windows_us: the walk ordered by L2 windows of each block row's own K/V bytes, as
+before session 37 (one window now: every row reads the one k / v). sm80_us: the same pattern forced onto the mma.sync kernel. torch_us: torch tensors in, out=None. err: relative L2 error of 8 sampled block
 rows against the float64 reference.
 """
 from __future__ import annotations
@@ -86,6 +87,11 @@ def main():
                    vs_dense=round(flops / us / 1e6 / dense_tf, 2), backend=w.last_plan.info["backend"],
                    tile=w.last_plan.info["cta_rows"])
         row["kv_TBps"] = round(bsr.nnz_blocks * c * HKV * D * 2 * 2 / us / 1e6, 2)   # K and V bytes each row block reads
+        if r > 1:   # the walk as before session 37: block rows ordered by L2 windows of their own K/V bytes
+            wb = kvattn.BlockSparseAttentionWrapper()
+            wb._own_kv = True
+            wb.plan(bsr, HQ, HKV, D)
+            row["by_windows_us"] = round(time_us(lambda: wb.run(qa, ka, va, out=out)), 1)
         w80 = kvattn.BlockSparseAttentionWrapper(backend="sm80")
         w80.plan(bsr, HQ, HKV, D)
         row["sm80_us"] = round(time_us(lambda: w80.run(qa, ka, va, out=out)), 1)
@@ -107,7 +113,7 @@ def main():
         print(row, flush=True)
         rows.append(row)
     print(f"\nblock-sparse {S}x{S}, bf16 Hq32/Hkv8/D128; TFLOP/s on stored blocks; dense non-causal {dense_tf:.0f}")
-    table(rows, ["case", "blocks", "us", "TFLOPs", "vs_dense", "kv_TBps", "sm80_us", "torch_us", "fi_us", "fi_TFLOPs",
+    table(rows, ["case", "blocks", "us", "TFLOPs", "vs_dense", "by_windows_us", "kv_TBps", "sm80_us", "torch_us", "fi_us", "fi_TFLOPs",
                  "vs_fi", "err", "backend", "tile"])
 
 

@@ -425,10 +425,11 @@ def _walk_makespan(plan, hkv, nb, causal):
     return max(loads)
 
 
-def test_tail_split_fills_the_last_round():
+def test_tail_split_fills_the_last_round(monkeypatch):
     """Non-causal b1_S8192 at Hq32 / Hkv8 on 132 persistent CTAs: 2048 equal units walk 16 rounds where 15.5 would
     do; with persistent_ctas the walk's last 9 blocks are cut into 5 chunks each (every pair still covered once,
     merged once), and the model's slowest CTA gains. A balanced causal walk, and persistent_ctas 0, keep the plan."""
+    monkeypatch.setattr(scheduler, "WALK_BALANCE", False)
     qo = [8192]
     plain = scheduler.plan_prefill(qo, qo, 4, 8, 128, num_sms=132, kv_bytes_per_token=4096)
     cut = scheduler.plan_prefill(qo, qo, 4, 8, 128, num_sms=132, kv_bytes_per_token=4096, persistent_ctas=132)
@@ -446,8 +447,14 @@ def test_tail_split_fills_the_last_round():
        max_size=6), group=st.sampled_from([1, 4, 8]), hkv=st.sampled_from([1, 2, 8]), causal=st.booleans(),
        ctas=st.sampled_from([3, 17, 132]))
 def test_tail_split_keeps_coverage_and_only_gains(qo, extra, group, hkv, causal, ctas):
-    """Any batch with persistent_ctas: every (row, KV position) covered once and merged once; where the plan
-    changes, the model's slowest CTA gains at least TAIL_MIN_GAIN."""
+    """Any batch with persistent_ctas (the walk balance off): every (row, KV position) covered once and merged
+    once; where the plan changes, the model's slowest CTA gains at least TAIL_MIN_GAIN."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scheduler, "WALK_BALANCE", False)
+        _tail_split_case(qo, extra, group, hkv, causal, ctas)
+
+
+def _tail_split_case(qo, extra, group, hkv, causal, ctas):
     kv = [q + e for q, e in zip(qo, extra)]
     kw = dict(causal=causal, num_sms=ctas, kv_bytes_per_token=hkv * 512)
     plain = scheduler.plan_prefill(qo, kv, group, hkv, 128, **kw)
@@ -458,3 +465,52 @@ def test_tail_split_keeps_coverage_and_only_gains(qo, extra, group, hkv, causal,
         return
     nb = min(ctas, plain.num_items * hkv)
     assert _walk_makespan(cut, hkv, nb, causal) <= _walk_makespan(plain, hkv, nb, causal) * (1 - scheduler.TAIL_MIN_GAIN) + 1e-9
+
+
+def _plans_both_ways(qo, kv, group, hkv, **kw):
+    """(snake, placed): plan_prefill with the walk balance off and on."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scheduler, "WALK_BALANCE", False)
+        snake = scheduler.plan_prefill(qo, kv, group, hkv, 128, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scheduler, "WALK_BALANCE", True)
+        return snake, scheduler.plan_prefill(qo, kv, group, hkv, 128, **kw)
+
+
+@settings(max_examples=40, deadline=None)
+@given(qo=st.lists(st.integers(1, 400), min_size=1, max_size=12), extra=st.lists(st.integers(0, 3000), min_size=12,
+       max_size=12), group=st.sampled_from([1, 4, 8]), hkv=st.sampled_from([1, 2, 8]), causal=st.booleans(),
+       ctas=st.sampled_from([3, 17, 132]), bpt=st.sampled_from([0, 512, 8192]))
+def test_walk_balance_places_the_same_items_and_only_gains(qo, extra, group, hkv, causal, ctas, bpt):
+    """The walk balance (scheduler.WALK_BALANCE) only moves items: the same items as the snake's plan, every
+    (row, KV position) covered and merged once, each item in its L2 window (the windows stay in order); where the
+    order changes, the model's slowest CTA (counted unit by unit, _walk_makespan) gains at least TAIL_MIN_GAIN,
+    and scheduler.walk_makespan agrees with the unit-by-unit count."""
+    kv = [q + e for q, e in zip(qo, extra)]
+    kvb = hkv * bpt
+    snake, placed = _plans_both_ways(qo, kv, group, hkv, causal=causal, num_sms=ctas, kv_bytes_per_token=kvb,
+                                     persistent_ctas=ctas)
+    coverage(placed, qo, kv, group, causal, -1)
+    assert sorted(map(tuple, placed.items.tolist())) == sorted(map(tuple, snake.items.tolist()))
+    win = scheduler._l2_windows(np.asarray(kv, np.int64), kvb * placed.kv_head_group // hkv)
+    assert np.all(np.diff(win[placed.items[:, 0]]) >= 0)
+    nb = min(ctas, placed.num_items * hkv)
+    for plan in (snake, placed):
+        assert scheduler.walk_makespan(plan, hkv, nb, causal, qo, kv, group) == pytest.approx(
+            _walk_makespan(plan, hkv, nb, causal))
+    if not np.array_equal(snake.items, placed.items):
+        assert _walk_makespan(placed, hkv, nb, causal) <= _walk_makespan(snake, hkv, nb, causal) * (
+            1 - scheduler.TAIL_MIN_GAIN) + 1e-9
+
+
+def test_walk_balance_on_an_append_batch():
+    """32 causal appends (1-600 new tokens on 0-3000 cached ones; Hq32 / Hkv8, 132 CTAs, 7 L2 windows): the snake
+    deals the long blocks of several windows' rounds to the same CTAs (model: 348 tiles on the slowest CTA, the
+    mean 298); the balanced walk's slowest CTA is at least 5% lighter (322)."""
+    rng = np.random.default_rng(1)
+    qo = rng.integers(1, 600, 32)
+    kv = qo + rng.integers(0, 3000, 32)
+    snake, placed = _plans_both_ways(qo, kv, 4, 8, causal=True, num_sms=132, kv_bytes_per_token=4096,
+                                     persistent_ctas=132)
+    before, after = (scheduler.walk_makespan(p, 8, 132, True, qo, kv, 4) for p in (snake, placed))
+    assert after <= before * 0.95
