@@ -981,13 +981,15 @@ def _balance_walk(cost, win, nb: int, hg: int):
     if worst < before.mean() * (1 + TAIL_MIN_GAIN):
         return None
     seg = win * (per // nb + 1) + np.arange(W) * hg // nb   # (window, round of the item's first position)
-    edges = np.flatnonzero(np.diff(seg)) + 1
+    edges = (np.flatnonzero(np.diff(seg)) + 1).tolist()
     place = np.arange(W)
+    ucost = np.repeat(cost, hg).reshape(W, hg)
     load = np.zeros(nb)
-    for a, b in zip(np.r_[0, edges], np.r_[edges, W]):
-        slots = a + np.argsort(load[ctas[a:b]].max(1), kind="stable")
-        place[slots] = np.arange(a, b)
-        load += np.bincount(ctas[slots].ravel(), weights=np.repeat(cost[a:b], hg), minlength=nb)
+    for a, b in zip([0] + edges, edges + [W]):
+        c = ctas[a:b]
+        slots = load[c].max(1).argsort(kind="stable")
+        place[a + slots] = place[a:b].copy()   # (place[a:b] is still a..b-1)
+        load += np.bincount(c[slots].ravel(), ucost[a:b].ravel(), nb)
     return place if load.max() <= worst * (1 - TAIL_MIN_GAIN) else None
 
 
