@@ -365,6 +365,36 @@ def test_sm90_tail_split(qo, kv, causal, sms, monkeypatch):
         assert w.last_plan.info["schedule"].split, "the tail split did not cut this plan"
 
 
+@pytest.mark.parametrize("qo,kv,causal", [([73, 91, 183], [1082, 1196, 766], True),
+                                          ([104, 257, 64], [508, 311, 1016], False),
+                                          ([1, 12, 151, 101, 131], [1118, 255, 784, 490, 484], True)])
+def test_sm90_walk_balance(qo, kv, causal, monkeypatch):
+    """The walk balance (scheduler.WALK_BALANCE, scripts/ab_sm90.py --balance): mixed-length batches whose items
+    the scheduler places off the snake's order on 5 persistent CTAs (found on the CPU; checked here against the
+    plan with the switch off), ragged and paged, two runs a plan, O and LSE against the reference."""
+    if _driver.arch() != "sm_90a":
+        pytest.skip("the sm90 kernel needs an sm_90 GPU")
+    from kvattn import scheduler
+    plans = []
+    original = scheduler.plan_prefill
+
+    def spy(*args, **kw):
+        plans.append((args, kw, original(*args, **kw)))
+        return plans[-1][2]
+    monkeypatch.setattr(scheduler, "plan_prefill", spy)
+    monkeypatch.setattr(scheduler, "WALK_BALANCE", True)
+    for paged in (False, True):
+        run_case(np.random.default_rng(hash((tuple(qo), paged)) % 2**32), qo_lens=qo, kv_lens=kv, paged=paged,
+                 d=128, hkv=2, group=4, dtype="bfloat16", causal=causal, cta_rows=128, backend="sm90", num_sms=5,
+                 runs=2)
+        args, kw, placed = plans[-1]
+        monkeypatch.setattr(scheduler, "WALK_BALANCE", False)
+        snake = original(*args, **kw)
+        monkeypatch.setattr(scheduler, "WALK_BALANCE", True)
+        assert kw["persistent_ctas"] == 5 and not np.array_equal(snake.items, placed.items), \
+            "the balance did not move this plan's items"
+
+
 @pytest.mark.parametrize("group", [None, 2])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_persistent_ctas_walk_kv_head_groups(group, causal, monkeypatch):
