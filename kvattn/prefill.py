@@ -369,7 +369,7 @@ class _BatchPrefill(AttentionOp):
     _fp8_expandable = False   # plans may expand an fp8 cache once per call (run() must call _bind_kv)
     #: Whether each request reads its own K/V, so the walk orders requests by L2 windows of their K/V bytes
     #: (scheduler.PREFILL_L2_WINDOW_BYTES). Block-sparse rows share one K/V: windows by row would only break the
-    #: walk's longest-first order (the model of scheduler._tail_split: 3-5% on the 8192^2 patterns).
+    #: walk's longest-first order (scheduler.walk_makespan's model: 3-5% on the 8192^2 patterns).
     _own_kv = True
     DEFAULT_WORKSPACE = DEFAULT_WORKSPACE
 

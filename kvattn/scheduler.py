@@ -951,13 +951,19 @@ def _walk_costs(items, causal: bool, qo, kv, group: int, tpb: int) -> np.ndarray
     return cost
 
 
+def _walk_group(hg: int, hkv: int, items: int, nb: int) -> int:
+    """The KV heads a unit group the sm90 kernel's Walk takes for a plan's kv_head_group (hg) on nb CTAs: hg where
+    it divides Hkv and a group's units fill a round, else all heads."""
+    return hg if 0 < hg < hkv and hkv % hg == 0 and items * hg >= nb else hkv
+
+
 def walk_makespan(plan: "PrefillPlan", num_kv_heads: int, nb: int, causal: bool, qo_lens, kv_lens,
                   group_size: int) -> float:
     """The model's slowest persistent CTA (summed unit costs in KV tiles, _walk_costs) of a plan on nb CTAs in the
     sm90 kernel's snake walk (scripts: the prediction beside an A/B)."""
     qo, kv = (np.asarray(x, np.int64) for x in (qo_lens, kv_lens))
     W, hkv, hg = plan.num_items, num_kv_heads, plan.kv_head_group
-    hg = hg if 0 < hg < hkv and hkv % hg == 0 and W * hg >= nb else hkv
+    hg = _walk_group(hg, hkv, W, nb)
     cost = _walk_costs(plan.items, causal, qo, kv, group_size, plan.tokens_per_block)
     load = np.bincount(_snake_ctas(np.arange(W * hg), nb), weights=np.repeat(cost, hg), minlength=nb)
     return float(load.max()) * (hkv // hg)
@@ -1074,8 +1080,8 @@ def plan_prefill(qo_lens, kv_lens, group_size, num_kv_heads, cta_rows, *, causal
                            np.cumsum(sb) - 1 if slots else None)
     if persistent_ctas and WALK_BALANCE and split_tokens is None and items.size:
         nb = min(int(persistent_ctas), items.shape[0] * hkv)
-        hgw = hg if 0 < hg < hkv and hkv % hg == 0 and items.shape[0] * hg >= nb else hkv   # the kernel's Walk
-        place = _balance_walk(_walk_costs(items, causal, qo, kv, group, tpb), windows[items[:, 0]], nb, hgw)
+        place = _balance_walk(_walk_costs(items, causal, qo, kv, group, tpb), windows[items[:, 0]], nb,
+                              _walk_group(hg, hkv, items.shape[0], nb))
         if place is not None:
             items = np.ascontiguousarray(items[place])
 
