@@ -982,14 +982,14 @@ def _balance_walk(cost, win, nb: int, hg: int):
     if per <= nb:
         return None   # one round: every unit has its own CTA
     ctas = _snake_ctas(np.arange(per), nb).reshape(W, hg)
-    before = np.bincount(ctas.ravel(), weights=np.repeat(cost, hg), minlength=nb)
+    ucost = np.repeat(cost, hg).reshape(W, hg)   # each item's units
+    before = np.bincount(ctas.ravel(), ucost.ravel(), nb)
     worst = before.max()
     if worst < before.mean() * (1 + TAIL_MIN_GAIN):
         return None
     seg = win * (per // nb + 1) + np.arange(W) * hg // nb   # (window, round of the item's first position)
     edges = (np.flatnonzero(np.diff(seg)) + 1).tolist()
     place = np.arange(W)
-    ucost = np.repeat(cost, hg).reshape(W, hg)
     load = np.zeros(nb)
     for a, b in zip([0] + edges, edges + [W]):
         c = ctas[a:b]
