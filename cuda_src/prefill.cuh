@@ -68,7 +68,7 @@ struct PrefillParams {
   unsigned group_mul;          // x / group_size = (x * group_mul) >> group_shr for 0 <= x < 2^31 (kvattn.prefill.group_magic)
   int group_shr;
   TmaMap tma_k, tma_v;         // cuTensorMapEncodeTiled descriptors of k and v, written by run()
-  TmaMap tma_qmap;             // of q: (D_QK, group, Hkv, tokens), boxes of (64, group, 1, 128 / group), written by run()
+  TmaMap tma_qmap;             // of q: (D_QK, group, Hkv, tokens), boxes of (64, group, 1, Q_BOX / group), written by run()
   TmaMap tma_omap;             // of o: (D_VO, group, Hkv, tokens), boxes of (64, group, 1, 64 / group), written by run()
 };
 

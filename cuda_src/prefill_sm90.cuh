@@ -143,6 +143,16 @@
 #define KVATTN_SM90_QBUF 1
 #endif
 
+// Experiment (scripts/ab_sm90.py --qhalf; 0, the default, is the kernel before): each consumer warpgroup's 64 Q rows
+// are their own half of the Q tile, with their own `qfree` (that warpgroup's last Q K^T done) and `qfull` (the
+// half's TMA bytes landed) mbarriers, so the producer refills consumer 0's half without waiting for consumer 1's
+// last Q K^T (~1050 cycles later at a unit boundary: run 33d's trace). 1: both halves, then tile 0; 2: half 0, tile
+// 0, then half 1 (tile 0 no longer waits for consumer 1). The Q tensor map's boxes are 64 rows in these builds
+// (kvattn.tma.attach_rows). Where the halves apply (kQHalf) see PrefillSm90.
+#ifndef KVATTN_SM90_QHALF
+#define KVATTN_SM90_QHALF 0
+#endif
+
 // K / V tile layout: 1 = 8-row groups, each holding all the rows' 64-column blocks (1024 bytes each), so one 5-dim
 // TMA box copies a page's rows across the whole head dim (a page-16 tile at head dim 128: 16 boxes instead of 32;
 // run 29b, causal b1_S8192 563 -> 632 TFLOP/s); the instance of paged caches (kvattn.tma.interleaved_tiles, whose
@@ -288,8 +298,16 @@ struct PrefillSm90 {
   static constexpr bool kFusedMerge = KVATTN_SM90_FMERGE;
   static_assert(!kFusedMerge || (!V::kOutput && !kWgSplit && D_VO <= 128),
                 "fused split merge: no output hook, not wg_split, head_dim_vo <= 128 (its registers)");
+  // (KVATTN_SM90_QHALF) Q rows of one TMA box of q: a consumer warpgroup's 64 in these builds, else the tile's 128.
+  static constexpr int Q_BOX = KVATTN_SM90_QHALF ? 64 : ROWS;
+  // The Q halves on their own barriers (KVATTN_SM90_QHALF): not with two Q tiles, K and V on their own barriers, a
+  // query transform (its producers rotate the copied rows), or wg_split (its warpgroups share every row).
+  static constexpr bool kQHalf = KVATTN_SM90_QHALF && QBUF == 1 && !KVSPLIT && !kWgSplit && !V::kQK;
+  // The Q tiles' barriers: qfree[QBUF]; QHALF builds add 3 (kQHalf: qfree[2], one a consumer warpgroup, and
+  // qfull[2], the halves' TMA bytes).
+  static constexpr int QBARS = KVATTN_SM90_QHALF ? QBUF + 3 : QBUF;
   static constexpr int SMEM_BYTES =
-      (QBUF * Q_ELEMS + STAGES * STAGE_ELEMS) * (int)sizeof(T) + (2 * STAGES + QBUF + (KVSPLIT ? 2 * STAGES : 0)) * 8;
+      (QBUF * Q_ELEMS + STAGES * STAGE_ELEMS) * (int)sizeof(T) + (2 * STAGES + QBARS + (KVSPLIT ? 2 * STAGES : 0)) * 8;
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: at most 227 KB per CTA (fewer stages, or one Q tile)");
   // LPR adjacent lanes copy one token's K and V rows (LPR divides both rows' 16-byte chunks and 32): lane l
   // chunks l % LPR + k LPR (equal rows up to head dim 256: LPR = CHUNKS, one chunk of each row per lane).
@@ -321,14 +339,15 @@ struct PrefillSm90 {
     else return sw<N>(r, c);
   }
 
-  // The barriers after the K/V stages: full[STAGES], empty[STAGES], qfree[QBUF], then (KVSPLIT) V's full[STAGES] and
-  // empty[STAGES]. Without KVSPLIT, V shares K's: v_full is `full`.
+  // The barriers after the K/V stages: full[STAGES], empty[STAGES], the Q tiles' QBARS (qfree[QBUF], kQHalf:
+  // qfree[2] then qfull[2]), then (KVSPLIT) V's full[STAGES] and empty[STAGES]. Without KVSPLIT, V shares K's:
+  // v_full is `full`.
   __device__ __forceinline__ static unsigned long long* v_full(unsigned long long* full) {
-    return KVSPLIT ? full + 2 * STAGES + QBUF : full;
+    return KVSPLIT ? full + 2 * STAGES + QBARS : full;
   }
   // (KVSPLIT) K's `empty` barriers from V's (vempty = v_full(full) + STAGES).
   __device__ __forceinline__ static unsigned long long* k_empty(unsigned long long* vempty) {
-    return vempty - (2 * STAGES + QBUF);
+    return vempty - (2 * STAGES + QBARS);
   }
 
   __device__ __forceinline__ static void load_q(const PrefillParams& p, const Item& it, Q* qs, int kvh) {
@@ -374,12 +393,20 @@ struct PrefillSm90 {
     const int r = (it.ke - it.kb) % N;
     return kShift && p.tma_mode == 1 && t0 + N == it.ke && r != 0 ? it.ke - r : t0;
   }
+  // Rows h0 * Q_BOX .. h1 * Q_BOX - 1 of the tile (the whole tile unless kQHalf), their bytes expected by `bar`.
   __device__ __forceinline__ static void issue_q_tma(const PrefillParams& p, const Item& it, Q* qs, int kvh,
-                                                     unsigned long long* bar) {
-    mbar_expect_tx(bar, Q_ELEMS * (int)sizeof(Q));
+                                                     unsigned long long* bar, int h0 = 0, int h1 = ROWS / Q_BOX) {
+    mbar_expect_tx(bar, (h1 - h0) * Q_BOX * D_QK * (int)sizeof(Q));
     const int tok = it.qo_start + it.tok_lo;
 #pragma unroll
-    for (int cb = 0; cb < QK_BLOCKS; ++cb) tma_load_4d(qs + cb * (ROWS * 64), &p.tma_qmap, cb * 64, 0, kvh, tok, bar);
+    for (int h = 0; h < ROWS / Q_BOX; ++h) {
+      if (h < h0 || h >= h1) continue;
+      // (a half's first token: its rows' first; rows start on a token, 64 a multiple of the group: q map bound)
+      const int t = h == 0 ? tok : tok + h * (Q_BOX / p.group_size);
+#pragma unroll
+      for (int cb = 0; cb < QK_BLOCKS; ++cb)
+        tma_load_4d(qs + cb * (ROWS * 64) + h * (Q_BOX * 64), &p.tma_qmap, cb * 64, 0, kvh, t, bar);
+    }
   }
 
   // Producer warp pw's RPW rows of K and V of the tile starting at kv index t0; `off` is the element offset of
@@ -659,12 +686,36 @@ struct PrefillSm90 {
     const int ntiles = (it.ke - it.kb + N - 1) / N;
     if (ntiles == 0) return;
     const typename V::QKState qk_state = V::template qk_init<D_QK>(p, qk_dims<D_QK>(threadIdx.x));
-    if (nq >= QBUF) mbar_wait(qfree, (nq / QBUF - 1) & 1);   // (qfree, qs: this unit's Q slot's)
-    KVATTN_TRACE(0, slot, kTraceQCopy);
-    if (q_by_tma(p, it)) {
-      if (threadIdx.x == 0) issue_q_tma(p, it, qs, kvh, &full[g % STAGES]);
+    // (kQHalf) consumer warpgroup h's half of Q, once that warpgroup's last Q K^T of the previous unit is done
+    bool q_tma = false;   // (kQHalf: the item's Q by TMA)
+    auto q_half = [&](int h) {
+      if (nq >= 1) mbar_wait(&qfree[h], (nq - 1) & 1);
+      if (q_tma && threadIdx.x == 0) {
+        issue_q_tma(p, it, qs, kvh, &qfree[2 + h], h, h + 1);   // (its bytes expected before the arrival)
+        mbar_arrive(&qfree[2 + h]);
+      }
+    };
+    if constexpr (kQHalf) {
+      q_tma = q_by_tma(p, it);
+      q_half(0);
+      if (KVATTN_SM90_QHALF == 1 || !q_tma) q_half(1);
+      if (!q_tma) {
+        load_q(p, it, qs, kvh);   // lands before tile 0 is announced, as below; qfull passes at once
+        if (threadIdx.x == 0) {
+          mbar_arrive(&qfree[2]);
+          mbar_arrive(&qfree[3]);
+        }
+      }
     } else {
-      load_q(p, it, qs, kvh);   // lands before tile 0 is announced (the arrival waits for every earlier copy)
+      if (nq >= QBUF) mbar_wait(qfree, (nq / QBUF - 1) & 1);   // (qfree, qs: this unit's Q slot's)
+    }
+    KVATTN_TRACE(0, slot, kTraceQCopy);
+    if constexpr (!kQHalf) {
+      if (q_by_tma(p, it)) {
+        if (threadIdx.x == 0) issue_q_tma(p, it, qs, kvh, &full[g % STAGES]);
+      } else {
+        load_q(p, it, qs, kvh);   // lands before tile 0 is announced (the arrival waits for every earlier copy)
+      }
     }
     KVATTN_TRACE(0, slot, kTraceQIssued);
     const int my_row = RPW * pw + min(lane, RPW - 1);   // the tile row whose offset this lane holds
@@ -683,6 +734,7 @@ struct PrefillSm90 {
     KVATTN_TRACE(0, slot, kTraceLookup);
     for (int t = 0; t < ntiles; ++t) {
       const int u = g + t, st = u % STAGES;
+      if (kQHalf && KVATTN_SM90_QHALF == 2 && q_tma && t == 1) q_half(1);   // (after tile 0)
       if (u >= STAGES) mbar_wait(&empty[st], (u / STAGES - 1) & 1);
       if (t == 0) KVATTN_TRACE(0, slot, kTraceEmpty);
       // boxes: a full tile, or (SHIFT) the partial last one's box moved back to end at the item's end
@@ -745,6 +797,7 @@ struct PrefillSm90 {
       }
       if (t + 1 < ntiles) offsets_at(it.kb + (t + 1) * N);
     }
+    if (kQHalf && KVATTN_SM90_QHALF == 2 && q_tma && ntiles == 1) q_half(1);
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     if constexpr (V::kQK) transform_and_announce(p, it, qs, kvs, full, vfull, ntiles - 1, g, qk_state);
   }
@@ -797,6 +850,7 @@ struct PrefillSm90 {
     const int cwg = cw / 4;
     O* mine = reinterpret_cast<O*>(so) + cwg * (64 * D_VO);
     mbar_wait(qfree, qpar);
+    if constexpr (kQHalf) mbar_wait(qfree + 1, qpar);   // (both warpgroups' last Q K^T read the stage's K)
     KVATTN_TRACE(128, slot, kTraceOQfree0);
     // row (0..127) of the tile, column: this warpgroup's rows as D_VO / 64 boxes of 64 rows of 128 swizzled bytes
     auto place = [](int row, int col) {
@@ -877,6 +931,7 @@ struct PrefillSm90 {
       float s[SN];
       float sc[2];
       if (cwg == 1 && (!STREAM || open)) their_turn(cwg);
+      if constexpr (kQHalf) mbar_wait(qfree + 2 + cwg, qpar);   // this warpgroup's Q rows (qfull)
       mbar_wait(&full[g % STAGES], (g / STAGES) & 1);
       KVATTN_TRACE(128, slot, kTraceStart0);
       KVATTN_TRACE(256, slot, kTraceStart1);
@@ -889,7 +944,7 @@ struct PrefillSm90 {
       wgmma_wait<0>();
       fence_regs(s);
       KVATTN_TRACE(128, slot, kTraceQk0);
-      if (ntiles == 1 && lane == 0) mbar_arrive(qfree);
+      if (ntiles == 1 && lane == 0) mbar_arrive(qfree + (kQHalf ? cwg : 0));
       if (ntiles == 1) KVATTN_TRACE(128, slot, kTraceLastQk0);
       // the tile's K is done with (a unit's last K that holds its O: released after the store, release_o_stage)
       if (KVSPLIT && lane == 0 && !(keep_last_k && ntiles == 1)) mbar_arrive(&empty[g % STAGES]);
@@ -912,7 +967,7 @@ struct PrefillSm90 {
         their_turn(cwg);
         wgmma_wait<1>();
         fence_regs(s);
-        if (nxt == ntiles - 1 && lane == 0) mbar_arrive(qfree);   // the unit's last Q K^T has completed
+        if (nxt == ntiles - 1 && lane == 0) mbar_arrive(qfree + (kQHalf ? cwg : 0));   // the unit's last Q K^T done
         if (nxt == ntiles - 1) KVATTN_TRACE(128, slot, kTraceLastQk0);
         if (KVSPLIT && lane == 0 && !(keep_last_k && nxt == ntiles - 1)) mbar_arrive(&empty[nxt_st]);   // its K
         softmax_tile(p, it, s, kShift ? box_start(p, it, it.kb + nxt * N) : it.kb + nxt * N, tok, rc[0], lane, m, l,
@@ -1207,7 +1262,7 @@ struct PrefillSm90 {
     T* kvs = smem + QBUF * Q_ELEMS;
     unsigned long long* full = reinterpret_cast<unsigned long long*>(kvs + STAGES * STAGE_ELEMS);   // [STAGES]
     unsigned long long* empty = full + STAGES;                                                      // [STAGES]
-    unsigned long long* qfree = empty + STAGES;                                                     // [QBUF]
+    unsigned long long* qfree = empty + STAGES;                                                     // [QBARS]
     unsigned long long* vfull = v_full(full);                                                      // [STAGES]
     unsigned long long* vempty = vfull + STAGES;                                                   // [STAGES]
     if (threadIdx.x == 0) {
@@ -1219,7 +1274,12 @@ struct PrefillSm90 {
           mbar_init(&vempty[i], 8);
         }
       }
-      for (int i = 0; i < QBUF; ++i) mbar_init(&qfree[i], 8);
+      if constexpr (kQHalf) {   // qfree[2]: one a consumer warpgroup's 4 warps; qfull[2]: the producer's arrival + bytes
+        for (int i = 0; i < 2; ++i) mbar_init(&qfree[i], 4);
+        for (int i = 2; i < 4; ++i) mbar_init(&qfree[i], 1);
+      } else {
+        for (int i = 0; i < QBUF; ++i) mbar_init(&qfree[i], 8);
+      }
     }
     __syncthreads();
     const int items = plan_header(p.plan).num_items;   // a padded grid (graph mode) walks only these

@@ -154,6 +154,12 @@ def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None 
                       + (((f"{traits}::FMERGE_MAX", FUSED_MERGE_MAX_CHUNKS),) if fused_merge else ()))
 
 
+def sm90_q_box_rows(spec: KernelSpec) -> int:
+    """Packed rows of one TMA box of q in this sm90 instance (PrefillSm90::Q_BOX): a consumer warpgroup's 64 in the
+    KVATTN_SM90_QHALF builds (scripts/ab_sm90.py --qhalf), else the tile's 128."""
+    return 64 if dict(spec.defines).get("KVATTN_SM90_QHALF", 0) else tma.Q_BOX_ROWS
+
+
 def sm90_interleaved(spec: KernelSpec) -> bool:
     """Whether this sm90 instance lays its K / V tiles out interleaved (KVATTN_SM90_KVIL: paged tensor maps only)."""
     return SM90_KVIL_DEFINE in spec.defines
@@ -186,12 +192,13 @@ def sm90_tile(head_dim: int, head_dim_vo: int | None = None) -> tuple[int, int]:
 
 def sm90_smem_bytes(head_dim: int, head_dim_vo: int | None = None) -> int:
     """Dynamic shared memory of prefill_sm90_kernel (mirrors PrefillSm90::SMEM_BYTES: Q, the ring of K and V
-    tiles, a full and an empty mbarrier per stage, each Q tile's `qfree` mbarrier; KVATTN_SM90_QBUF Q tiles;
+    tiles, a full and an empty mbarrier per stage, each Q tile's `qfree` mbarrier (3 more: KVATTN_SM90_QHALF);
+    KVATTN_SM90_QBUF Q tiles;
     V's own full and empty mbarriers per stage with 2 stages, or as KVATTN_SM90_KVSPLIT says)."""
     n, stages = sm90_tile(head_dim, head_dim_vo)
     over = dict(SM90_TUNING)
     qbuf, split = over.get("KVATTN_SM90_QBUF", 1), over.get("KVATTN_SM90_KVSPLIT", stages < 3)
-    bars = 2 * stages * (2 if split else 1) + qbuf
+    bars = 2 * stages * (2 if split else 1) + qbuf + (3 if over.get("KVATTN_SM90_QHALF", 0) else 0)
     return (qbuf * 128 * head_dim + stages * n * (head_dim + (head_dim_vo or head_dim))) * 2 + bars * 8
 
 
@@ -578,7 +585,8 @@ class _BatchPrefill(AttentionOp):
                            interleaved=sm90_interleaved(cfg.spec))
                 if sm90_maps else None)
         max_rows = self.max_total_qo if self.use_cuda_graph else total_qo
-        q_map, o_map = tma.attach_rows([p], group, head_dim, tokens=max_rows) if sm90_maps else (None, None)
+        q_map, o_map = (tma.attach_rows([p], group, head_dim, tokens=max_rows, q_rows=sm90_q_box_rows(cfg.spec))
+                        if sm90_maps else (None, None))
         if wg_split:
             o_map = None   # (consume_split stores its rows per thread: no map for run() to bind)
         self._finish_plan(

@@ -249,11 +249,12 @@ class RowsTensorMap(_Binder):
         self._bound = key
 
 
-def attach_rows(params, group: int, head_dim: int, tokens: int = 0):
+def attach_rows(params, group: int, head_dim: int, tokens: int = 0, q_rows: int = Q_BOX_ROWS):
     """(query binder, output binder) of the sm90 launches of these ParamBuffers, each None where its packed rows
-    are not whole boxes (or the A/B switch is off). tokens: rows_dims'."""
-    q = (RowsTensorMap(params, group, Q_BOX_ROWS, "tma_qmap", "tma_q", tokens)
-         if QUERY_MAPS and rows_mappable(group, Q_BOX_ROWS, head_dim) else None)
+    are not whole boxes (or the A/B switch is off). tokens: rows_dims'. q_rows: packed rows of a q box (the
+    kernel's Q_BOX: 64 in the KVATTN_SM90_QHALF builds)."""
+    q = (RowsTensorMap(params, group, q_rows, "tma_qmap", "tma_q", tokens)
+         if QUERY_MAPS and rows_mappable(group, q_rows, head_dim) else None)
     o = (RowsTensorMap(params, group, O_BOX_ROWS, "tma_omap", "tma_o", tokens)
          if OUTPUT_MAPS and rows_mappable(group, O_BOX_ROWS, head_dim) else None)
     return q, o

@@ -4,7 +4,7 @@
                                             [--hgroup]
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
                                             [--lazy] [--shift] [--ptail] [--tilen]
-                                            [--lazymax] [--boundary] [--groupdiv] [--tail] [--balance]
+                                            [--lazymax] [--boundary] [--groupdiv] [--tail] [--balance] [--qhalf]
                                             [--sustained]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
@@ -56,6 +56,9 @@
   before); the --lazymax shapes.
 --groupdiv: packed rows' query tokens by the plan's multiplier and shift (the default) against division by the
   group size (KVATTN_GROUP_MAGIC=0); the --lazymax shapes.
+--qhalf: each consumer warpgroup's 64 Q rows on their own barriers (KVATTN_SM90_QHALF: consumer 0's half refilled
+  without waiting for consumer 1's last Q K^T), 1 = both halves then tile 0, 2 = half 0, tile 0, half 1, against
+  the default one Q tile; the --lazymax shapes.
 --balance: the walk's items placed so that the persistent CTAs' loads balance (kvattn.scheduler.WALK_BALANCE)
   against the snake walk of the items as sorted: mixed-length causal and non-causal batches, appends, controls.
 --tail: the persistent walk's last round filled by cutting its last blocks into chunks (prefill.SM90_TAIL_SPLIT)
@@ -336,6 +339,20 @@ def run_groupdiv(bp, rng):
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 
+#: --qhalf: each consumer warpgroup's Q rows on their own barriers (KVATTN_SM90_QHALF), both halves then tile 0 (1)
+#: or half 0, tile 0, half 1 (2), against one Q tile (the default)
+QHALF_BUILDS = [("one Q tile (def)", ()), ("halves, then tile 0", (("KVATTN_SM90_QHALF", 1),)),
+                ("half 0, tile 0, 1", (("KVATTN_SM90_QHALF", 2),))]
+
+
+def run_qhalf(bp, rng):
+    """Consumer 0's Q half refilled once its own last Q K^T is done, not both warpgroups' (~1050 cycles later at a
+    unit boundary, run 33d's trace), against the default's one Q tile on one `qfree`."""
+    for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
+        compare("qhalf", name, flops_of(bp, b, s, causal), [(what, tuning(defs)) for what, defs in QHALF_BUILDS],
+                case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
+
+
 TAIL_CASES = [("non-causal b1_S8192", 1, 8192, False), ("non-causal b2_S8192", 2, 8192, False),
               ("non-causal b32_S1024", 32, 1024, False), ("non-causal b4_S4096", 4, 4096, False),
               ("causal b1_S8192", 1, 8192, True), ("causal b8_S2048", 8, 2048, True)]
@@ -568,7 +585,8 @@ EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma":
                "prefetch": run_prefetch, "order": run_order, "hgroup": run_hgroup, "stream": run_stream,
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit, "tilen": run_tilen,
                "lazymax": run_lazymax,
-               "boundary": run_boundary, "groupdiv": run_groupdiv, "tail": run_tail, "balance": run_balance}
+               "boundary": run_boundary, "groupdiv": run_groupdiv, "tail": run_tail, "balance": run_balance,
+               "qhalf": run_qhalf}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

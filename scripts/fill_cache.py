@@ -80,6 +80,10 @@ def specs():
     pf.SM90_TUNING = (("KVATTN_GROUP_MAGIC", 0),)   # test_sm90_group_divide_build, ab_sm90.py --groupdiv
     out += [pf.sm90_spec(128, Variant(), "bfloat16", persistent=ps, interleaved=il)
             for ps in (True, False) for il in (False, True)]
+    for mode in (1, 2):   # test_sm90_qhalf_builds, ab_sm90.py --qhalf
+        pf.SM90_TUNING = (("KVATTN_SM90_QHALF", mode),)
+        out += [pf.sm90_spec(128, Variant(), "bfloat16", persistent=ps, interleaved=il)
+                for ps in (True, False) for il in (False, True)]
     pf.SM90_TUNING = (("KVATTN_SM90_LAZY_MAX", 0),)   # test_sm90_running_max_kept_or_moved (fp16 too)
     out += [pf.sm90_spec(128, Variant(), "float16", persistent=ps, interleaved=il)
             for ps in (False, True) for il in (False, True)]

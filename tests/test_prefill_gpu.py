@@ -347,6 +347,25 @@ def test_sm90_group_divide_build(group, causal, monkeypatch):
         assert "KVATTN_GROUP_MAGIC=0" in w.last_plan.info["kernel"].spec.uri()
 
 
+@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_qhalf_builds(mode, group, causal, monkeypatch):
+    """Each consumer warpgroup's Q rows on their own barriers (KVATTN_SM90_QHALF, scripts/ab_sm90.py --qhalf; 1: both
+    halves before tile 0, 2: half 1 after it): 64-row q boxes (groups 1, 4, 8), per-thread Q copies where 64 rows
+    are no whole tokens (group 3, items starting inside a token), one-tile and many-tile units back to back on 3
+    persistent CTAs, whole and partial units; O and LSE against the reference, persistent and a CTA a unit, paged
+    and ragged, two runs a plan."""
+    if _driver.arch() != "sm_90a":
+        pytest.skip("the sm90 kernel needs an sm_90 GPU")
+    defs = (("KVATTN_SM90_QHALF", mode),)
+    monkeypatch.setattr(prefill, "SM90_TUNING", defs)
+    qo, kv = [256, 33, 1, 200, 96, 64], [256, 700, 1, 1500, 100, 2048]
+    for w in _sm90_walks(monkeypatch, (mode, group, causal), qo, kv, dtype="bfloat16", causal=causal, group=group):
+        assert f"KVATTN_SM90_QHALF={mode}" in w.last_plan.info["kernel"].spec.uri()
+        assert w.last_plan.info["tma_q"] == (group != 3)
+
+
 @pytest.mark.parametrize("qo,kv,causal,sms", [([163], [427], True, 5), ([129], [894], False, 3),
                                               ([69, 41], [730, 839], False, 3), ([5, 13, 34], [1895, 2764, 2327], False, 3),
                                               ([90, 44], [1222, 412], True, 3)])

@@ -205,6 +205,23 @@ def test_attach_rows_gives_the_query_and_output_binders(monkeypatch):
     assert tma.attach_rows(params, 4, 128)[0] is None
 
 
+def test_qhalf_builds_take_64_row_query_boxes(monkeypatch):
+    """The KVATTN_SM90_QHALF builds (scripts/ab_sm90.py --qhalf) issue a consumer warpgroup's 64 Q rows a box: the
+    plan's q map has 64-row boxes there (no map where 64 rows are no whole tokens), 128 elsewhere."""
+    from kvattn import prefill
+    from kvattn.variants import Variant
+    assert prefill.sm90_q_box_rows(prefill.sm90_spec(128, Variant(), "bfloat16")) == 128
+    for mode in (1, 2):
+        monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_QHALF", mode),))
+        assert prefill.sm90_q_box_rows(prefill.sm90_spec(128, Variant(), "bfloat16")) == 64
+    params = [kernels.ParamBuffer(PREFILL_PARAMS)]
+    assert tma.attach_rows(params, 4, 128, q_rows=64)[0].rows == 64
+    assert tma.attach_rows(params, 128, 128, q_rows=64)[0] is None   # 64 rows: half a token
+    e = 2
+    q = types.SimpleNamespace(shape=(64, 32, 128), strides=(32 * 128 * e, 128 * e, e), ptr=512, itemsize=e)
+    assert tma.rows_dims(q, 4, 64)[2] == (64, 4, 1, 16)
+
+
 def test_query_binder_sets_the_map_and_falls_back_for_unmapped_strides(monkeypatch):
     params = [kernels.ParamBuffer(PREFILL_PARAMS) for _ in range(2)]
     binder = tma.RowsTensorMap(params, 4, 128, "tma_qmap", "tma_q")
