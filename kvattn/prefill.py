@@ -192,9 +192,9 @@ def sm90_tile(head_dim: int, head_dim_vo: int | None = None) -> tuple[int, int]:
 
 def sm90_smem_bytes(head_dim: int, head_dim_vo: int | None = None) -> int:
     """Dynamic shared memory of prefill_sm90_kernel (mirrors PrefillSm90::SMEM_BYTES: Q, the ring of K and V
-    tiles, a full and an empty mbarrier per stage, each Q tile's `qfree` mbarrier (3 more: KVATTN_SM90_QHALF);
-    KVATTN_SM90_QBUF Q tiles;
-    V's own full and empty mbarriers per stage with 2 stages, or as KVATTN_SM90_KVSPLIT says)."""
+    tiles, a full and an empty mbarrier per stage, each Q tile's `qfree` mbarrier (3 more in the KVATTN_SM90_QHALF
+    builds); KVATTN_SM90_QBUF Q tiles; V's own full and empty mbarriers per stage with 2 stages, or as
+    KVATTN_SM90_KVSPLIT says)."""
     n, stages = sm90_tile(head_dim, head_dim_vo)
     over = dict(SM90_TUNING)
     qbuf, split = over.get("KVATTN_SM90_QBUF", 1), over.get("KVATTN_SM90_KVSPLIT", stages < 3)
