@@ -157,7 +157,7 @@ def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None 
 def sm90_q_box_rows(spec: KernelSpec) -> int:
     """Packed rows of one TMA box of q in this sm90 instance (PrefillSm90::Q_BOX): a consumer warpgroup's 64 in the
     KVATTN_SM90_QHALF builds (scripts/ab_sm90.py --qhalf), else the tile's 128."""
-    return 64 if dict(spec.defines).get("KVATTN_SM90_QHALF", 0) else tma.Q_BOX_ROWS
+    return WG_ROWS if dict(spec.defines).get("KVATTN_SM90_QHALF", 0) else tma.Q_BOX_ROWS
 
 
 def sm90_interleaved(spec: KernelSpec) -> bool:
