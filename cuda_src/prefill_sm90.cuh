@@ -849,8 +849,12 @@ struct PrefillSm90 {
     using O = typename A::O;
     const int cwg = cw / 4;
     O* mine = reinterpret_cast<O*>(so) + cwg * (64 * D_VO);
-    mbar_wait(qfree, qpar);
-    if constexpr (kQHalf) mbar_wait(qfree + 1, qpar);   // (both warpgroups' last Q K^T read the stage's K)
+    // Both warpgroups' last Q K^T have read the stage's K. kQHalf: this warpgroup's own qfree, and consumer 0 waits
+    // for consumer 1's; consumer 1 must not wait for consumer 0's: where the next unit has one tile, consumer 0 can
+    // complete its next qfree phase before consumer 1 looks, and a parity wait two phases behind never returns. Its
+    // last turn (my_turn before the last P V) already follows consumer 0's last Q K^T (wgmma_wait, then their_turn).
+    mbar_wait(qfree + (kQHalf ? cwg : 0), qpar);
+    if (kQHalf && cwg == 0) mbar_wait(qfree + 1, qpar);
     KVATTN_TRACE(128, slot, kTraceOQfree0);
     // row (0..127) of the tile, column: this warpgroup's rows as D_VO / 64 boxes of 64 rows of 128 swizzled bytes
     auto place = [](int row, int col) {

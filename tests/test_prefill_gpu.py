@@ -366,6 +366,37 @@ def test_sm90_qhalf_builds(mode, group, causal, monkeypatch):
         assert w.last_plan.info["tma_q"] == (group != 3)
 
 
+QHALF_BACK_TO_BACK = """
+import sys
+sys.path.insert(0, "tests")
+import numpy as np
+import test_prefill_gpu as t
+from kvattn import prefill
+prefill.SM90_TUNING = (("KVATTN_SM90_QHALF", int(sys.argv[1])),)
+for i in range(int(sys.argv[2])):   # 96 one-tile units a KV head, back to back on 2 persistent CTAs
+    t.run_case(np.random.default_rng(i), qo_lens=[32] * 48, kv_lens=[32] * 48, paged=False, d=128, hkv=2, group=4,
+               dtype="bfloat16", causal=True, cta_rows=128, backend="sm90", num_sms=2, runs=4)
+"""
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_sm90_qhalf_one_tile_units_back_to_back(mode):
+    """QHALF builds on walks of one-tile units back to back, where consumer 0 can finish the next unit's only Q K^T
+    before consumer 1 stores this unit's O: the store's wait on consumer 0's qfree would then look for a phase two
+    behind and never return (run 49c hung on causal b8_S2048 with =1). A child process under a timeout, so a hang
+    fails this test instead of the suite; its runs check O and LSE against the reference."""
+    if _driver.arch() != "sm_90a":
+        pytest.skip("the sm90 kernel needs an sm_90 GPU")
+    import subprocess
+    import sys
+    try:
+        r = subprocess.run([sys.executable, "-c", QHALF_BACK_TO_BACK, str(mode), "12"], capture_output=True, text=True,
+                           timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"KVATTN_SM90_QHALF={mode}: one-tile units back to back hung (no result in 240 s)")
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 @pytest.mark.parametrize("qo,kv,causal,sms", [([163], [427], True, 5), ([129], [894], False, 3),
                                               ([69, 41], [730, 839], False, 3), ([5, 13, 34], [1895, 2764, 2327], False, 3),
                                               ([90, 44], [1222, 412], True, 3)])
