@@ -24,7 +24,9 @@ declare -A SETS=(
 )
 pids=()
 for g in "${!SETS[@]}"; do
-  eval "timeout $LIMIT python3 -m pytest -q -p no:cacheprovider ${SETS[$g]} \"\$@\"" > "$OUT/t_$g.log" 2>&1 &
+  # -v: a group cut by LIMIT still names the test it was in (run 49a cut two groups mid-test); durations: where
+  # the time of the groups that finish went
+  eval "timeout $LIMIT python3 -m pytest -v --durations=12 -p no:cacheprovider ${SETS[$g]} \"\$@\"" > "$OUT/t_$g.log" 2>&1 &
   pids+=("$!:$g")
 done
 rc=0
@@ -33,6 +35,7 @@ for pg in "${pids[@]}"; do
 done
 for g in "${!SETS[@]}"; do
   echo "== $g: $(tail -1 "$OUT/t_$g.log")"
+  tail -1 "$OUT/t_$g.log" | grep -qE " in [0-9.]+s" || echo "   cut in: $(grep -E '::' "$OUT/t_$g.log" | tail -1)"
   grep -E "^(FAILED|ERROR)" "$OUT/t_$g.log" | head -5
 done
 exit $rc
