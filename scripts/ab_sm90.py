@@ -137,6 +137,8 @@ def compare(tag, name, flops, options, measure, rounds=ROUNDS):
     rates, errs = {what: [] for what, _ in options}, {}
     for r in range(rounds):
         for what, apply in (options if r % 2 == 0 else options[::-1]):
+            # (stderr: a call cut by its limit shows the build it was in, hung or compiling; run 49c did not)
+            print(f"{tag} {name}: {what}, round {r}", file=sys.stderr, flush=True)
             apply()
             us, errs[what] = measure()
             rates[what].append(flops / us / 1e6)

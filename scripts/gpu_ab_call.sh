@@ -12,10 +12,17 @@ BUDGET=${BUDGET:-585}   # seconds this script may take (the device call's limit,
 left() { echo $(( ${1:-$BUDGET} - ($(date +%s) - T0) )); }
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,driver_version --format=csv,noheader
 source scripts/_unpack_cache.sh
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_prefill_gpu.py -k "$1" > "$OUT/t_ab.log" 2>&1
+timeout 150 python3 -m pytest -v -p no:cacheprovider tests/test_prefill_gpu.py -k "$1" > "$OUT/t_ab.log" 2>&1
 echo "tests -k '$1': rc $? | $(tail -1 "$OUT/t_ab.log")"; grep -E "^(FAILED|ERROR)" "$OUT/t_ab.log" | head -5
-timeout "$(left $(( BUDGET * 2 / 3 )))" python3 scripts/ab_sm90.py "$2" > "$OUT/ab.log" 2>&1; echo "ab_sm90 $2: rc $?"; cat "$OUT/ab.log"
+tail -1 "$OUT/t_ab.log" | grep -qE " in [0-9.]+s" || echo "  cut in: $(grep -E '::' "$OUT/t_ab.log" | tail -1)"
+ab() {   # LOG SECONDS FLAGS...: one ab_sm90.py call; its progress (stderr) in LOG.err, its last line shown if cut
+  local log=$1 secs=$2; shift 2
+  timeout "$secs" python3 scripts/ab_sm90.py "$@" > "$OUT/$log.log" 2> "$OUT/$log.err"; local rc=$?
+  echo "ab_sm90 $*: rc $rc"; cat "$OUT/$log.log"
+  [ $rc -eq 0 ] || tail -6 "$OUT/$log.err"   # (the build it was in when cut, or the traceback)
+}
+ab ab "$(left $(( BUDGET * 2 / 3 )))" "$2"
 if [ -n "${3:-}" ] && [ "$(left)" -gt 60 ]; then   # the rest of the arguments: one more ab_sm90.py call's flags
-  timeout "$(left)" python3 scripts/ab_sm90.py "${@:3}" > "$OUT/ab2.log" 2>&1; echo "ab_sm90 ${*:3}: rc $?"; cat "$OUT/ab2.log"
+  ab ab2 "$(left)" "${@:3}"
 fi
 echo "elapsed $(( $(date +%s) - T0 )) s"
