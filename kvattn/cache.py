@@ -126,9 +126,19 @@ def get_or_compile(source: str, name: str, options, name_expressions, arch: str,
         c = compiler.compile_cubin(source, name, options, name_expressions, arch, files)
         store(k, c)
         where = "compiled"
+        _log_compile(name, c.seconds)
     with _memo_lock:
         _memo.setdefault(k, c)
     return _memo[k], where
+
+
+def _log_compile(name: str, seconds: float) -> None:
+    """KVATTN_COMPILE_LOG=path: each cache miss appends "<seconds> <name>" there (the GPU scripts set it, so a slow
+    run on a bare machine says which kernels its packed cache lacked; pytest would swallow stderr)."""
+    path = os.environ.get("KVATTN_COMPILE_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{seconds:.1f} {name}\n")
 
 
 def clear_memo():

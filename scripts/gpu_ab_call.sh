@@ -6,6 +6,7 @@
 # (repository root, on the GPU machine; carry .kvpack). TEST_FILTER: pytest -k of tests/test_prefill_gpu.py.
 set -u
 OUT=${OUT:-/tmp/kvattn-out}; mkdir -p "$OUT"
+export KVATTN_COMPILE_LOG=${KVATTN_COMPILE_LOG:-$OUT/compiles.log}   # cache misses (kvattn/cache.py)
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 KVATTN_CACHE_DIR=${KVATTN_CACHE_DIR:-/tmp/kvc}
 T0=$(date +%s)
 BUDGET=${BUDGET:-585}   # seconds this script may take (the device call's limit, less a margin)
@@ -25,4 +26,6 @@ ab ab "$(left $(( BUDGET * 2 / 3 )))" "$2"
 if [ -n "${3:-}" ] && [ "$(left)" -gt 60 ]; then   # the rest of the arguments: one more ab_sm90.py call's flags
   ab ab2 "$(left)" "${@:3}"
 fi
+[ -s "$KVATTN_COMPILE_LOG" ] && echo "compiled here (not in the packed cache): $(wc -l < "$KVATTN_COMPILE_LOG") kernels, \
+$(awk '{s += $1} END {print s}' "$KVATTN_COMPILE_LOG") s; slowest: $(sort -rn "$KVATTN_COMPILE_LOG" | head -1)"
 echo "elapsed $(( $(date +%s) - T0 )) s"

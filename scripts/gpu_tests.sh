@@ -6,6 +6,7 @@
 #     bash scripts/gpu_tests.sh [pytest args...]        (run from the repository root; LIMIT=seconds per group)
 set -u
 OUT=${OUT:-/tmp/kvattn-out}; mkdir -p "$OUT"
+export KVATTN_COMPILE_LOG=${KVATTN_COMPILE_LOG:-$OUT/compiles.log}   # cache misses (kvattn/cache.py)
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export KVATTN_CACHE_DIR=${KVATTN_CACHE_DIR:-.kvcache}
 LIMIT=${LIMIT:-1800}
@@ -38,4 +39,6 @@ for g in "${!SETS[@]}"; do
   tail -1 "$OUT/t_$g.log" | grep -qE " in [0-9.]+s" || echo "   cut in: $(grep -E '::' "$OUT/t_$g.log" | tail -1)"
   grep -E "^(FAILED|ERROR)" "$OUT/t_$g.log" | head -5
 done
+[ -s "$KVATTN_COMPILE_LOG" ] && echo "compiled here (not in the packed cache): $(wc -l < "$KVATTN_COMPILE_LOG") kernels, \
+$(awk '{s += $1} END {print s}' "$KVATTN_COMPILE_LOG") s; slowest: $(sort -rn "$KVATTN_COMPILE_LOG" | head -1)"
 exit $rc

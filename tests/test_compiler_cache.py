@@ -105,6 +105,19 @@ def _compile_in_child(args):
     return len(c.cubin)
 
 
+def test_compile_log_names_each_miss_and_no_hit(cache_dir, tmp_path, monkeypatch):
+    log = tmp_path / "compiles.log"
+    monkeypatch.setenv("KVATTN_COMPILE_LOG", str(log))
+    spec = merge.merge_spec("float16", "float16")
+    spec.compile(ARCH)
+    cache.clear_memo()
+    assert spec.compile(ARCH)[1] == "disk"
+    lines = log.read_text().splitlines()
+    assert len(lines) == 1
+    seconds, name = lines[0].split(" ", 1)
+    assert name == spec.uri() and float(seconds) >= 0
+
+
 def test_two_processes_compiling_the_same_kernel_both_succeed(cache_dir):
     ctx = mp.get_context("spawn")
     with ctx.Pool(2) as pool:
