@@ -58,7 +58,7 @@
   group size (KVATTN_GROUP_MAGIC=0); the --lazymax shapes.
 --qhalf: each consumer warpgroup's 64 Q rows on their own barriers (KVATTN_SM90_QHALF: consumer 0's half refilled
   without waiting for consumer 1's last Q K^T), 1 = both halves then tile 0, 2 = half 0, tile 0, half 1, against
-  the default one Q tile; the --lazymax shapes.
+  the default one Q tile; the --boundary shapes and non-causal b32_S1024, those of more than one request first.
 --balance: the walk's items placed so that the persistent CTAs' loads balance (kvattn.scheduler.WALK_BALANCE)
   against the snake walk of the items as sorted: mixed-length causal and non-causal batches, appends, controls.
 --tail: the persistent walk's last round filled by cutting its last blocks into chunks (prefill.SM90_TAIL_SPLIT)

@@ -65,9 +65,10 @@ def specs():
     out += [pf.sm90_spec(d, Variant(), "bfloat16", interleaved=il) for d in (64, 128) for il in (False, True)]
     # test_sm90_kv_tiles_over_128_tokens, test_sm90_running_max_kept_or_moved and ab_sm90.py --tilen / --lazymax: KV
     # tiles of 144 / 160 tokens, the max moved at every tile, their controls; persistent and a CTA a unit, ragged and
-    # paged
+    # paged; test_sm90_group_divide_build / ab_sm90.py --groupdiv; test_sm90_qhalf_builds / ab_sm90.py --qhalf
     for defs in ((("KVATTN_SM90_N", 144), ("KVATTN_SM90_STAGES", 2)), (("KVATTN_SM90_N", 160), ("KVATTN_SM90_STAGES", 2)),
-                 (("KVATTN_SM90_STAGES", 2),), (("KVATTN_SM90_LAZY_MAX", 0),), ()):
+                 (("KVATTN_SM90_STAGES", 2),), (("KVATTN_SM90_LAZY_MAX", 0),), (),
+                 (("KVATTN_GROUP_MAGIC", 0),), (("KVATTN_SM90_QHALF", 1),), (("KVATTN_SM90_QHALF", 2),)):
         pf.SM90_TUNING = defs
         out += [pf.sm90_spec(128, Variant(), "bfloat16", persistent=ps, interleaved=il)
                 for ps in (False, True) for il in (False, True)]
@@ -77,13 +78,6 @@ def specs():
         pf.SM90_TUNING = defs
         out += [pf.sm90_spec(128, Variant(), t, persistent=ps, interleaved=il) for il in (False, True)
                 for ps in (True, False) for t in ("bfloat16", "float16") if what == "before" or (ps and t == "bfloat16")]
-    pf.SM90_TUNING = (("KVATTN_GROUP_MAGIC", 0),)   # test_sm90_group_divide_build, ab_sm90.py --groupdiv
-    out += [pf.sm90_spec(128, Variant(), "bfloat16", persistent=ps, interleaved=il)
-            for ps in (True, False) for il in (False, True)]
-    for mode in (1, 2):   # test_sm90_qhalf_builds, ab_sm90.py --qhalf
-        pf.SM90_TUNING = (("KVATTN_SM90_QHALF", mode),)
-        out += [pf.sm90_spec(128, Variant(), "bfloat16", persistent=ps, interleaved=il)
-                for ps in (True, False) for il in (False, True)]
     pf.SM90_TUNING = (("KVATTN_SM90_LAZY_MAX", 0),)   # test_sm90_running_max_kept_or_moved (fp16 too)
     out += [pf.sm90_spec(128, Variant(), "float16", persistent=ps, interleaved=il)
             for ps in (False, True) for il in (False, True)]
