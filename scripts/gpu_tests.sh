@@ -3,7 +3,8 @@
 # on first use: one process took over 330 s for the first ~60 tests; 8 processes ran the whole suite in 399 s on a
 # bare H200, run 43a; the decode file in two groups since run 44a cut it at 480 s). Logs under $OUT/t_<group>.log;
 # exit status non-zero when any group failed.
-#     bash scripts/gpu_tests.sh [pytest args...]        (run from the repository root; LIMIT=seconds per group)
+#     bash scripts/gpu_tests.sh [pytest args...]        (run from the repository root; LIMIT=seconds per group;
+#                                                       ONLY="decode2 prefill2": only those groups)
 set -u
 OUT=${OUT:-/tmp/kvattn-out}; mkdir -p "$OUT"
 export KVATTN_COMPILE_LOG=${KVATTN_COMPILE_LOG:-$OUT/compiles.log}   # cache misses (kvattn/cache.py)
@@ -23,8 +24,9 @@ declare -A SETS=(
   [fp8_page]="tests/test_fp8_gpu.py tests/test_page_gpu.py"
   [runtime]="tests/test_interop_gpu.py tests/test_gpu_runtime.py tests/test_device.py tests/test_cp_gpu.py"
 )
+ONLY=${ONLY:-${!SETS[*]}}
 pids=()
-for g in "${!SETS[@]}"; do
+for g in $ONLY; do
   # -v: a group cut by LIMIT still names the test it was in (run 49a cut two groups mid-test); durations: where
   # the time of the groups that finish went
   eval "timeout $LIMIT python3 -m pytest -v --durations=12 -p no:cacheprovider ${SETS[$g]} \"\$@\"" > "$OUT/t_$g.log" 2>&1 &
@@ -34,7 +36,7 @@ rc=0
 for pg in "${pids[@]}"; do
   wait "${pg%%:*}" || { rc=1; echo "FAILED group ${pg#*:}"; }
 done
-for g in "${!SETS[@]}"; do
+for g in $ONLY; do
   echo "== $g: $(tail -1 "$OUT/t_$g.log")"
   tail -1 "$OUT/t_$g.log" | grep -qE " in [0-9.]+s" || echo "   cut in: $(grep -E '::' "$OUT/t_$g.log" | tail -1)"
   grep -E "^(FAILED|ERROR)" "$OUT/t_$g.log" | head -5
