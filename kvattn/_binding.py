@@ -4,7 +4,7 @@
     q = import_array(q, s, capturing)            # see kvattn._interop
     out, out_ret = output(out, shape, dtype, s, capturing, "out")
     ... launches on s ...
-    out.stream = s.ptr                           # exports now order their consumers after s
+    out.written_on(s)                            # exports now order their consumers after s
 
 An implicit output (`out=None`) comes from kvattn's stream-ordered pool (kvattn.pool); it is refused while the
 stream captures a graph (the pool block would not be the same at each replay).

@@ -112,5 +112,6 @@ class Fp8Expansion:
         def issue(keep=(k, v, ka, va)):   # (the caches and scale arrays stay referenced until the launch is issued)
             if not self._empty:
                 self._launch.launch(s.handle)
-        self.ws_k.stream = self.ws_v.stream = s.ptr
+        self.ws_k.written_on(s)
+        self.ws_v.written_on(s)
         return self.ws_k, self.ws_v, issue

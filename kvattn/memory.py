@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _dlpack, _driver, _dtypes, device as _device
 from .pool import note_use
-from .stream import Event, as_stream, order_after
+from .stream import Event, Stream, as_stream, order_after
 
 ALIGN = 256  # bytes: every allocation and Workspace region starts on this boundary
 _dlpack_types: dict = {}   # numpy dtype -> DLPack (code, bits)
@@ -33,12 +33,15 @@ class DeviceArray:
 
     shape, strides (bytes), dtype (numpy dtype; bfloat16 / float8 through ml_dtypes), ptr (int), owner
     (the object that keeps the memory alive: an allocation, a foreign array or a DLPack capsule), stream (the
-    handle of the stream whose queued work last wrote it, or None when no queued kvattn work writes it).
+    handle of the stream whose queued work last wrote it, or None when no queued kvattn work writes it; set by
+    written_on(), which also keeps that kvattn Stream alive as long as the array, so the handle an export waits on
+    is never a destroyed stream's).
     Exports through `__cuda_array_interface__` (v3, its "stream" field) and `__dlpack__(stream=S)` (S is made
     to wait for that stream) never claim a readiness that was not established.
     """
 
-    __slots__ = ("shape", "dtype", "strides", "ptr", "owner", "stream", "__weakref__")
+    __slots__ = ("shape", "dtype", "strides", "ptr", "owner", "stream", "writer", "__weakref__")   # (writer: set by
+    # written_on only, never read)
 
     def __init__(self, ptr: int, shape, dtype, strides=None, owner=None, stream=None):
         self.shape = tuple(int(s) for s in shape)
@@ -56,6 +59,11 @@ class DeviceArray:
         a = object.__new__(cls)
         a.ptr, a.shape, a.dtype, a.strides, a.owner, a.stream = ptr, shape, dtype, strides, owner, stream
         return a
+
+    def written_on(self, s: Stream):
+        """Record that work queued on kvattn Stream s writes this array (exports order their consumers after s)."""
+        self.stream = s.ptr
+        self.writer = s
 
     # -- properties ----------------------------------------------------------------------------
     @property
@@ -212,7 +220,7 @@ class DeviceArray:
             if self.stream is not None:
                 order_after(self.stream, s)   # earlier queued writes first
             _driver.call("cuMemcpyHtoDAsync", self.ptr, host.ctypes.data, self.nbytes, s.handle)
-            self.stream = s.ptr
+            self.written_on(s)
 
     def fill_bytes(self, value: int, stream=None):
         """Set every byte of this contiguous array to value (used to poison outputs in tests)."""
@@ -223,7 +231,7 @@ class DeviceArray:
             if self.stream is not None:
                 order_after(self.stream, s)
             _driver.call("cuMemsetD8Async", self.ptr, value & 0xFF, self.nbytes, s.handle)
-            self.stream = s.ptr
+            self.written_on(s)
 
 
 def _contiguous_strides(shape, itemsize):

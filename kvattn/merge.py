@@ -112,7 +112,8 @@ def _launch(in_dtype, out: DeviceArray, params: ParamBuffer, rows: int, heads: i
     units = rows * heads * (head_dim // 8)
     if units:
         kernel.launch(set_lanes(params, units, params["n"] or None), THREADS, 0, params, s)
-    out.stream = lse_out.stream = s.ptr
+    out.written_on(s)
+    lse_out.written_on(s)
 
 
 def _set_out(p: ParamBuffer, out: DeviceArray, lse_out: DeviceArray | None):

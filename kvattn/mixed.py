@@ -301,7 +301,7 @@ class BatchMixedWithPagedKVCache:
         for op, plan, o_r, l_r in parts:
             op._issue(plan, handle, o_r, l_r, attention=st["launch"] is None)
         del keep   # (scale arrays copied from the host: referenced until the launches are issued)
-        out.stream = s.ptr
+        out.written_on(s)
         if lse is not None:
-            lse.stream = s.ptr
+            lse.written_on(s)
         return (out_ret, lse_ret) if return_lse else out_ret

@@ -409,9 +409,9 @@ class AttentionOp:
             before()
         self._issue(p, s.handle, out, lse)
         del keep
-        out.stream = s.ptr
+        out.written_on(s)
         if lse is not None:
-            lse.stream = s.ptr
+            lse.written_on(s)
         return (out_ret, lse_ret) if return_lse else out_ret
 
     @staticmethod

@@ -236,7 +236,8 @@ def append_paged_kv_cache(k_new, v_new, append_indptr, k_cache, v_cache, page_ta
     threads = nnz * -(-hkv // HEADS_PER_THREAD) * (d // 16)
     kernel.launch(-(-threads // THREADS), THREADS, 0, params, s)
     del keep
-    k.stream = v.stream = s.ptr
+    k.written_on(s)
+    v.written_on(s)
     return None
 
 

@@ -10,6 +10,9 @@ A consumer that read the block on another stream (through `__dlpack__(stream=S)`
 freed, and such a block never enters the free list. A consumer that reads through `__cuda_array_interface__` on
 another stream must keep the array alive until its reads are queued behind a synchronisation (as with any
 stream-ordered allocator: PyTorch's record_stream, CuPy's pool).
+A block keeps its kvattn Stream alive, and a stream kvattn created frees the blocks its free list keeps before it
+is destroyed (`release_stream`), so no free is ever queued on a destroyed stream's handle (run 50a: a segfault in
+cuMemFreeAsync when a test's own stream was collected before its output).
 """
 from __future__ import annotations
 
@@ -51,10 +54,10 @@ _free_bytes = [0]
 
 
 class PoolBlock:
-    """One stream-ordered allocation (ptr, bytes, the handle of its stream, its device); back to its free list or
-    freed on its stream when garbage."""
+    """One stream-ordered allocation (ptr, bytes, the handle of its stream, its device, the kvattn Stream of that
+    handle, kept alive until the block is freed); back to its free list or freed on its stream when garbage."""
 
-    __slots__ = ("ptr", "nbytes", "stream", "used_on", "device")
+    __slots__ = ("ptr", "nbytes", "stream", "used_on", "device", "keep")
 
     def __del__(self):
         try:
@@ -79,6 +82,17 @@ def release_free_lists():
         while lst:
             _free(lst.pop(), stream, None, device)
             _free_bytes[0] -= nbytes
+
+
+def release_stream(handle: int):
+    """Free the blocks the free lists keep for the stream `handle` (kvattn is about to destroy that stream). A free
+    that fails (another stream capturing in global mode) leaves its block to the pool unfreed: rare, and the stream
+    cannot wait for a retry."""
+    for key in [k for k in _free_lists if k[1] == handle]:
+        lst = _free_lists.pop(key)
+        _free_bytes[0] -= key[0] * len(lst)
+        for ptr in lst:
+            _free(ptr, handle, None, key[2])
 
 
 def _free(ptr, stream, used_on, device) -> bool:
@@ -135,7 +149,7 @@ def pool_empty(shape: tuple, dtype: np.dtype, stream, device: int | None = None)
             _driver.fail("cuMemAllocFromPoolAsync", err)
         ptr = int(ptr)
     block = PoolBlock.__new__(PoolBlock)
-    block.ptr, block.nbytes, block.stream, block.used_on, block.device = ptr, nbytes, h, None, device
+    block.ptr, block.nbytes, block.stream, block.used_on, block.device, block.keep = ptr, nbytes, h, None, device, stream
     return _memory.DeviceArray._make(ptr, shape, dtype, strides, block, h)
 
 

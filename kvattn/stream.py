@@ -31,7 +31,7 @@ class Stream:
         drv = _driver.driver()
         if _handle is None:
             self.handle = _driver.call("cuStreamCreate", drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
-            self._finalizer = weakref.finalize(self, _driver.release, "cuStreamDestroy", self.handle)
+            self._finalizer = weakref.finalize(self, _destroy, self.handle)
         else:  # a borrowed handle: not ours to destroy
             self.handle = drv.CUstream(int(_handle))
             self._finalizer = None
@@ -125,6 +125,17 @@ def per_thread_stream() -> Stream:
 
 
 default_stream = legacy_stream   # the name CuPy and PyTorch use for it
+
+
+def _destroy(handle):
+    """The end of a stream kvattn created: the pool blocks kept for it are freed on it first (they name its handle;
+    live blocks keep their Stream alive), then it is destroyed."""
+    from .pool import release_stream
+    try:
+        release_stream(int(handle))
+    except Exception:   # interpreter shutdown: the context goes with the process
+        pass
+    _driver.release("cuStreamDestroy", handle)
 
 
 def _from_handle(ptr: int) -> Stream:

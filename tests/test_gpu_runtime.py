@@ -121,6 +121,26 @@ def test_merge_states_matches_reference(rows, n, heads, dim, dtype, seed):
     assert_lse(lse_out.numpy(), rl, 1e-4)
 
 
+def test_outputs_outlive_the_created_stream_they_were_written_on():
+    """Run 50a's segfault: a test's own kvattn.Stream was collected before the `out=None` output written on it, and
+    the output's free went to the destroyed stream. The output keeps its stream alive: read after the stream's last
+    user reference is gone (ordered after its writer) and freed on a live stream, 50 times on fresh data."""
+    import gc
+    rng = np.random.default_rng()
+    for _ in range(50):
+        oa, la = _states(rng, (64, 4, 128), "bfloat16")
+        ob, lb = _states(rng, (64, 4, 128), "bfloat16")
+        s = kvattn.Stream()
+        out, lse_out = kvattn.merge_state(oa, la, ob, lb, stream=s)
+        del s
+        gc.collect()
+        ro, rl = reference.merge_state(oa.astype(np.float64), la, ob.astype(np.float64), lb)
+        assert rel_l2(out.numpy(), ro) <= 1e-2
+        assert_lse(lse_out.numpy(), rl, 1e-4)
+        del out, lse_out
+        gc.collect()
+
+
 def test_merge_state_in_place_with_mask():
     rng = np.random.default_rng()
     o, lse = _states(rng, (64, 4, 128), "float32")

@@ -83,3 +83,63 @@ def test_free_lists_are_bounded(fake_driver, monkeypatch):
     pool.release_free_lists()
     assert pool._free_bytes[0] == 0 and len([c for c in calls if c[0] == "free"]) == 4 + pool.FREE_LIST_BLOCKS
     assert set(ptrs) >= {c[1] for c in calls if c[0] == "free" and c[1] in ptrs}
+
+
+def _stream_calls(calls, handle):
+    """The names of the faked driver calls that name the stream `handle`, in order."""
+    return [name for name, args in calls if any(type(x) is not np.ndarray and _is_handle(x, handle) for x in args)]
+
+
+def _is_handle(x, handle):
+    try:
+        return int(x) == handle
+    except (TypeError, ValueError):
+        return False
+
+
+def test_a_created_stream_outlives_its_blocks_and_frees_its_free_list_before_it_is_destroyed():
+    """Run 50a's segfault: a test's own kvattn.Stream was collected before the output allocated on it, and the
+    output's free was queued on the destroyed handle. Now the block keeps its Stream alive; once both are garbage
+    (either order), the block kept in the free list is freed on the stream, then the stream is destroyed, and no
+    free-list entry names the dead handle."""
+    import weakref
+    from _fake_driver import fake_driver
+    for stream_first in (True, False):
+        with fake_driver() as calls:
+            s = st.Stream()
+            h, gone = s.ptr, weakref.ref(s)
+            a = pool.pool_empty((4, 8), F16, s, 0)
+            if stream_first:
+                del s
+                gc.collect()
+                assert gone() is not None and "cuStreamDestroy" not in calls.names()   # a keeps it
+                del a
+            else:
+                del a
+                gc.collect()
+                assert pool._free_lists[(64, h, 0)] and "cuMemFreeAsync" not in calls.names()   # kept for reuse
+                del s
+            gc.collect()
+            assert gone() is None
+            assert _stream_calls(calls, h)[-2:] == ["cuMemFreeAsync", "cuStreamDestroy"]
+            assert not any(k[1] == h for k in pool._free_lists) and pool._free_bytes[0] == 0
+
+
+def test_an_array_written_on_a_created_stream_keeps_it_alive():
+    """An array a kvattn kernel wrote remembers its writer's handle for exports (CAI's stream field, DLPack's
+    wait), so the Stream lives as long as the array: no export waits on a destroyed handle."""
+    import weakref
+    from _fake_driver import fake_driver
+    from kvattn import memory
+    with fake_driver() as calls:
+        s = st.Stream()
+        h, gone = s.ptr, weakref.ref(s)
+        a = memory.DeviceArray(0x7000_0000, (4, 8), "float16")   # e.g. a caller's `out`
+        a.written_on(s)
+        del s
+        gc.collect()
+        assert gone() is not None and a.__cuda_array_interface__["stream"] == h
+        assert "cuStreamDestroy" not in calls.names()
+        del a
+        gc.collect()
+        assert gone() is None and _stream_calls(calls, h)[-1] == "cuStreamDestroy"
