@@ -138,7 +138,31 @@ def specs():
     from kvattn.page import append_spec   # append_paged_kv_cache (tests, scripts/bench_append.py)
     out += [append_spec(t, d, r, kv) for t in ("bfloat16", "float16") for d in (64, 128, 256) for r in (0, 1, 2)
             for kv in (None, "float8_e4m3fn", "float8_e5m2")]
+    out += _fused_merge_twins(out)   # small batches' plans (the GPU tests') take the fused-merge instance
+    # the instances run 50a's bare machine still compiled: sm90 persistent with the merge fused or the warpgroups split,
+    # fp16 a CTA a unit, RoPE on 128-row sm80 tiles and D256 wgmma, the mixed kernel at head dim 64, fp8 expansions
+    for d, vs in ((64, (Variant(),)), (128, (Variant(), Variant(True, False), Variant(False, True)))):
+        out += [pf.sm90_spec(d, v, "bfloat16", persistent=True, interleaved=il, fused_merge=True)
+                for v in vs for il in (False, True)]
+    out += [pf.sm90_spec(128, Variant(), "bfloat16", persistent=True, interleaved=il, wg_split=True) for il in (False, True)]
+    out += [pf.sm90_spec(128, Variant(), "float16", persistent=False, interleaved=il) for il in (False, True)]
+    for rope in (1, 2):
+        out += [pf.prefill_spec(128, 128, Variant(rope=rope), "bfloat16"), pf.sm90_spec(256, Variant(rope=rope), "bfloat16")]
+    out.append(mixed.mixed_spec(pf.sm90_spec(64, Variant(), "bfloat16", persistent=True, interleaved=True),
+                                decode.decode_spec(64, 1, Variant(), "bfloat16"), mixed.MAX_SUBS))
+    from kvattn.fp8_expand import expand_spec
+    out += [expand_spec(kv, t, d) for kv in ("float8_e4m3fn", "float8_e5m2") for t in ("bfloat16", "float16")
+            for d in (64, 128, 256)]
     return list(dict.fromkeys(out))
+
+
+def _fused_merge_twins(specs):
+    """The fused-merge build (KVATTN_FUSED_MERGE_BATCH) of each decode instance in specs built without it (and not
+    slim or traced): decode_spec(..., fused_merge_batch=FUSED_MERGE_BATCH) differs from it by that define alone."""
+    import dataclasses
+    skip = ("KVATTN_FUSED_MERGE_BATCH", "KVATTN_DECODE_SLIM", "KVATTN_DECODE_TRACE")
+    return [dataclasses.replace(s, defines=s.defines + (("KVATTN_FUSED_MERGE_BATCH", decode.FUSED_MERGE_BATCH),))
+            for s in specs if s.header == "decode.cuh" and not any(k in skip for k, _ in s.defines)]
 
 
 def _compile(spec):
