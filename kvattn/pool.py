@@ -12,7 +12,9 @@ another stream must keep the array alive until its reads are queued behind a syn
 stream-ordered allocator: PyTorch's record_stream, CuPy's pool).
 A block keeps its kvattn Stream alive, and a stream kvattn created frees the blocks its free list keeps before it
 is destroyed (`release_stream`), so no free is ever queued on a destroyed stream's handle (run 50a: a segfault in
-cuMemFreeAsync when a test's own stream was collected before its output).
+cuMemFreeAsync when a test's own stream was collected before its output). A stream kvattn did not create (a
+framework's, a raw handle) must outlive the arrays allocated or written on it, as with the framework's own allocator
+(PyTorch never destroys its streams); a caller about to destroy one calls `release_stream(handle)` first.
 """
 from __future__ import annotations
 
