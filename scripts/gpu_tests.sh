@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU test files in parallel pytest processes sharing one kernel cache (a bare machine compiles every kernel
 # on first use: one process took over 330 s for the first ~60 tests; 8 processes ran the whole suite in 399 s on a
-# bare H200, run 43a; the decode file in two groups since run 44a cut it at 480 s). Logs under $OUT/t_<group>.log;
+# bare H200, run 43a; the decode file in three groups since runs 44a and 50a). Logs under $OUT/t_<group>.log;
 # exit status non-zero when any group failed.
 #     bash scripts/gpu_tests.sh [pytest args...]        (run from the repository root; LIMIT=seconds per group;
 #                                                       ONLY="decode2 prefill2": only those groups)
@@ -16,7 +16,8 @@ PF="reference or every_query or fused"
 DF="ab_builds or head_dim_256 or large_groups or wg_split"   # the decode tests that build their own variants
 declare -A SETS=(
   [decode1]="tests/test_decode_gpu.py -k '$DF'"
-  [decode2]="tests/test_decode_gpu.py -k 'not ($DF)'"
+  [decode2]="tests/test_decode_gpu.py -k 'not ($DF or decode_matches_reference)'"
+  [decode3]="tests/test_decode_gpu.py -k 'decode_matches_reference'"   # (178 s of float64 reference alone, run 50a)
   [prefill1]="tests/test_prefill_gpu.py -k '$PF'"
   [prefill2]="tests/test_prefill_gpu.py -k 'not ($PF)'"
   [variants]="tests/test_variants_gpu.py"
