@@ -40,8 +40,8 @@ class DeviceArray:
     to wait for that stream) never claim a readiness that was not established.
     """
 
-    __slots__ = ("shape", "dtype", "strides", "ptr", "owner", "stream", "writer", "__weakref__")   # (writer: set by
-    # written_on only, never read)
+    # (writer: the kvattn Stream of `stream`, set by written_on only and never read: it keeps that stream alive)
+    __slots__ = ("shape", "dtype", "strides", "ptr", "owner", "stream", "writer", "__weakref__")
 
     def __init__(self, ptr: int, shape, dtype, strides=None, owner=None, stream=None):
         self.shape = tuple(int(s) for s in shape)
