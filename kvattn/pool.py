@@ -11,10 +11,10 @@ freed, and such a block never enters the free list. A consumer that reads throug
 another stream must keep the array alive until its reads are queued behind a synchronisation (as with any
 stream-ordered allocator: PyTorch's record_stream, CuPy's pool).
 A block keeps its kvattn Stream alive, and a stream kvattn created frees the blocks its free list keeps before it
-is destroyed (`release_stream`), so no free is ever queued on a destroyed stream's handle (run 50a: a segfault in
+is destroyed (`release_free_lists(handle)`), so no free is ever queued on a destroyed stream's handle (run 50a: a segfault in
 cuMemFreeAsync when a test's own stream was collected before its output). A stream kvattn did not create (a
 framework's, a raw handle) must outlive the arrays allocated or written on it, as with the framework's own allocator
-(PyTorch never destroys its streams); a caller about to destroy one calls `release_stream(handle)` first.
+(PyTorch never destroys its streams); a caller about to destroy one calls `release_free_lists(handle)` first.
 """
 from __future__ import annotations
 
@@ -78,23 +78,17 @@ class PoolBlock:
             pass
 
 
-def release_free_lists():
-    """Give every block kept in the free lists back to the pool (stream-ordered frees)."""
-    for (nbytes, stream, device), lst in list(_free_lists.items()):
-        while lst:
-            _free(lst.pop(), stream, None, device)
-            _free_bytes[0] -= nbytes
-
-
-def release_stream(handle: int):
-    """Free the blocks the free lists keep for the stream `handle` (kvattn is about to destroy that stream). A free
-    that fails (another stream capturing in global mode) leaves its block to the pool unfreed: rare, and the stream
-    cannot wait for a retry."""
-    for key in [k for k in _free_lists if k[1] == handle]:
+def release_free_lists(stream: int | None = None):
+    """Give the blocks kept in the free lists back to the pool (stream-ordered frees): those of the stream with
+    handle `stream` (before that stream is destroyed), or of every stream (None). A free that fails (another stream
+    capturing in global mode) leaves its block to the pool unfreed: rare, and a stream being destroyed cannot wait
+    for a retry."""
+    for key in [k for k in _free_lists if stream is None or k[1] == stream]:
+        nbytes, handle, device = key
         lst = _free_lists.pop(key)
-        _free_bytes[0] -= key[0] * len(lst)
+        _free_bytes[0] -= nbytes * len(lst)
         for ptr in lst:
-            _free(ptr, handle, None, key[2])
+            _free(ptr, handle, None, device)
 
 
 def _free(ptr, stream, used_on, device) -> bool:

@@ -130,9 +130,9 @@ default_stream = legacy_stream   # the name CuPy and PyTorch use for it
 def _destroy(handle):
     """The end of a stream kvattn created: the pool blocks kept for it are freed on it first (they name its handle;
     live blocks keep their Stream alive), then it is destroyed."""
-    from .pool import release_stream
+    from .pool import release_free_lists
     try:
-        release_stream(int(handle))
+        release_free_lists(int(handle))
     except Exception:   # interpreter shutdown: the context goes with the process
         pass
     _driver.release("cuStreamDestroy", handle)

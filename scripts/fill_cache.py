@@ -3,6 +3,7 @@
     KVATTN_CACHE_DIR=.kvcache python scripts/fill_cache.py
 """
 import concurrent.futures
+import dataclasses
 import os
 import sys
 import time
@@ -22,9 +23,7 @@ def specs():
         for mt in ((1, 2) if d <= 128 else (1,)):
             for t in decode.DTYPES:
                 for v in (Variant(), Variant(True, False), Variant(False, True), Variant(True, True)):
-                    out.append(decode.decode_spec(d, mt, v, t))
-                    # the instance of plans that fuse the merge (small batches: the GPU tests' usual case)
-                    out.append(decode.decode_spec(d, mt, v, t, fused_merge_batch=decode.FUSED_MERGE_BATCH))
+                    out.append(decode.decode_spec(d, mt, v, t))   # (and its fused-merge twin, below)
     for stages in (2, 3, 4):
         for l2 in (False, True):
             for refill in (False, True):
@@ -159,7 +158,6 @@ def specs():
 def _fused_merge_twins(specs):
     """The fused-merge build (KVATTN_FUSED_MERGE_BATCH) of each decode instance in specs built without it (and not
     slim or traced): decode_spec(..., fused_merge_batch=FUSED_MERGE_BATCH) differs from it by that define alone."""
-    import dataclasses
     skip = ("KVATTN_FUSED_MERGE_BATCH", "KVATTN_DECODE_SLIM", "KVATTN_DECODE_TRACE")
     return [dataclasses.replace(s, defines=s.defines + (("KVATTN_FUSED_MERGE_BATCH", decode.FUSED_MERGE_BATCH),))
             for s in specs if s.header == "decode.cuh" and not any(k in skip for k, _ in s.defines)]
