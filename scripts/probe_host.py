@@ -6,7 +6,8 @@ b1_L2048 decode (bf16 Hq32/Hkv8/D128, page 16) with torch tensors: the median ho
 each piece, the pieces taking turns (bench_interop.host_us_interleaved: the machine's drift hits them alike, the
 device synchronised between turns so the launch queue never fills). Pieces: whole run() in each call style, the
 launch alone, the stream lookup, one tensor's import, the pool allocation, and torch's own accessors that the
-import reads; then causal ragged prefill run() and its launch alone (b8_S2048 and b1_S256, kvattn arrays).
+import reads; then causal ragged prefill run() and its launch alone (b8_S2048 and b1_S256, kvattn arrays); then
+the kvattn-array runs again, each on an idle GPU (the device synchronised before every call).
 """
 from __future__ import annotations
 
@@ -80,7 +81,28 @@ def main():
     print(f"{'piece':40s} {'us':>7s}")
     for name, t in us.items():
         print(f"{name:40s} {t:7.2f}")
+    # The same runs each timed on an idle GPU (synchronised before every call, untimed): a launch behind a queue of
+    # long kernels may cost the driver more than one on an idle GPU (prefill's run() read 12-15 us in run 51a's
+    # bench_interop against decode's 8.7, its Python ~1.5 us more on that host)
+    idle = {n: f for n, f in pieces.items() if n.startswith(("run: kvattn", "prefill"))}
+    print(f"{'the same, on an idle GPU (median of 400)':40s} {'us':>7s}")
+    for name, fn in idle.items():
+        print(f"{name:40s} {host_us_idle(fn):7.2f}")
     return 0
+
+
+def host_us_idle(fn, n=400) -> float:
+    """Median host time (us) of one call of fn, the device synchronised (untimed) before each."""
+    import time
+    sync = kvattn._driver.driver().cuCtxSynchronize
+    samples = []
+    for _ in range(n):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    sync()
+    return float(np.median(samples) * 1e6)
 
 
 if __name__ == "__main__":
