@@ -79,6 +79,13 @@
 #define KVATTN_SM90_LAZY 1
 #endif
 
+// A unit's last tile whose kept columns all lie in one 64-column half (a causal unit of 32 or 64 query tokens every
+// other unit, a block-sparse row's odd 64-column block, a partial last tile) runs its P V over that half's 64
+// tokens only (1; 0: the whole tile, the default until scripts/ab_sm90.py --narrow measures it).
+#ifndef KVATTN_SM90_NARROW
+#define KVATTN_SM90_NARROW 0
+#endif
+
 // A ragged cache's item whose KV does not end on a tile: its last tile by the same TMA box as the full ones, moved
 // back to end at the item's end (its first rows repeat tokens of the tile before, masked below `lo` in the softmax),
 // so no row past the item is read and no tile is copied per thread (those copies cost a unit ~0.8 us: run 26f).
@@ -384,6 +391,8 @@ struct PrefillSm90 {
   static constexpr bool kShift = KVATTN_SM90_SHIFT && kTma && !KVIL && !(V::kCustomMask && V::kWindow);
   // (KVATTN_SM90_PTAIL) A paged item's partial last tile: its whole pages by TMA.
   static constexpr bool kPagedTail = KVATTN_SM90_PTAIL && kTma && !KVSPLIT;
+  // (KVATTN_SM90_NARROW) 128-token tiles whose K and V share their barriers.
+  static constexpr bool kNarrow = KVATTN_SM90_NARROW && N == 128 && !KVSPLIT;
   __device__ __forceinline__ static int box_start(const PrefillParams& p, const Item& it, int t0) {
     return kShift && p.tma_mode == 1 && t0 + N > it.ke && it.ke - N > it.kb ? it.ke - N : t0;
   }
@@ -557,6 +566,37 @@ struct PrefillSm90 {
     for (int ks = 0; ks < N / 16; ++ks)
       Wgmma<T, D_VO>::rs(o, pa[ks], sw128_desc(v_addr + ks * 2 * V_GROUP_BYTES, V_BLOCK_BYTES, V_GROUP_BYTES), 1);
     wgmma_commit();
+  }
+
+  // (kNarrow) Which half of the unit's last tile (as loaded: a moved box ends at the item's end) holds every kept
+  // column: 1 the first, 2 the second, 0 neither. The other half's probabilities are 0 (its columns are masked).
+  __device__ __forceinline__ static int narrow_half(const PrefillParams& p, const Item& it, int ntiles) {
+    if constexpr (!kNarrow) {
+      return 0;
+    } else {
+      const int t0 = it.kb + (ntiles - 1) * N;
+      const int start = kShift ? box_start(p, it, t0) : t0;
+      const int lo = (kShift ? own_start(p, it, start) : start) - start, hi = it.ke - start;
+      return hi <= N / 2 ? 1 : lo >= N / 2 ? 2 : 0;
+    }
+  }
+  // (kNarrow) P V over the tile's 64-token half H only. (Q K^T stays whole: an N = 64 wgmma beside the N = 128 ones,
+  // into half of the same accumulators or into their own, makes ptxas serialise every wgmma of the kernel.)
+  template <int H>
+  __device__ __forceinline__ static void issue_pv_half(float (&o)[ON], const unsigned (&pa)[N / 16][4], unsigned v_addr) {
+#pragma unroll
+    for (int ks = H * N / 32; ks < (H + 1) * N / 32; ++ks)
+      Wgmma<T, D_VO>::rs(o, pa[ks], sw128_desc(v_addr + ks * 2 * V_GROUP_BYTES, V_BLOCK_BYTES, V_GROUP_BYTES), 1);
+    wgmma_commit();
+  }
+  // The unit's last P V: half (narrow_half's) picks its tokens.
+  __device__ __forceinline__ static void issue_pv_at(float (&o)[ON], const unsigned (&pa)[N / 16][4], unsigned v_addr,
+                                                     int half) {
+    if constexpr (kNarrow) {
+      if (half == 1) return issue_pv_half<0>(o, pa, v_addr);
+      if (half == 2) return issue_pv_half<1>(o, pa, v_addr);
+    }
+    issue_pv(o, pa, v_addr);
   }
 
   // Custom mask: the N bits of row tok from kv index j0 on (bit k of out[k / 32] is the pair (tok, j0 + k)), read
@@ -917,6 +957,7 @@ struct PrefillSm90 {
     };
     const int lane = threadIdx.x % 32, cw = threadIdx.x / 32 - 4, cwg = cw / 4;   // consumer warp / warpgroup
     const int ntiles = (it.ke - it.kb + N - 1) / N;
+    const int narrow = narrow_half(p, it, ntiles);   // (kNarrow) the last tile's P V over one half
     // This thread's rows (cw * 16 + lane / 4 + 8 r): their query tokens, clamped for padding rows.
     int tok[2];
 #pragma unroll
@@ -990,7 +1031,7 @@ struct PrefillSm90 {
       my_turn(cwg);
       wgmma_fence();
       const int last_st = (g + ntiles - 1) % STAGES;
-      issue_pv(acc, pa, kv_addr + last_st * STAGE_BYTES + K_ELEMS * sizeof(T));
+      issue_pv_at(acc, pa, kv_addr + last_st * STAGE_BYTES + K_ELEMS * sizeof(T), narrow);
       their_turn(cwg);
       if (!STREAM && cwg == 0) my_turn(cwg);   // consumer 1's last arrival
       if constexpr (EARLY) load_early();   // in flight while the last P V runs

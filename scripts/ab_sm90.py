@@ -5,6 +5,7 @@
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
                                             [--lazy] [--shift] [--ptail] [--tilen]
                                             [--lazymax] [--boundary] [--groupdiv] [--tail] [--balance] [--qhalf]
+                                            [--narrow]
                                             [--sustained]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
@@ -59,6 +60,9 @@
 --qhalf: each consumer warpgroup's 64 Q rows on their own barriers (KVATTN_SM90_QHALF: consumer 0's half refilled
   without waiting for consumer 1's last Q K^T), 1 = both halves then tile 0, 2 = half 0, tile 0, half 1, against
   the default one Q tile; the --boundary shapes and non-causal b32_S1024, those of more than one request first.
+--narrow: the unit's last tile's P V over one 64-token half where the other half's columns are all masked
+  (KVATTN_SM90_NARROW=1) against the whole tile; the --boundary shapes of more than one request, causal b1_S8192,
+  and block-sparse (64, 64) at 10% / 50% (8192 x 8192).
 --balance: the walk's items placed so that the persistent CTAs' loads balance (kvattn.scheduler.WALK_BALANCE)
   against the snake walk of the items as sorted: mixed-length causal and non-causal batches, appends, controls.
 --tail: the persistent walk's last round filled by cutting its last blocks into chunks (prefill.SM90_TAIL_SPLIT)
@@ -356,6 +360,44 @@ def run_qhalf(bp, rng):
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 
+#: --narrow: the unit's last tile's P V over the half of its 64 tokens that holds its kept columns (KVATTN_SM90_NARROW)
+NARROW = (("KVATTN_SM90_NARROW", 1),)
+
+
+def block_sparse_case(rng, density):
+    """measure() of 8192 x 8192 (64, 64) block-sparse attention at `density` (bench_block_sparse.py's case: units of
+    ~13 blocks at 10%, their last tile half full in about half of the block rows)."""
+    import kvattn
+    from bench_block_sparse import HKV, S, pattern, sample_error
+    from kvattn.timing import time_us
+    bsr = pattern(rng, 64, 64, density)
+    bf = kvattn._dtypes.to_numpy("bfloat16")
+    q = rng.standard_normal((S, 32, 128)).astype(bf)
+    k = rng.standard_normal((S, HKV, 128)).astype(bf)
+    v = rng.standard_normal((S, HKV, 128)).astype(bf)
+    dq, dk, dv = (kvattn.from_numpy(x) for x in (q, k, v))
+    out = kvattn.empty(q.shape, "bfloat16")
+
+    def measure():
+        w = kvattn.BlockSparseAttentionWrapper()
+        w.plan(bsr, 32, HKV, 128)
+        us = time_us(lambda: w.run(dq, dk, dv, out=out))
+        return us, sample_error(rng, bsr, *(x.astype(np.float32) for x in (q, k, v, out.numpy())))
+    return measure, 4 * bsr.nnz_blocks * 64 * 64 * 32 * 128
+
+
+def run_narrow(bp, rng):
+    """The unit's last P V over one 64-token half where the other half is all masked (a causal unit of 32 / 64
+    query tokens every other unit; a block row's odd 64-column block) against the whole tile (the default)."""
+    opts = [("whole last tile (def)", tuning(())), ("narrow last P V", tuning(NARROW))]
+    for name, b, s, causal in [c for c in BOUNDARY_CASES if c[1] > 1] + [("causal b1_S8192", 1, 8192, True)]:
+        compare("narrow", name, flops_of(bp, b, s, causal), opts,
+                case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
+    for density in (0.1, 0.5):
+        measure, flops = block_sparse_case(rng, density)
+        compare("narrow", f"block-sparse (64, 64) {density:.0%}", flops, opts, measure)
+
+
 TAIL_CASES = [("non-causal b1_S8192", 1, 8192, False), ("non-causal b2_S8192", 2, 8192, False),
               ("non-causal b32_S1024", 32, 1024, False), ("non-causal b4_S4096", 4, 4096, False),
               ("causal b1_S8192", 1, 8192, True), ("causal b8_S2048", 8, 2048, True)]
@@ -589,7 +631,7 @@ EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma":
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit, "tilen": run_tilen,
                "lazymax": run_lazymax,
                "boundary": run_boundary, "groupdiv": run_groupdiv, "tail": run_tail, "balance": run_balance,
-               "qhalf": run_qhalf}
+               "qhalf": run_qhalf, "narrow": run_narrow}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

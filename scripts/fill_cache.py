@@ -64,10 +64,12 @@ def specs():
     out += [pf.sm90_spec(d, Variant(), "bfloat16", interleaved=il) for d in (64, 128) for il in (False, True)]
     # test_sm90_kv_tiles_over_128_tokens, test_sm90_running_max_kept_or_moved and ab_sm90.py --tilen / --lazymax: KV
     # tiles of 144 / 160 tokens, the max moved at every tile, their controls; persistent and a CTA a unit, ragged and
-    # paged; test_sm90_group_divide_build / ab_sm90.py --groupdiv; test_sm90_qhalf_builds / ab_sm90.py --qhalf
+    # paged; test_sm90_group_divide_build / ab_sm90.py --groupdiv; test_sm90_qhalf_builds / ab_sm90.py --qhalf;
+    # test_sm90_narrow_last_pv_build, test_block_sparse_narrow_last_pv_build / ab_sm90.py --narrow
     for defs in ((("KVATTN_SM90_N", 144), ("KVATTN_SM90_STAGES", 2)), (("KVATTN_SM90_N", 160), ("KVATTN_SM90_STAGES", 2)),
                  (("KVATTN_SM90_STAGES", 2),), (("KVATTN_SM90_LAZY_MAX", 0),), (),
-                 (("KVATTN_GROUP_MAGIC", 0),), (("KVATTN_SM90_QHALF", 1),), (("KVATTN_SM90_QHALF", 2),)):
+                 (("KVATTN_GROUP_MAGIC", 0),), (("KVATTN_SM90_QHALF", 1),), (("KVATTN_SM90_QHALF", 2),),
+                 (("KVATTN_SM90_NARROW", 1),)):
         pf.SM90_TUNING = defs
         out += [pf.sm90_spec(128, Variant(), "bfloat16", persistent=ps, interleaved=il)
                 for ps in (False, True) for il in (False, True)]

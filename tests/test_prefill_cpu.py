@@ -214,7 +214,8 @@ def test_sm90_kernels_compile_without_spills_or_serialized_wgmma(d):
                                   (("KVATTN_SM90_BOUNDS", 0),), (("KVATTN_GROUP_MAGIC", 0),),
                                   (("KVATTN_SM90_QHALF", 1),), (("KVATTN_SM90_QHALF", 2),),
                                   (("KVATTN_SM90_QHALF", 2), ("persistent", 0)),
-                                  (("KVATTN_GROUP_MAGIC", 0), ("persistent", 0))])
+                                  (("KVATTN_GROUP_MAGIC", 0), ("persistent", 0)),
+                                  (("KVATTN_SM90_NARROW", 1),), (("KVATTN_SM90_NARROW", 1), ("persistent", 0))])
 def test_sm90_experiment_builds_compile_without_spills(defs, monkeypatch):
     """The build switches scripts/ab_sm90.py times against the default stay correct builds: the persistent
     head_dim 128 instance (("persistent", 0): the CTA-a-unit one) compiles with no spills and its shared memory

@@ -347,6 +347,50 @@ def test_sm90_group_divide_build(group, causal, monkeypatch):
         assert "KVATTN_GROUP_MAGIC=0" in w.last_plan.info["kernel"].spec.uri()
 
 
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_narrow_last_pv_build(group, causal, monkeypatch):
+    """The build whose units' last P V runs over one 64-token half where the other half's columns are all masked
+    (KVATTN_SM90_NARROW=1, scripts/ab_sm90.py --narrow): causal units of 32 / 64 / 128 query tokens (groups 4, 8,
+    1: their last tiles end a quarter, half, ... into a tile), KV not a multiple of 128 (ragged: a moved last box,
+    kept columns in its second half for 700 and 2048 + 60; paged: the first half), one-token and one-tile requests;
+    O and LSE against the reference, persistent CTAs and a CTA a unit, ragged and paged."""
+    if _driver.arch() != "sm_90a":
+        pytest.skip("the sm90 kernel needs an sm_90 GPU")
+    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_NARROW", 1),))
+    qo, kv = [256, 33, 1, 200, 96, 64, 300], [256, 700, 1, 1500, 100, 2048 + 60, 300]
+    for w in _sm90_walks(monkeypatch, ("narrow", group, causal), qo, kv, dtype="bfloat16", causal=causal,
+                         group=group):
+        assert "KVATTN_SM90_NARROW=1" in w.last_plan.info["kernel"].spec.uri()
+
+
+def test_block_sparse_narrow_last_pv_build(monkeypatch):
+    """Block-sparse (64, 64) rows of odd and even block counts on the KVATTN_SM90_NARROW=1 build (a row's last tile
+    holds one 64-column block: its P V over that half), against the float64 reference."""
+    if _driver.arch() != "sm_90a":
+        pytest.skip("the sm90 kernel needs an sm_90 GPU")
+    from kvattn.formats import BlockSparse
+    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_NARROW", 1),))
+    rng = np.random.default_rng(7)
+    mb, nb = 8, 16
+    counts = [1, 2, 3, 5, 8, 13, 16, 0]
+    cols = np.concatenate([np.sort(rng.choice(nb, n, replace=False)) for n in counts]).astype(np.int32)
+    bsr = BlockSparse(np.concatenate([[0], np.cumsum(counts)]), cols, (64, 64), (mb * 64, nb * 64))
+    bf = _dtypes.to_numpy("bfloat16")
+    q = rng.standard_normal((mb * 64, 32, 128)).astype(bf)
+    k = rng.standard_normal((nb * 64, 8, 128)).astype(bf)
+    v = rng.standard_normal((nb * 64, 8, 128)).astype(bf)
+    w = kvattn.BlockSparseAttentionWrapper()
+    w.plan(bsr, 32, 8, 128)
+    assert w.last_plan.info["backend"] == "sm90"
+    assert "KVATTN_SM90_NARROW=1" in w.last_plan.info["kernel"].spec.uri()
+    out, lse = poisoned(q.shape, "bfloat16"), poisoned(q.shape[:2], "float32")
+    w.run(kvattn.from_numpy(q), kvattn.from_numpy(k), kvattn.from_numpy(v), out=out, lse=lse)
+    ro, rl = reference.block_sparse_attention(q, k, v, bsr, return_lse=True)
+    assert rel_l2(out.numpy(), ro) <= 1e-2
+    assert_lse(lse.numpy(), rl, 1e-2)
+
+
 @pytest.mark.parametrize("mode", [1, 2])
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("causal", [False, True])
