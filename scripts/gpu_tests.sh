@@ -12,7 +12,7 @@ export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLO
 export KVATTN_CACHE_DIR=${KVATTN_CACHE_DIR:-.kvcache}
 LIMIT=${LIMIT:-1800}
 source scripts/_unpack_cache.sh
-PF="reference or every_query or fused"
+PF="reference or every_query or fused or narrow"   # (prefill2 ran 362 s of its 430 in run 51b)
 DF="ab_builds or head_dim_256 or large_groups or wg_split"   # the decode tests that build their own variants
 declare -A SETS=(
   [decode1]="tests/test_decode_gpu.py -k '$DF'"
