@@ -352,10 +352,9 @@ def test_sm90_group_divide_build(group, causal, monkeypatch):
 def test_sm90_narrow_last_pv_build(group, causal, monkeypatch):
     """The build whose units' last P V runs over one 64-token half where the other half's columns are all masked
     (KVATTN_SM90_NARROW=1, scripts/ab_sm90.py --narrow): causal units of 128 / 32 / 16 query tokens (groups 1, 4,
-    8: their last tiles end an eighth, a quarter, half, ... into a tile), KV not a multiple of 128 (ragged: a moved
-    last box, kept columns in its second half for 700 and 2048 + 60; paged: the first half), one-token and one-tile
-    requests;
-    O and LSE against the reference, persistent CTAs and a CTA a unit, ragged and paged."""
+    8: their last tiles end at multiples of 128 / 32 / 16 columns), KV not a multiple of 128 (ragged: a moved last
+    box, kept columns in its second half for 700 and 2048 + 60; paged: the first half), one-token and one-tile
+    requests; O and LSE against the reference, persistent CTAs and a CTA a unit, ragged and paged."""
     if _driver.arch() != "sm_90a":
         pytest.skip("the sm90 kernel needs an sm_90 GPU")
     monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_NARROW", 1),))
