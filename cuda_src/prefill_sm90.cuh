@@ -560,10 +560,11 @@ struct PrefillSm90 {
     wgmma_commit();
   }
 
-  // O += P V over the tile's N tokens, 16 at a time (issued and committed).
+  // O += P V over the tile's tokens 16 KS0 .. 16 KS1 - 1 (all N by default), 16 at a time (issued and committed).
+  template <int KS0 = 0, int KS1 = N / 16>
   __device__ __forceinline__ static void issue_pv(float (&o)[ON], const unsigned (&pa)[N / 16][4], unsigned v_addr) {
 #pragma unroll
-    for (int ks = 0; ks < N / 16; ++ks)
+    for (int ks = KS0; ks < KS1; ++ks)
       Wgmma<T, D_VO>::rs(o, pa[ks], sw128_desc(v_addr + ks * 2 * V_GROUP_BYTES, V_BLOCK_BYTES, V_GROUP_BYTES), 1);
     wgmma_commit();
   }
@@ -574,27 +575,19 @@ struct PrefillSm90 {
     if constexpr (!kNarrow) {
       return 0;
     } else {
-      const int t0 = it.kb + (ntiles - 1) * N;
-      const int start = kShift ? box_start(p, it, t0) : t0;
-      const int lo = (kShift ? own_start(p, it, start) : start) - start, hi = it.ke - start;
+      const int start = box_start(p, it, it.kb + (ntiles - 1) * N);   // (t0 itself unless kShift moves it)
+      const int lo = own_start(p, it, start) - start, hi = it.ke - start;
       return hi <= N / 2 ? 1 : lo >= N / 2 ? 2 : 0;
     }
   }
-  // (kNarrow) P V over the tile's 64-token half H only. (Q K^T stays whole: an N = 64 wgmma beside the N = 128 ones,
-  // into half of the same accumulators or into their own, makes ptxas serialise every wgmma of the kernel.)
-  template <int H>
-  __device__ __forceinline__ static void issue_pv_half(float (&o)[ON], const unsigned (&pa)[N / 16][4], unsigned v_addr) {
-#pragma unroll
-    for (int ks = H * N / 32; ks < (H + 1) * N / 32; ++ks)
-      Wgmma<T, D_VO>::rs(o, pa[ks], sw128_desc(v_addr + ks * 2 * V_GROUP_BYTES, V_BLOCK_BYTES, V_GROUP_BYTES), 1);
-    wgmma_commit();
-  }
-  // The unit's last P V: half (narrow_half's) picks its tokens.
+  // The unit's last P V: half (narrow_half's) picks its tokens, the first or second 64 or all N. (Q K^T stays whole:
+  // an N = 64 wgmma beside the N = 128 ones, into half of the same accumulators or into their own, makes ptxas
+  // serialise every wgmma of the kernel.)
   __device__ __forceinline__ static void issue_pv_at(float (&o)[ON], const unsigned (&pa)[N / 16][4], unsigned v_addr,
                                                      int half) {
     if constexpr (kNarrow) {
-      if (half == 1) return issue_pv_half<0>(o, pa, v_addr);
-      if (half == 2) return issue_pv_half<1>(o, pa, v_addr);
+      if (half == 1) return issue_pv<0, N / 32>(o, pa, v_addr);
+      if (half == 2) return issue_pv<N / 32, N / 16>(o, pa, v_addr);
     }
     issue_pv(o, pa, v_addr);
   }

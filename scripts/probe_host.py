@@ -11,6 +11,8 @@ the kvattn-array runs again, each on an idle GPU (the device synchronised before
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 import kvattn
@@ -93,7 +95,6 @@ def main():
 
 def host_us_idle(fn, n=400) -> float:
     """Median host time (us) of one call of fn, the device synchronised (untimed) before each."""
-    import time
     sync = kvattn._driver.driver().cuCtxSynchronize
     samples = []
     for _ in range(n):
