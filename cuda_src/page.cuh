@@ -11,6 +11,12 @@
 #ifndef KVATTN_APPEND_HINTS
 #define KVATTN_APPEND_HINTS 0
 #endif
+// KVATTN_APPEND_LOADS_FIRST (the A/B of bench_append.py --loads-first; 0, the default, until it is measured): 1
+// issues a thread's new-row loads before its index lookups (request, page range, page id: three dependent round
+// trips that the loads, which need only the token, do not wait for), so their latency overlaps the lookups'.
+#ifndef KVATTN_APPEND_LOADS_FIRST
+#define KVATTN_APPEND_LOADS_FIRST 0
+#endif
 
 namespace kvattn {
 
@@ -76,7 +82,8 @@ __device__ __forceinline__ void store8_fp8(KV* out, const float (&f)[8], float s
 
 // One thread moves 16 dims of up to HPT heads of one token, in K and in V: dims [d0, d0 + 8) and [d0 + D/2,
 // d0 + D/2 + 8), the pairs NeoX RoPE rotates together; D / 16 threads per (token, group of HPT heads). The
-// token's page is found once for its heads, and every 16-byte load of a thread is issued before its stores. A
+// token's page is found once for its heads, and every 16-byte load of a thread is issued before its stores (and,
+// with KVATTN_APPEND_LOADS_FIRST, before the page is looked up). A
 // token whose request, position or page is out of range (device-side index arrays are not checked on the host)
 // is not written. ROPE: 0 none, 1 NeoX halves, 2 GPT-J interleaved pairs (variant.cuh's rope_rotate). KV: the
 // cache's element type (T, or fp8: each value is stored as value / its head's scale).
@@ -90,6 +97,22 @@ __global__ void __launch_bounds__(256) append_paged_kernel(const __grid_constant
   const int t = int(row / groups);
   const int h0 = int(row - unsigned(t) * groups) * HPT;
   if (t >= p.nnz) return;
+  uint4 k_lo[HPT], k_hi[HPT], v_lo[HPT], v_hi[HPT];
+  auto load_rows = [&]() {   // this thread's 16 dims of each of its heads of the token, in K and V
+    const T* kin = static_cast<const T*>(p.k_new) + (long long)t * p.new_stride_n + d0;
+    const T* vin = static_cast<const T*>(p.v_new) + (long long)t * p.new_stride_n + d0;
+#pragma unroll
+    for (int i = 0; i < HPT; ++i) {
+      const long long hs = (long long)(h0 + i) * p.new_stride_h;
+      if (h0 + i < p.num_kv_heads) {
+        k_lo[i] = append_load16(kin + hs);
+        k_hi[i] = append_load16(kin + hs + D / 2);
+        v_lo[i] = append_load16(vin + hs);
+        v_hi[i] = append_load16(vin + hs + D / 2);
+      }
+    }
+  };
+  if constexpr (KVATTN_APPEND_LOADS_FIRST != 0) load_rows();   // (the rows exist for every t < nnz)
   const int b = __ldg(p.batch_indices + t), pos = __ldg(p.positions + t);
   if (b < 0 || b >= p.batch_size || pos < 0) return;
   const int first = __ldg(p.page_indptr + b), npages = __ldg(p.page_indptr + b + 1) - first;
@@ -98,20 +121,8 @@ __global__ void __launch_bounds__(256) append_paged_kernel(const __grid_constant
   const int pg = pos / p.page_size;
   const int page = __ldg(p.page_indices + first + pg);
   if (page < 0 || page >= p.num_pages) return;
-  const T* kin = static_cast<const T*>(p.k_new) + (long long)t * p.new_stride_n + d0;
-  const T* vin = static_cast<const T*>(p.v_new) + (long long)t * p.new_stride_n + d0;
   const long long dst = (long long)page * p.c_page + (long long)(pos - pg * p.page_size) * p.c_token + d0;
-  uint4 k_lo[HPT], k_hi[HPT], v_lo[HPT], v_hi[HPT];
-#pragma unroll
-  for (int i = 0; i < HPT; ++i) {
-    const long long hs = (long long)(h0 + i) * p.new_stride_h;
-    if (h0 + i < p.num_kv_heads) {
-      k_lo[i] = append_load16(kin + hs);
-      k_hi[i] = append_load16(kin + hs + D / 2);
-      v_lo[i] = append_load16(vin + hs);
-      v_hi[i] = append_load16(vin + hs + D / 2);
-    }
-  }
+  if constexpr (KVATTN_APPEND_LOADS_FIRST == 0) load_rows();
   float inv[8];
   if constexpr (ROPE != 0) rope_inv_freq<ROPE == 2, D>(inv, d0, p.rope_log2_theta);
 #pragma unroll

@@ -46,6 +46,9 @@ HEADS_PER_THREAD = 4   # append_paged_kernel's HPT: the KV heads one thread move
 #: streaming stores (H200, run 22a, bench_append.py --hints in alternating rounds: 8 x 4096 tokens 74.2 us, 0.852 of
 #: copy, against 74.7-74.8 us, 0.846, plain; the same bits); 0 plain and 2 loads only are the A/B's other sides.
 HINTS = 1
+#: page.cuh's KVATTN_APPEND_LOADS_FIRST: 1 issues a thread's new-row loads before its page lookup (the A/B of
+#: bench_append.py --loads-first); 0, the kernel that run 22a measured, until a GPU run says otherwise.
+LOADS_FIRST = 0
 I32 = np.dtype(np.int32)
 
 
@@ -55,7 +58,8 @@ def append_spec(dtype: str, head_dim: int, rope: int = 0, kv_dtype: str | None =
     kv = f", {_dtypes.to_ctype(kv_dtype)}" if kv_dtype and kv_dtype != dtype else ""
     return KernelSpec("page.cuh", f"kvattn::append_paged_kernel<{_dtypes.to_ctype(dtype)}, {head_dim}, {rope}, "
                                   f"{HEADS_PER_THREAD}{kv}>",
-                      defines=(("KVATTN_APPEND_HINTS", HINTS),) if HINTS else ())
+                      defines=tuple((name, v) for name, v in (("KVATTN_APPEND_HINTS", HINTS),
+                                                              ("KVATTN_APPEND_LOADS_FIRST", LOADS_FIRST)) if v))
 
 
 register("page", [append_spec(t, 128) for t in ("bfloat16", "float16")] + [append_spec("bfloat16", 64),

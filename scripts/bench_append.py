@@ -89,6 +89,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep", action="store_true", help="also time the large case at 1, 2, 4, 8 heads per thread")
     ap.add_argument("--hints", action="store_true", help="also time both cases with page.cuh's cache hints 1 and 2")
+    ap.add_argument("--loads-first", action="store_true",
+                    help="also time both cases with the new rows' loads issued before the page lookup, in turns")
     args = ap.parse_args()
     import torch
     rng = np.random.default_rng(0)
@@ -112,6 +114,8 @@ def main():
         sweep("HEADS_PER_THREAD", (1, 2, 8, 4), "HPT")
     if args.hints:   # in turns with the plain kernel (hints 0 last), the cache's bits checked as every case's
         sweep("HINTS", (1, 2, 0, 1, 2, 0), "hints")
+    if args.loads_first:   # in turns with the default kernel, the cache's bits checked as every case's
+        sweep("LOADS_FIRST", (1, 0, 1, 0, 1, 0), "loads_first")
     print(f"\npaged KV append, bf16 Hkv8/D128 page 16; us; copy ceiling {ceiling:.2f} TB/s")
     table(rows, ["case", "nnz", "dev_us", "TBps", "frac", "torch_us", "host_path_us", "graph_us", "host_us", "fi_us",
                  "vs_fi", "ok"])

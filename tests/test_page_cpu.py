@@ -92,3 +92,18 @@ def test_append_cache_hint_instances_compile_without_spills(monkeypatch):
         assert spec.defines == (("KVATTN_APPEND_HINTS", hints),)
         compiled, _ = spec.compile("sm_90a")
         assert all(r.spills == 0 for r in compiled.resources.values())
+
+
+def test_append_loads_first_instances_compile_without_spills(monkeypatch):
+    """bench_append.py --loads-first's build (page.LOADS_FIRST 1: a token's new rows loaded before its page lookup)
+    is its own instance (a define in the cache key) and builds with 0 spills for the registered shapes, RoPE and
+    fp8 included; the default (0) adds no define."""
+    from kvattn import page
+    assert page.LOADS_FIRST == 0 and ("KVATTN_APPEND_LOADS_FIRST", 1) not in page.append_spec("bfloat16", 128).defines
+    monkeypatch.setattr(page, "LOADS_FIRST", 1)
+    for args in (("bfloat16", 128), ("float16", 128), ("bfloat16", 64), ("bfloat16", 128, 1),
+                 ("bfloat16", 128, 0, "float8_e4m3fn")):
+        spec = page.append_spec(*args)
+        assert ("KVATTN_APPEND_LOADS_FIRST", 1) in spec.defines
+        compiled, _ = spec.compile("sm_90a")
+        assert all(r.spills == 0 for r in compiled.resources.values())

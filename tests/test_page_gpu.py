@@ -88,6 +88,47 @@ def test_append_device_indices_out_of_range_write_nothing():
     assert np.array_equal(vd.numpy().view(np.uint16), rv.view(np.uint16))
 
 
+@pytest.fixture
+def loads_first_build():
+    """page.cuh's KVATTN_APPEND_LOADS_FIRST build for the test's calls (the A/B of bench_append.py --loads-first),
+    the default build restored after."""
+    from kvattn import page
+    default = page.LOADS_FIRST
+    page.LOADS_FIRST = 1
+    page._launchers.clear()
+    yield
+    page.LOADS_FIRST = default
+    page._launchers.clear()
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_append_loads_first_build_matches_reference(loads_first_build, layout):
+    """The build that loads a token's new rows before looking up its page: every page size's slots exact, fused
+    RoPE within bf16 rounding, and out-of-range device indices (request, position) still write nothing."""
+    rng = np.random.default_rng(7)
+    for ps, (hkv, d) in ((1, (1, 64)), (5, (4, 128)), (16, (8, 128)), (16, (2, 256))):
+        kc, vc, pt, ind, kn, vn = _case(rng, [0, 33, 70, 5], [40, 1, 17, 0], ps, hkv, d, "bfloat16", layout)
+        kd, vd = kvattn.from_numpy(kc), kvattn.from_numpy(vc)
+        b, pos = kvattn.get_batch_indices_positions(ind, pt)
+        b[1], pos[2] = 9, pt.kv_lens[b[2]]   # a request that does not exist, a position past its request's end
+        dev = tuple(kvattn.from_numpy(a) for a in (pt.indptr, pt.indices, pt.last_page_len))
+        kvattn.append_paged_kv_cache(kvattn.from_numpy(kn), kvattn.from_numpy(vn), None, kd, vd, dev, layout,
+                                     batch_indices=kvattn.from_numpy(b), positions=kvattn.from_numpy(pos))
+        keep = np.ones(b.size, bool)
+        keep[[1, 2]] = False
+        rk, rv = reference.append_paged_kv_cache(kn[keep], vn[keep], b[keep], pos[keep], kc, vc, pt,
+                                                 kv_layout=layout)
+        assert np.array_equal(kd.numpy().view(np.uint16), rk.view(np.uint16)), f"K cache differs at page size {ps}"
+        assert np.array_equal(vd.numpy().view(np.uint16), rv.view(np.uint16)), f"V cache differs at page size {ps}"
+    kc, vc, pt, ind, kn, vn = _case(rng, [100, 3000, 0], [1, 17, 40], 16, 2, 128, "bfloat16", layout)
+    kd = kvattn.from_numpy(kc)
+    kvattn.append_paged_kv_cache(kn, vn, ind, kd, kvattn.from_numpy(vc), pt, layout, rope=kvattn.RoPE(theta=5e5))
+    b, pos = reference.batch_indices_positions(ind, pt.kv_lens)
+    kr = reference.apply_rope(kn, pos, rope_theta=5e5)
+    rk, _ = reference.append_paged_kv_cache(kr, vn, b, pos, kc.astype(np.float64), vc, pt, kv_layout=layout)
+    got = kd.numpy().astype(np.float64)
+    assert np.all(np.abs(got - rk) <= 2 ** -7 * np.abs(rk) + 1e-2), np.max(np.abs(got - rk))
+
 def test_append_errors_before_any_write():
     rng = np.random.default_rng(3)
     kc, vc, pt, ind, kn, vn = _case(rng, [10, 20], [2, 2], 4, 2, 64, "bfloat16", "NHD")
