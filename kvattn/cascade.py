@@ -17,7 +17,8 @@ prefill kernels (each level its own query tile, so a 512-row shared level takes 
 A last level of one query row per request (a decode step's suffix) runs on the decode kernel instead (one wave
 of balanced chunks; each piece of a request writes its own merge slot of the row, and the slots a request with
 fewer pieces leaves are set empty by a memset step), and where mixed_choice predicts a gain, in one launch with
-level 0 (cuda_src/mixed.cuh, as kvattn.mixed: level 0's persistent CTAs on some SMs, decode warpgroups on the rest).
+level 0 (cuda_src/mixed.cuh, as kvattn.mixed: level 0's persistent CTAs on some SMs, decode warpgroups on the rest;
+with DECODE_AFTER_LEVEL_0, off until measured, where no split pays: the decode CTAs after level 0's in one grid).
 Every query row owns `slots` consecutive float32 partial states, one per (level, KV chunk): each block of level l
 is cut into chunks[l] KV chunks (an empty chunk writes lse = -inf). run() launches one prefill kernel per level
 and one stacked merge that combines each row's slots, level 0 first (deterministic: fixed order, no atomics).
@@ -51,6 +52,11 @@ from .variants import Variant, plan_variant
 
 #: The decode level's rate on the whole GPU (run 22b: 134 MB of 256-token suffixes in ~45 us; longer chunks more).
 DECODE_HBM_BYTES = 3.4e12
+#: Where mixed_choice finds no split of the SMs that pays, put the decode level's CTAs in level 0's grid anyway,
+#: after its persistent CTAs, with both levels scheduled on every SM: the decode CTAs start on the SMs level 0 leaves
+#: idle (its 128 units of prefix 32768 / batch 128 leave 4 of 132) and on each SM as its level-0 CTA ends, instead
+#: of after the whole level and a second launch. Off until measured (bench_cascade.py --after-level-0 times both).
+DECODE_AFTER_LEVEL_0 = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +226,7 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
               self._decode_kernel(shapes[-1], len(lv), hq, hkv, d, q_dtype, kv_dtype, variant))
         mix = self._mixed_split(shapes, cfgs, dk, hq, hkv, d, kv_dtype) if dk is not None else None
         sms = [self.num_sms] * len(lv)   # the SMs each level is scheduled on
-        if mix is not None:
+        if mix is not None and mix[1] is not None:   # (None: the decode CTAs after level 0's, both on every SM)
             sms[0], sms[-1] = mix[1], self.num_sms - mix[1]
         if self.deterministic:   # every row's states at the same slots whatever the batch (the merge's rounds)
             chunks = [DETERMINISTIC_SPLIT_CHUNKS] * len(shapes)
@@ -341,7 +347,8 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
             levels=tuple(dict(cta_rows=rows, chunks=n, backend=cfg.backend, items=it.shape[0])
                          if not (dec is not None and li == len(tiles) - 1) else
                          dict(cta_rows=16 * dec.m_tiles, chunks=dec.pieces, backend="decode", items=dec.work_req.size,
-                              mixed_with_level_0=mix is not None, sms=sms[-1])
+                              mixed_with_level_0=mix is not None, after_level_0=mix is not None and mix[1] is None,
+                              sms=sms[-1])
                          for li, (rows, n, cfg, it) in enumerate(zip(tiles, chunks, cfgs, items))),
             slots=slots, variant=variant, num_kv_heads=hkv)
 
@@ -364,13 +371,16 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
         """(mixed kernel, SMs for level 0) where level 0 (the persistent wgmma kernel) and the decode level run
         in one launch (cuda_src/mixed.cuh: level 0's CTAs on some SMs, three decode warpgroups per CTA on the
         others; the split: mixed_choice), or None: 16-bit caches, decode warpgroups that fit one CTA's shared
-        memory, a kernel without spills, and a predicted gain over two launches (mixed_choice)."""
+        memory, a kernel without spills, and a predicted gain over two launches (mixed_choice). With
+        DECODE_AFTER_LEVEL_0, where no split pays: (mixed kernel, None), the decode CTAs after level 0's."""
         cfg0 = cfgs[0]
         kernel, _, _, smem = dk
         if cfg0.backend != "sm90" or not cfg0.persistent or _dtypes.to_numpy(kv_dtype).itemsize != 2:
             return None
         best = mixed_choice(shapes[0][0], shapes[0][1], shapes[-1][1], hq, hkv, d, self.num_sms, cfg0.ctas_per_sm)
-        mk = mixed_kernel(cfg0.spec, kernel.spec, cfg0.smem, smem, MAX_SUBS) if best is not None else None
+        if best is None and not DECODE_AFTER_LEVEL_0:
+            return None
+        mk = mixed_kernel(cfg0.spec, kernel.spec, cfg0.smem, smem, MAX_SUBS)
         return (mk, best) if mk is not None else None
 
     def _decode_level(self, dk, kv, hkv, d, page_size, num_sms, ctas_per_sm):

@@ -266,3 +266,36 @@ def test_deterministic_cascade_refuses_graph_mode():
         kvattn.MultiLevelCascadeAttentionWrapper(2, deterministic=True, use_cuda_graph=True, max_batch_size=4,
                                                  max_total_qo=8, max_num_pages=16)
     assert kvattn.MultiLevelCascadeAttentionWrapper(2, deterministic=True).deterministic
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_decode_level_after_level_0_plans_one_grid_on_every_sm(after, monkeypatch):
+    """bench_cascade.py's prefix 32768 / batch 128 shape (no SM split pays: mixed_choice None), faked driver: by
+    default level 0 and the decode level are two launches; with DECODE_AFTER_LEVEL_0 one mixed grid holds level 0's
+    128 persistent CTAs, then the decode level's warpgroups (three a CTA) scheduled on all 132 SMs; run() issues it
+    and the stacked merge only."""
+    from _fake_driver import fake_driver
+    from kvattn import cascade
+    monkeypatch.setattr(cascade, "DECODE_AFTER_LEVEL_0", after)
+    with fake_driver() as calls:
+        b, ps = 128, 16
+        rng = np.random.default_rng(0)
+        perm = rng.permutation(32768 // ps + b * 256 // ps).astype(np.int32)
+        pre = PageTable([0, 32768 // ps], perm[:32768 // ps], [ps], ps)
+        suf = PageTable(np.arange(b + 1) * (256 // ps), perm[32768 // ps:], np.full(b, ps), ps)
+        levels = CascadeLevels([(np.array([0, b]), pre), (np.arange(b + 1), suf)])
+        w = kvattn.MultiLevelCascadeAttentionWrapper(2).plan(levels, None, 32, 8, 128)
+        last = w.last_plan.info["levels"][-1]
+        assert cascade.mixed_choice([b], [32768], [256] * b, 32, 8, 128, w.num_sms) is None
+        assert last["backend"] == "decode" and last["mixed_with_level_0"] == after and last["after_level_0"] == after
+        assert last["sms"] == w.num_sms == 132   # the decode level scheduled on every SM either way
+        q = kvattn.empty((b, 32, 128), "bfloat16")
+        k = kvattn.empty((int(perm.size), ps, 8, 128), "bfloat16")
+        n = len(calls)
+        w.run(q, k, k, out=kvattn.empty(q.shape, "bfloat16"))
+        launched = [args for name, args in calls[n:] if name.startswith("cuLaunch")]
+        assert len(launched) == (2 if after else 3), calls.names(n)   # (+ the stacked merge)
+        if after:   # level 0: 4 query blocks of 128 rows x 4 chunks x 8 KV heads, a persistent CTA each; then
+            # the decode CTAs of a wave over every SM (a split would have given the decode level ~20 SMs)
+            units, grid_x = 128, int(launched[0][1])
+            assert units + 100 < grid_x <= units + w.num_sms, grid_x

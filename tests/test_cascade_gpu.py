@@ -144,6 +144,29 @@ def test_decode_suffix_level(hkv, group, d, cap, layout, b, kv_dtype):
         assert last["mixed_with_level_0"] == (predicted is not None), (predicted, w.last_plan.info["levels"])
 
 
+@pytest.mark.parametrize("levels_kind", ["2 levels, b128", "3 levels, b64"])
+def test_decode_level_after_level_0_in_one_grid(levels_kind, monkeypatch):
+    """kvattn.cascade.DECODE_AFTER_LEVEL_0 (off by default, for the A/B of bench_cascade.py --after-level-0): where
+    no SM split pays (forced here), the decode level's CTAs join level 0's grid after its persistent CTAs, both
+    scheduled on every SM; the result is the reference's, on sm_90 at head dim 128 in one launch."""
+    from kvattn import cascade
+    monkeypatch.setattr(cascade, "DECODE_AFTER_LEVEL_0", True)
+    monkeypatch.setattr(cascade, "mixed_choice", lambda *args, **kwargs: None)
+    rng = np.random.default_rng(13)
+    if levels_kind == "2 levels, b128":
+        b = 128
+        lv = _levels(rng, [1] * b, [[b], [1] * b], [[4096], rng.integers(1, 600, b)], 16)
+    else:
+        b = 64
+        mid = [16, 0, 32, 16]
+        lv = _levels(rng, [1] * b, [[b], mid, [1] * b], [[1500], [300, 0, 17, 900], rng.integers(1, 3000, b)], 16)
+    w = run_case(rng, lv, hkv=8, group=4, d=128)
+    last = w.last_plan.info["levels"][-1]
+    assert last["backend"] == "decode", w.last_plan.info["levels"]
+    if kvattn._driver.arch() == "sm_90a":
+        assert last["mixed_with_level_0"] and last["after_level_0"], w.last_plan.info["levels"]
+        assert last["sms"] == w.num_sms
+
 def test_cascade_graph_replay_after_replan():
     rng = np.random.default_rng(3)
     hkv, group, d, ps = 2, 4, 128, 16
