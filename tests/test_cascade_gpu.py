@@ -167,6 +167,7 @@ def test_decode_level_after_level_0_in_one_grid(levels_kind, monkeypatch):
         assert last["mixed_with_level_0"] and last["after_level_0"], w.last_plan.info["levels"]
         assert last["sms"] == w.num_sms
 
+
 def test_cascade_graph_replay_after_replan():
     rng = np.random.default_rng(3)
     hkv, group, d, ps = 2, 4, 128, 16
