@@ -1,6 +1,9 @@
 """Fill KVATTN_CACHE_DIR with the kernels the GPU tests and benchmarks use (so a bare GPU machine skips NVRTC).
 
-    KVATTN_CACHE_DIR=.kvcache python scripts/fill_cache.py
+    KVATTN_CACHE_DIR=.kvcache python scripts/fill_cache.py [--entries LIST]
+
+--entries: also write the cache-relative path of each of these kernels' entries to LIST, one a line (what
+scripts/pack_cache.sh packs: the folder also keeps entries of earlier sources, which no machine will hit again).
 """
 import concurrent.futures
 import dataclasses
@@ -136,9 +139,12 @@ def specs():
                             out.append(pf.prefill_spec(d, rows, v, t, kv))
                 for d in pf.SM90_HEAD_DIMS:
                     out.append(pf.sm90_spec(d, v, t, kv))
-    from kvattn.page import append_spec   # append_paged_kv_cache (tests, scripts/bench_append.py)
-    out += [append_spec(t, d, r, kv) for t in ("bfloat16", "float16") for d in (64, 128, 256) for r in (0, 1, 2)
+    from kvattn import page   # append_paged_kv_cache (tests, scripts/bench_append.py)
+    out += [page.append_spec(t, d, r, kv) for t in ("bfloat16", "float16") for d in (64, 128, 256) for r in (0, 1, 2)
             for kv in (None, "float8_e4m3fn", "float8_e5m2")]
+    saved, page.LOADS_FIRST = page.LOADS_FIRST, 1   # test_append_loads_first_build_matches_reference, --loads-first
+    out += [page.append_spec("bfloat16", d) for d in (64, 128, 256)] + [page.append_spec("bfloat16", 128, 1)]
+    page.LOADS_FIRST = saved
     out += _fused_merge_twins(out)   # small batches' plans (the GPU tests') take the fused-merge instance
     # the instances run 50a's bare machine still compiled: sm90 persistent with the merge fused or the warpgroups split,
     # fp16 a CTA a unit, RoPE on 128-row sm80 tiles and D256 wgmma, the mixed kernel at head dim 64, fp8 expansions
@@ -169,9 +175,19 @@ def _compile(spec):
     spec.compile("sm_90a")
 
 
+def entry_path(spec, arch="sm_90a") -> str:
+    """The spec's cache entry, relative to the cache folder (kvattn.cache's key of what spec.compile asks for)."""
+    from kvattn import cache
+    k = cache.key(spec.source(), spec.all_options(), [spec.kernel], arch)
+    return os.path.join(k[:2], k + ".cubin")
+
+
 if __name__ == "__main__":
     t0 = time.time()
     ss = specs()
     with concurrent.futures.ProcessPoolExecutor(os.cpu_count()) as ex:
         list(ex.map(_compile, ss))
     print(f"{len(ss)} kernels in {os.environ.get('KVATTN_CACHE_DIR')} ({time.time() - t0:.0f} s)")
+    if "--entries" in sys.argv:
+        with open(sys.argv[sys.argv.index("--entries") + 1], "w") as f:
+            f.write("".join(entry_path(s) + "\n" for s in ss))

@@ -6,8 +6,9 @@
 #                                                           unpack it into an empty KVATTN_CACHE_DIR)
 set -eu
 export KVATTN_CACHE_DIR=${KVATTN_CACHE_DIR:-$PWD/.kvcache}
-${PYTHON:-python3} scripts/fill_cache.py
 mkdir -p .kvpack
-tar -C "$KVATTN_CACHE_DIR" -cf - . | xz -T0 -6 > .kvpack/kvcache.tar.xz.part
+# only the current kernels' entries (the folder keeps those of earlier sources: run 52's pack doubled to 62 MB)
+${PYTHON:-python3} scripts/fill_cache.py --entries .kvpack/entries.txt
+tar -C "$KVATTN_CACHE_DIR" -cf - -T .kvpack/entries.txt | xz -T0 -6 > .kvpack/kvcache.tar.xz.part
 mv .kvpack/kvcache.tar.xz.part .kvpack/kvcache.tar.xz
-echo "packed $(find "$KVATTN_CACHE_DIR" -type f | wc -l) files into $(du -h .kvpack/kvcache.tar.xz | cut -f1)"
+echo "packed $(wc -l < .kvpack/entries.txt) files into $(du -h .kvpack/kvcache.tar.xz | cut -f1)"
