@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fill a kernel cache on the CPU machine and pack it for the device tool (a bare GPU machine otherwise compiles every
-# kernel its tests use: run 44a's decode test file alone ran past 480 s). The cache (1134 kernels on 2026-12-07: run
-# 50a's 44 misses and the NARROW builds added) exceeds the tool's 64 MiB carry; xz packs it to ~30 MB. 7-16 minutes on the CPU machine.
+# kernel its tests use: run 44a's decode test file alone ran past 480 s). The cache (1138 kernels on 2026-12-07: run
+# 50a's 44 misses, the NARROW and loads-first builds added) exceeds the tool's 64 MiB carry; xz packs it to ~25 MB. 7-16 minutes on the CPU machine.
 #     PYTHON=.venv/bin/python bash scripts/pack_cache.sh   (repository root; then carry .kvpack: scripts/gpu_*.sh
 #                                                           unpack it into an empty KVATTN_CACHE_DIR)
 set -eu
