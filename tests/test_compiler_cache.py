@@ -164,3 +164,16 @@ def test_a_size_python_relies_on_is_checked_by_the_compiler():
     with pytest.raises(CompileError) as e:
         bad.compile("sm_90a")
     assert f"SMEM_BYTES differs from the {value + 16} kvattn (Python) launches with" in str(e.value)
+
+
+def test_fill_cache_entry_path_is_where_compile_stores_the_spec(cache_dir):
+    """scripts/pack_cache.sh packs exactly fill_cache.py's entry paths: each must be the file a compile wrote."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "fill_cache.py")
+    mod = importlib.util.spec_from_file_location("fill_cache", path)
+    fill_cache = importlib.util.module_from_spec(mod)
+    mod.loader.exec_module(fill_cache)
+    spec = merge.merge_spec("float16", "float16")
+    spec.compile(ARCH)
+    written = [os.path.relpath(os.path.join(r, f), cache_dir) for r, _, fs in os.walk(cache_dir) for f in fs]
+    assert written == [fill_cache.entry_path(spec, ARCH)]
