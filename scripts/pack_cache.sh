@@ -4,10 +4,11 @@
 # 50a's 44 misses, the NARROW and loads-first builds added) exceeds the tool's 64 MiB carry; xz packs it to ~25 MB. 7-16 minutes on the CPU machine.
 #     PYTHON=.venv/bin/python bash scripts/pack_cache.sh   (repository root; then carry .kvpack: scripts/gpu_*.sh
 #                                                           unpack it into an empty KVATTN_CACHE_DIR)
-set -eu
+set -euo pipefail
 export KVATTN_CACHE_DIR=${KVATTN_CACHE_DIR:-$PWD/.kvcache}
 mkdir -p .kvpack
-# only the current kernels' entries (the folder keeps those of earlier sources: run 52's pack doubled to 62 MB)
+# only the current kernels' entries (the folder keeps those of earlier sources: session 43's first repack doubled
+# to 62 MB, near the carry limit)
 ${PYTHON:-python3} scripts/fill_cache.py --entries .kvpack/entries.txt
 tar -C "$KVATTN_CACHE_DIR" -cf - -T .kvpack/entries.txt | xz -T0 -6 > .kvpack/kvcache.tar.xz.part
 mv .kvpack/kvcache.tar.xz.part .kvpack/kvcache.tar.xz
