@@ -11,7 +11,7 @@
 #ifndef KVATTN_APPEND_HINTS
 #define KVATTN_APPEND_HINTS 0
 #endif
-// KVATTN_APPEND_LOADS_FIRST (the A/B of bench_append.py --loads-first; 0, the default, until it is measured): 1
+// KVATTN_APPEND_LOADS_FIRST (kvattn.page.LOADS_FIRST chooses; bench_append.py --loads-first is the A/B): 1
 // issues a thread's new-row loads before its index lookups (request, page range, page id: three dependent round
 // trips that the loads, which need only the token, do not wait for), so their latency overlaps the lookups'.
 #ifndef KVATTN_APPEND_LOADS_FIRST

@@ -18,7 +18,7 @@ A last level of one query row per request (a decode step's suffix) runs on the d
 of balanced chunks; each piece of a request writes its own merge slot of the row, and the slots a request with
 fewer pieces leaves are set empty by a memset step), and where mixed_choice predicts a gain, in one launch with
 level 0 (cuda_src/mixed.cuh, as kvattn.mixed: level 0's persistent CTAs on some SMs, decode warpgroups on the rest;
-with DECODE_AFTER_LEVEL_0, off until measured, where no split pays: the decode CTAs after level 0's in one grid).
+with DECODE_AFTER_LEVEL_0 where no split pays: the decode CTAs after level 0's in one grid).
 Every query row owns `slots` consecutive float32 partial states, one per (level, KV chunk): each block of level l
 is cut into chunks[l] KV chunks (an empty chunk writes lse = -inf). run() launches one prefill kernel per level
 and one stacked merge that combines each row's slots, level 0 first (deterministic: fixed order, no atomics).
@@ -55,8 +55,9 @@ DECODE_HBM_BYTES = 3.4e12
 #: Where mixed_choice finds no split of the SMs that pays, put the decode level's CTAs in level 0's grid anyway,
 #: after its persistent CTAs, with both levels scheduled on every SM: the decode CTAs start on the SMs level 0 leaves
 #: idle (its 128 units of prefix 32768 / batch 128 leave 4 of 132) and on each SM as its level-0 CTA ends, instead
-#: of after the whole level and a second launch. Off until measured (bench_cascade.py --after-level-0 times both).
-DECODE_AFTER_LEVEL_0 = False
+#: of after the whole level and a second launch. H100, run 53a (bench_cascade.py --after-level-0, 3 alternating rounds):
+#: prefix 32768 / batch 128 198.0 -> 189.4 us; the cases where a split pays (or level 0 is not persistent) unchanged.
+DECODE_AFTER_LEVEL_0 = True
 
 
 @dataclasses.dataclass(frozen=True)

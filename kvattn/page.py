@@ -46,9 +46,11 @@ HEADS_PER_THREAD = 4   # append_paged_kernel's HPT: the KV heads one thread move
 #: streaming stores (H200, run 22a, bench_append.py --hints in alternating rounds: 8 x 4096 tokens 74.2 us, 0.852 of
 #: copy, against 74.7-74.8 us, 0.846, plain; the same bits); 0 plain and 2 loads only are the A/B's other sides.
 HINTS = 1
-#: page.cuh's KVATTN_APPEND_LOADS_FIRST: 1 issues a thread's new-row loads before its page lookup (the A/B of
-#: bench_append.py --loads-first); 0, the kernel that run 22a measured, until a GPU run says otherwise.
-LOADS_FIRST = 0
+#: page.cuh's KVATTN_APPEND_LOADS_FIRST: 1 issues a thread's new-row loads before its page lookup (H100, run 53a,
+#: bench_append.py --loads-first in 3 alternating rounds: 8 x 4096 tokens 96.6-96.9 us, 0.911-0.913 of copy, against
+#: 97.2-97.5 us, 0.905-0.908, with 0; graph replay ahead in all 6 pairs, 256 x 1 token included); 0 is the A/B's
+#: other side, the kernel run 22a measured.
+LOADS_FIRST = 1
 I32 = np.dtype(np.int32)
 
 

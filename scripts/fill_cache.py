@@ -142,7 +142,7 @@ def specs():
     from kvattn import page   # append_paged_kv_cache (tests, scripts/bench_append.py)
     out += [page.append_spec(t, d, r, kv) for t in ("bfloat16", "float16") for d in (64, 128, 256) for r in (0, 1, 2)
             for kv in (None, "float8_e4m3fn", "float8_e5m2")]
-    saved, page.LOADS_FIRST = page.LOADS_FIRST, 1   # test_append_loads_first_build_matches_reference, --loads-first
+    saved, page.LOADS_FIRST = page.LOADS_FIRST, 1 - page.LOADS_FIRST   # the other load order: its GPU test, --loads-first
     out += [page.append_spec("bfloat16", d) for d in (64, 128, 256)] + [page.append_spec("bfloat16", 128, 1)]
     page.LOADS_FIRST = saved
     out += _fused_merge_twins(out)   # small batches' plans (the GPU tests') take the fused-merge instance

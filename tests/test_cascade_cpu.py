@@ -270,12 +270,13 @@ def test_deterministic_cascade_refuses_graph_mode():
 
 @pytest.mark.parametrize("after", [False, True])
 def test_decode_level_after_level_0_plans_one_grid_on_every_sm(after, monkeypatch):
-    """bench_cascade.py's prefix 32768 / batch 128 shape (no SM split pays: mixed_choice None), faked driver: by
-    default level 0 and the decode level are two launches; with DECODE_AFTER_LEVEL_0 one mixed grid holds level 0's
-    128 persistent CTAs, then the decode level's warpgroups (three a CTA) scheduled on all 132 SMs; run() issues it
-    and the stacked merge only."""
+    """bench_cascade.py's prefix 32768 / batch 128 shape (no SM split pays: mixed_choice None), faked driver:
+    without DECODE_AFTER_LEVEL_0 level 0 and the decode level are two launches; with it (the default) one mixed
+    grid holds level 0's 128 persistent CTAs, then the decode level's warpgroups (three a CTA) scheduled on all 132
+    SMs; run() issues it and the stacked merge only."""
     from _fake_driver import fake_driver
     from kvattn import cascade
+    assert cascade.DECODE_AFTER_LEVEL_0
     monkeypatch.setattr(cascade, "DECODE_AFTER_LEVEL_0", after)
     with fake_driver() as calls:
         b, ps = 128, 16

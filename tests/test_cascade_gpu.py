@@ -146,7 +146,7 @@ def test_decode_suffix_level(hkv, group, d, cap, layout, b, kv_dtype):
 
 @pytest.mark.parametrize("levels_kind", ["2 levels, b128", "3 levels, b64"])
 def test_decode_level_after_level_0_in_one_grid(levels_kind, monkeypatch):
-    """kvattn.cascade.DECODE_AFTER_LEVEL_0 (off by default, for the A/B of bench_cascade.py --after-level-0): where
+    """kvattn.cascade.DECODE_AFTER_LEVEL_0 (the default since run 53a; bench_cascade.py --after-level-0 its A/B): where
     no SM split pays (forced here), the decode level's CTAs join level 0's grid after its persistent CTAs, both
     scheduled on every SM; the result is the reference's, on sm_90 at head dim 128 in one launch."""
     from kvattn import cascade

@@ -83,27 +83,31 @@ def test_append_cache_hint_instances_compile_without_spills(monkeypatch):
     """bench_append.py --hints' instances (page.HINTS 1, the default: no-L1 loads, streaming stores; 2: loads only;
     0: plain, no define) build for sm_90a with 0 spills."""
     from kvattn import page
-    assert page.HINTS == 1 and page.append_spec("bfloat16", 128).defines == (("KVATTN_APPEND_HINTS", 1),)
+
+    def hints_define():
+        return dict(page.append_spec("bfloat16", 128).defines).get("KVATTN_APPEND_HINTS")
+    assert page.HINTS == 1 and hints_define() == 1
     monkeypatch.setattr(page, "HINTS", 0)
-    assert page.append_spec("bfloat16", 128).defines == ()
+    assert hints_define() is None
     for hints in (1, 2):
         monkeypatch.setattr(page, "HINTS", hints)
         spec = page.append_spec("bfloat16", 128)
-        assert spec.defines == (("KVATTN_APPEND_HINTS", hints),)
+        assert hints_define() == hints
         compiled, _ = spec.compile("sm_90a")
         assert all(r.spills == 0 for r in compiled.resources.values())
 
 
-def test_append_loads_first_instances_compile_without_spills(monkeypatch):
-    """bench_append.py --loads-first's build (page.LOADS_FIRST 1: a token's new rows loaded before its page lookup)
-    is its own instance (a define in the cache key) and builds with 0 spills for the registered shapes, RoPE and
-    fp8 included; the default (0) adds no define."""
+@pytest.mark.parametrize("loads_first", [1, 0])
+def test_append_load_orders_compile_without_spills(loads_first, monkeypatch):
+    """Both sides of bench_append.py --loads-first (page.LOADS_FIRST 1, the default since run 53a: a token's new rows
+    loaded before its page lookup; 0: after) are their own instances (1 a define in the cache key, 0 none) and
+    build with 0 spills for the registered shapes, RoPE and fp8 included."""
     from kvattn import page
-    assert page.LOADS_FIRST == 0 and ("KVATTN_APPEND_LOADS_FIRST", 1) not in page.append_spec("bfloat16", 128).defines
-    monkeypatch.setattr(page, "LOADS_FIRST", 1)
+    assert page.LOADS_FIRST == 1
+    monkeypatch.setattr(page, "LOADS_FIRST", loads_first)
     for args in (("bfloat16", 128), ("float16", 128), ("bfloat16", 64), ("bfloat16", 128, 1),
                  ("bfloat16", 128, 0, "float8_e4m3fn")):
         spec = page.append_spec(*args)
-        assert ("KVATTN_APPEND_LOADS_FIRST", 1) in spec.defines
+        assert (("KVATTN_APPEND_LOADS_FIRST", 1) in spec.defines) == bool(loads_first)
         compiled, _ = spec.compile("sm_90a")
         assert all(r.spills == 0 for r in compiled.resources.values())

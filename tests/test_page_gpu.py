@@ -89,12 +89,12 @@ def test_append_device_indices_out_of_range_write_nothing():
 
 
 @pytest.fixture
-def loads_first_build():
-    """page.cuh's KVATTN_APPEND_LOADS_FIRST build for the test's calls (the A/B of bench_append.py --loads-first),
-    the default build restored after."""
+def other_load_order_build():
+    """page.cuh's KVATTN_APPEND_LOADS_FIRST build that is not the default (the A/B of bench_append.py --loads-first)
+    for the test's calls, the default build restored after."""
     from kvattn import page
     default = page.LOADS_FIRST
-    page.LOADS_FIRST = 1
+    page.LOADS_FIRST = 1 - default
     page._launchers.clear()
     yield
     page.LOADS_FIRST = default
@@ -102,8 +102,9 @@ def loads_first_build():
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_append_loads_first_build_matches_reference(loads_first_build, layout):
-    """The build that loads a token's new rows before looking up its page: every page size's slots exact, fused
+def test_append_other_load_order_build_matches_reference(other_load_order_build, layout):
+    """The load order that is not the default (a token's new rows loaded after its page lookup, the kernel before
+    run 53a): every page size's slots exact, fused
     RoPE within bf16 rounding, and out-of-range device indices (request, position) still write nothing."""
     rng = np.random.default_rng(7)
     for ps, (hkv, d) in ((1, (1, 64)), (5, (4, 128)), (16, (8, 128)), (16, (2, 256))):
