@@ -62,9 +62,10 @@ def sample_error(rng, levels, q, k, v, out):
     return max(float(np.linalg.norm(out[i] - ref[j]) / np.linalg.norm(ref[j])) for j, i in enumerate(sample))
 
 
-def after_level_0(row, levels, rng, args, torch):
+def after_level_0(row, levels, rng, args, host, torch):
     """Plans without and with kvattn.cascade.DECODE_AFTER_LEVEL_0 (the default: the decode level's CTAs in level 0's
-    grid, after its CTAs, where no SM split pays), timed in 3 alternating rounds (medians), and each one's error."""
+    grid, after its CTAs, where no SM split pays), timed in 3 alternating rounds (medians), and each one's error
+    (host: q, k, v as float32 numpy)."""
     from kvattn import cascade
     qa, ka, va, out, tq, tk, tv = args
     default, ws = cascade.DECODE_AFTER_LEVEL_0, []
@@ -79,7 +80,6 @@ def after_level_0(row, levels, rng, args, torch):
     row["turns_two_launch_us"] = round(float(np.median(times[0])), 1)
     row["turns_after_l0_us"] = round(float(np.median(times[1])), 1)
     row["after_l0_applies"] = ws[1].last_plan.info["levels"][-1].get("after_level_0", False)
-    host = (tq.float().cpu().numpy(), tk.float().cpu().numpy(), tv.float().cpu().numpy())
     for key, w in zip(("two_launch_err", "after_l0_err"), ws):
         o = torch.from_dlpack(w.run(tq, tk, tv)).float().cpu().numpy()
         row[key] = f"{sample_error(rng, levels, *host, o):.1e}"
@@ -101,9 +101,10 @@ def run_case(name, batch, spec, rng, ceilings, torch, fi, jsonl, after=False):
     row["torch_us"] = round(time_us(lambda: w.run(tq, tk, tv)), 1)
     row["plan"] = "/".join(f"{x['backend']}:{x['cta_rows']}x{x['chunks']}" for x in w.last_plan.info["levels"])
     o = torch.from_dlpack(w.run(tq, tk, tv)).float().cpu().numpy()
-    row["err"] = f"{sample_error(rng, levels, tq.float().cpu().numpy(), tk.float().cpu().numpy(), tv.float().cpu().numpy(), o):.1e}"
+    host = (tq.float().cpu().numpy(), tk.float().cpu().numpy(), tv.float().cpu().numpy())
+    row["err"] = f"{sample_error(rng, levels, *host, o):.1e}"
     if after:
-        after_level_0(row, levels, rng, (qa, ka, va, out, tq, tk, tv), torch)
+        after_level_0(row, levels, rng, (qa, ka, va, out, tq, tk, tv), host, torch)
     w0 = kvattn.MultiLevelCascadeAttentionWrapper(1)
     w0.plan(CascadeLevels([levels[0]]), None, HQ, HKV, D)
     l0 = time_us(lambda: w0.run(qa, ka, va, out=out))

@@ -54,18 +54,23 @@ def test_append_matches_reference(lens, ps, heads, dtype, layout, on_device, see
     assert np.array_equal(vd.numpy().view(np.uint16), rv.view(np.uint16)), "V cache differs"
 
 
+def _rope_case(rng, layout, interleave=False, scale=1.0):
+    """Append with fused RoPE (theta 5e5) into a bf16 cache: (K cache after it as float64, the reference's K cache,
+    the K cache before, the V cache after, the reference's V cache)."""
+    kc, vc, pt, ind, kn, vn = _case(rng, [100, 3000, 0], [1, 17, 40], 16, 2, 128, "bfloat16", layout)
+    kd, vd = kvattn.from_numpy(kc), kvattn.from_numpy(vc)
+    rope = kvattn.RoPE(theta=5e5, scale=scale, interleave=interleave)
+    kvattn.append_paged_kv_cache(kn, vn, ind, kd, vd, pt, layout, rope=rope)
+    b, pos = reference.batch_indices_positions(ind, pt.kv_lens)
+    kr = reference.apply_rope(kn, pos, interleave=interleave, rope_scale=scale, rope_theta=5e5)
+    rk, rv = reference.append_paged_kv_cache(kr, vn, b, pos, kc.astype(np.float64), vc, pt, kv_layout=layout)
+    return kd.numpy().astype(np.float64), rk, kc, vd, rv
+
+
 @pytest.mark.parametrize("interleave", [False, True])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_append_with_rope(interleave, layout):
-    rng = np.random.default_rng(4)
-    kc, vc, pt, ind, kn, vn = _case(rng, [100, 3000, 0], [1, 17, 40], 16, 2, 128, "bfloat16", layout)
-    kd, vd = kvattn.from_numpy(kc), kvattn.from_numpy(vc)
-    rope = kvattn.RoPE(theta=5e5, scale=2.0, interleave=interleave)
-    kvattn.append_paged_kv_cache(kn, vn, ind, kd, vd, pt, layout, rope=rope)
-    b, pos = reference.batch_indices_positions(ind, pt.kv_lens)
-    kr = reference.apply_rope(kn, pos, interleave=interleave, rope_scale=2.0, rope_theta=5e5)
-    rk, rv = reference.append_paged_kv_cache(kr, vn, b, pos, kc.astype(np.float64), vc, pt, kv_layout=layout)
-    got = kd.numpy().astype(np.float64)
+    got, rk, kc, vd, rv = _rope_case(np.random.default_rng(4), layout, interleave, scale=2.0)
     # the rotated rows differ from the reference by the bf16 rounding of the stored values (2^-8 relative) and
     # float32 angles; every other slot is untouched
     assert np.all(np.abs(got - rk) <= 2 ** -7 * np.abs(rk) + 1e-2), np.max(np.abs(got - rk))
@@ -104,8 +109,8 @@ def other_load_order_build():
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_append_other_load_order_build_matches_reference(other_load_order_build, layout):
     """The load order that is not the default (a token's new rows loaded after its page lookup, the kernel before
-    run 53a): every page size's slots exact, fused
-    RoPE within bf16 rounding, and out-of-range device indices (request, position) still write nothing."""
+    run 53a): every page size's slots exact, fused RoPE within bf16 rounding, and out-of-range device indices
+    (request, position) still write nothing."""
     rng = np.random.default_rng(7)
     for ps, (hkv, d) in ((1, (1, 64)), (5, (4, 128)), (16, (8, 128)), (16, (2, 256))):
         kc, vc, pt, ind, kn, vn = _case(rng, [0, 33, 70, 5], [40, 1, 17, 0], ps, hkv, d, "bfloat16", layout)
@@ -121,14 +126,9 @@ def test_append_other_load_order_build_matches_reference(other_load_order_build,
                                                  kv_layout=layout)
         assert np.array_equal(kd.numpy().view(np.uint16), rk.view(np.uint16)), f"K cache differs at page size {ps}"
         assert np.array_equal(vd.numpy().view(np.uint16), rv.view(np.uint16)), f"V cache differs at page size {ps}"
-    kc, vc, pt, ind, kn, vn = _case(rng, [100, 3000, 0], [1, 17, 40], 16, 2, 128, "bfloat16", layout)
-    kd = kvattn.from_numpy(kc)
-    kvattn.append_paged_kv_cache(kn, vn, ind, kd, kvattn.from_numpy(vc), pt, layout, rope=kvattn.RoPE(theta=5e5))
-    b, pos = reference.batch_indices_positions(ind, pt.kv_lens)
-    kr = reference.apply_rope(kn, pos, rope_theta=5e5)
-    rk, _ = reference.append_paged_kv_cache(kr, vn, b, pos, kc.astype(np.float64), vc, pt, kv_layout=layout)
-    got = kd.numpy().astype(np.float64)
+    got, rk, *_ = _rope_case(rng, layout)
     assert np.all(np.abs(got - rk) <= 2 ** -7 * np.abs(rk) + 1e-2), np.max(np.abs(got - rk))
+
 
 def test_append_errors_before_any_write():
     rng = np.random.default_rng(3)
