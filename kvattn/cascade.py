@@ -16,9 +16,10 @@ prefill kernels (each level its own query tile, so a 512-row shared level takes 
 4-row suffix level the 16-row tile), packs every level's work list into one plan buffer and issues one copy.
 A last level of one query row per request (a decode step's suffix) runs on the decode kernel instead (one wave
 of balanced chunks; each piece of a request writes its own merge slot of the row, and the slots a request with
-fewer pieces leaves are set empty by a memset step), and where mixed_choice predicts a gain, in one launch with
-level 0 (cuda_src/mixed.cuh, as kvattn.mixed: level 0's persistent CTAs on some SMs, decode warpgroups on the rest;
-with DECODE_AFTER_LEVEL_0 where no split pays: the decode CTAs after level 0's in one grid).
+fewer pieces leaves are set empty by a memset: before run()'s launches, or once at plan() with
+EMPTY_SLOTS_AT_PLAN), and where mixed_choice predicts a gain, in one launch with level 0 (cuda_src/mixed.cuh, as
+kvattn.mixed: level 0's persistent CTAs on some SMs, decode warpgroups on the rest; with DECODE_AFTER_LEVEL_0 where
+no split pays: the decode CTAs after level 0's in one grid).
 Every query row owns `slots` consecutive float32 partial states, one per (level, KV chunk): each block of level l
 is cut into chunks[l] KV chunks (an empty chunk writes lse = -inf). run() launches one prefill kernel per level
 and one stacked merge that combines each row's slots, level 0 first (deterministic: fixed order, no atomics).
@@ -58,6 +59,12 @@ DECODE_HBM_BYTES = 3.4e12
 #: of after the whole level and a second launch. H100, run 53a (bench_cascade.py --after-level-0, 3 alternating rounds):
 #: prefix 32768 / batch 128 198.0 -> 189.4 us; the cases where a split pays (or level 0 is not persistent) unchanged.
 DECODE_AFTER_LEVEL_0 = True
+#: Where some request of the decode level has fewer pieces than the level's merge slots (partial_fill), the slots it
+#: leaves are set empty (lse = -inf) once, by a memset at plan() on the plan's stream beside its copy (True), rather
+#: than by a memset step before every run()'s launches (False): no kernel writes those slots, so they stay empty
+#: from run to run, and run() issues one driver call and one GPU operation fewer. Not yet measured on a GPU (the
+#: A/B: bench_cascade.py --empty-at-plan), hence off.
+EMPTY_SLOTS_AT_PLAN = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,7 +307,12 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
             "tmp_o": ((max(max_rows * slots, 1), hq, d), "float32"),
             "tmp_lse": ((max(max_rows * slots, 1), hq), "float32"),
         }
-        dev, s, copy_done = self._upload(host, [("plan", 0, total_i32 * 4)], regions, stream)
+        fills = []
+        if dec is not None and dec.partial_fill:   # requests of fewer pieces than the level's slots: those slots empty
+            empty = ("tmp_lse", 4 * hq * int(slot0[-1]), 4 * hq * slots, NEG_INF_BITS, hq * dec.pieces, total_qo)
+            fills.append(empty)
+        dev, s, copy_done = self._upload(host, [("plan", 0, total_i32 * 4)], regions, stream,
+                                         fills=fills if EMPTY_SLOTS_AT_PLAN else ())
 
         base = dev["plan"].ptr
         launches, params = [], []
@@ -312,9 +324,9 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
                                   at + 4 * o["indices"], at + 4 * o["last"], hq=hq, group=group, page_size=ps,
                                   window_left=-1, z_split=dec.z_split, scale=scale, cap=cap, variant_ptr=0)
                 params.append(p)
-                if dec.partial_fill:   # requests of fewer pieces than the level's slots: those slots are empty
-                    launches.insert(0, Memset32(dev["tmp_lse"].ptr + 4 * hq * int(slot0[li]), 4 * hq * slots,
-                                                NEG_INF_BITS, hq * dec.pieces, total_qo))
+                if fills and not EMPTY_SLOTS_AT_PLAN:   # the same memset before every run()'s launches
+                    name, offset, *rows = fills[0]
+                    launches.insert(0, Memset32(dev[name].ptr + offset, *rows))
                 if mix is None:
                     launches.append(Launch(dec.kernel, dec.grid, DECODE_THREADS, dec.smem, p))
                 continue
@@ -348,6 +360,7 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
             levels=tuple(dict(cta_rows=rows, chunks=n, backend=cfg.backend, items=it.shape[0])
                          if not (dec is not None and li == len(tiles) - 1) else
                          dict(cta_rows=16 * dec.m_tiles, chunks=dec.pieces, backend="decode", items=dec.work_req.size,
+                              partial_fill=dec.partial_fill,
                               mixed_with_level_0=mix is not None, after_level_0=mix is not None and mix[1] is None,
                               sms=sms[-1])
                          for li, (rows, n, cfg, it) in enumerate(zip(tiles, chunks, cfgs, items))),

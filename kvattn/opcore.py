@@ -25,7 +25,7 @@ from . import _driver, _dtypes, _interop, device as _device
 from ._errors import CudaUnavailableError
 from ._binding import import_array, misaligned16, output
 from .contract import NUM_MERGE
-from .kernels import Launch, ParamBuffer, get_kernel
+from .kernels import Launch, Memset32, ParamBuffer, get_kernel
 from .memory import DeviceArray, StagingRing, fit_workspace
 from .merge import MERGE_PARAMS, THREADS as MERGE_THREADS, merge_spec, set_lanes
 from .stream import LEGACY, as_stream
@@ -323,16 +323,19 @@ class AttentionOp:
         """This plan's pinned staging bytes (uint8, at least nbytes), free of any copy still in flight."""
         return self._staging.acquire(nbytes)
 
-    def _upload(self, host: np.ndarray, copies, regions: dict, stream):
+    def _upload(self, host: np.ndarray, copies, regions: dict, stream, fills=()):
         """Fit the workspace to regions ({name: (shape, dtype)}), then issue the plan's host-to-device copies on
-        stream: copies = [(region name, byte offset in host, bytes)]. Returns (regions as DeviceArrays, stream,
-        the event recorded after the copies)."""
+        stream: copies = [(region name, byte offset in host, bytes)], and its memsets: fills = [(region name, byte
+        offset, pitch, 32-bit value, width, height)] (kernels.Memset32's rows). Returns (regions as DeviceArrays,
+        stream, the event recorded after both, which a run() on another stream waits for)."""
         self._plan = None   # the workspace is about to be rewritten: the previous plan is gone, even if this one fails
         self.workspace, dev = fit_workspace(self.workspace, regions, self._workspace_bytes)
         s = as_stream(stream)
         for name, offset, nbytes in copies:
             if nbytes:
                 _driver.call("cuMemcpyHtoDAsync", dev[name].ptr, host.ctypes.data + offset, nbytes, s.handle)
+        for name, offset, *rows in fills:
+            Memset32(dev[name].ptr + offset, *rows).launch(s.handle)
         return dev, s, self._staging.release(s)
 
     @staticmethod

@@ -2,7 +2,7 @@
 FlashInfer's cascade and decode, same process.
 
     PYTHONPATH=. python scripts/bench_cascade.py [--no-peers] [--only NAME] [--json out.jsonl] [--warm-peers]
-                                                 [--after-level-0]
+                                                 [--after-level-0] [--empty-at-plan]
 
 bf16, Hq 32 / Hkv 8 / D 128, page 16, pages scattered (a random permutation of the pool), one query token per
 request. Columns (us, median of 30 back-to-back calls, each between its own events):
@@ -62,30 +62,47 @@ def sample_error(rng, levels, q, k, v, out):
     return max(float(np.linalg.norm(out[i] - ref[j]) / np.linalg.norm(ref[j])) for j, i in enumerate(sample))
 
 
-def after_level_0(row, levels, rng, args, host, torch):
-    """Plans without and with kvattn.cascade.DECODE_AFTER_LEVEL_0 (the default: the decode level's CTAs in level 0's
-    grid, after its CTAs, where no SM split pays), timed in 3 alternating rounds (medians), and each one's error
-    (host: q, k, v as float32 numpy)."""
+def flag_in_turns(flag, levels, rng, args, host, torch):
+    """kvattn.cascade's module flag `flag` off, then on: each side's plan timed in 3 alternating rounds (medians,
+    us) with kvattn arrays (out given) and with torch tensors (out=None), and each side's error (host: q, k, v as
+    float32 numpy). Returns ({False: us, True: us}, the same for torch, {side: err}, {side: wrapper})."""
     from kvattn import cascade
     qa, ka, va, out, tq, tk, tv = args
-    default, ws = cascade.DECODE_AFTER_LEVEL_0, []
-    for flag in (False, True):
-        cascade.DECODE_AFTER_LEVEL_0 = flag
-        ws.append(kvattn.MultiLevelCascadeAttentionWrapper(len(levels)).plan(levels, None, HQ, HKV, D))
-    cascade.DECODE_AFTER_LEVEL_0 = default
-    times = [[], []]
+    default, ws = getattr(cascade, flag), {}
+    for side in (False, True):
+        setattr(cascade, flag, side)
+        ws[side] = kvattn.MultiLevelCascadeAttentionWrapper(len(levels)).plan(levels, None, HQ, HKV, D)
+    setattr(cascade, flag, default)
+    times, torch_times = {False: [], True: []}, {False: [], True: []}
     for _ in range(3):
-        for i, w in enumerate(ws):
-            times[i].append(time_us(lambda w=w: w.run(qa, ka, va, out=out)))
-    row["turns_two_launch_us"] = round(float(np.median(times[0])), 1)
-    row["turns_after_l0_us"] = round(float(np.median(times[1])), 1)
-    row["after_l0_applies"] = ws[1].last_plan.info["levels"][-1].get("after_level_0", False)
-    for key, w in zip(("two_launch_err", "after_l0_err"), ws):
-        o = torch.from_dlpack(w.run(tq, tk, tv)).float().cpu().numpy()
-        row[key] = f"{sample_error(rng, levels, *host, o):.1e}"
+        for side, w in ws.items():
+            times[side].append(time_us(lambda w=w: w.run(qa, ka, va, out=out)))
+            torch_times[side].append(time_us(lambda w=w: w.run(tq, tk, tv)))
+    errs = {side: f"{sample_error(rng, levels, *host, torch.from_dlpack(w.run(tq, tk, tv)).float().cpu().numpy()):.1e}"
+            for side, w in ws.items()}
+    med = lambda t: {side: round(float(np.median(x)), 1) for side, x in t.items()}
+    return med(times), med(torch_times), errs, ws
 
 
-def run_case(name, batch, spec, rng, ceilings, torch, fi, jsonl, after=False):
+def after_level_0(row, levels, rng, args, host, torch):
+    """Plans without and with kvattn.cascade.DECODE_AFTER_LEVEL_0 (the default: the decode level's CTAs in level 0's
+    grid, after its CTAs, where no SM split pays), in turns (flag_in_turns)."""
+    t, _, errs, ws = flag_in_turns("DECODE_AFTER_LEVEL_0", levels, rng, args, host, torch)
+    row.update(turns_two_launch_us=t[False], turns_after_l0_us=t[True], two_launch_err=errs[False],
+               after_l0_err=errs[True], after_l0_applies=ws[True].last_plan.info["levels"][-1].get("after_level_0",
+                                                                                                    False))
+
+
+def empty_at_plan(row, levels, rng, args, host, torch):
+    """Plans without and with kvattn.cascade.EMPTY_SLOTS_AT_PLAN (the decode level's empty merge slots set once by
+    plan(), not by a memset before every run()), in turns (flag_in_turns), kvattn arrays and the torch path."""
+    t, tt, errs, ws = flag_in_turns("EMPTY_SLOTS_AT_PLAN", levels, rng, args, host, torch)
+    row.update(turns_memset_run_us=t[False], turns_memset_plan_us=t[True], turns_memset_run_torch_us=tt[False],
+               turns_memset_plan_torch_us=tt[True], memset_run_err=errs[False], memset_plan_err=errs[True],
+               partial_fill=ws[True].last_plan.info["levels"][-1].get("partial_fill", False))
+
+
+def run_case(name, batch, spec, rng, ceilings, torch, fi, jsonl, after=False, at_plan=False):
     copy_tbs, gemm = ceilings
     levels, npages = build(batch, spec, rng)
     tk = torch.randn((npages, PAGE, HKV, D), dtype=torch.bfloat16, device="cuda")
@@ -105,6 +122,8 @@ def run_case(name, batch, spec, rng, ceilings, torch, fi, jsonl, after=False):
     row["err"] = f"{sample_error(rng, levels, *host, o):.1e}"
     if after:
         after_level_0(row, levels, rng, (qa, ka, va, out, tq, tk, tv), host, torch)
+    if at_plan:
+        empty_at_plan(row, levels, rng, (qa, ka, va, out, tq, tk, tv), host, torch)
     w0 = kvattn.MultiLevelCascadeAttentionWrapper(1)
     w0.plan(CascadeLevels([levels[0]]), None, HQ, HKV, D)
     l0 = time_us(lambda: w0.run(qa, ka, va, out=out))
@@ -179,6 +198,9 @@ def main():
     ap.add_argument("--after-level-0", action="store_true",
                     help="also time each case's plan with and without the decode level after level 0 in one grid "
                          "(in turns)")
+    ap.add_argument("--empty-at-plan", action="store_true",
+                    help="also time each case's plan with the decode level's empty slots set by a memset before "
+                         "every run() and once at plan() (in turns, kvattn arrays and torch tensors)")
     args = ap.parse_args()
     import torch
     if args.warm_peers:
@@ -188,13 +210,15 @@ def main():
     gemm = gemm_tflops(torch)
     print(f"copy ceiling {copy_tbs:.3f} TB/s, bf16 GEMM {gemm:.0f} TFLOP/s; GPU {kvattn._driver.device_name()}")
     _, fi = (None, None) if args.no_peers else try_flashinfer()
-    rows = [run_case(n, b, spec, rng, (copy_tbs, gemm), torch, fi, args.json, args.after_level_0)
+    rows = [run_case(n, b, spec, rng, (copy_tbs, gemm), torch, fi, args.json, args.after_level_0, args.empty_at_plan)
             for n, (b, spec) in CASES.items() if not args.only or args.only in n]
     print(f"\nshared-prefix decode, bf16 Hq32/Hkv8/D128 page 16; us; copy {copy_tbs:.2f} TB/s, GEMM {gemm:.0f} TFLOP/s")
     table(rows, ["case", "kv_us", "torch_us", "lvl0_us", "lvl0_TFLOPs", "lvl0_gemm_frac", "bytes_frac", "flat_us",
                  "fi_cascade", "fi_flat", "vs_fi", "err", "plan"]
           + (["turns_two_launch_us", "turns_after_l0_us", "after_l0_applies", "two_launch_err", "after_l0_err"]
-             if args.after_level_0 else []))
+             if args.after_level_0 else [])
+          + (["turns_memset_run_us", "turns_memset_plan_us", "turns_memset_run_torch_us", "turns_memset_plan_torch_us",
+              "partial_fill", "memset_run_err", "memset_plan_err"] if args.empty_at_plan else []))
 
 
 if __name__ == "__main__":

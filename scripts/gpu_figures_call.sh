@@ -8,7 +8,8 @@
 # Steps: prefill (issue 13's anchors, fa2 / fa3 / cuDNN), prefill_extra (non-causal, head dims 64 / 256), decode_shapes
 # (issue 12's shapes; FlashInfer beside all but GQA 16 / 32: its decode plan segfaults on
 # both, run 52c), variants (issue 10: RoPE, ALiBi, sinks
-# against plain decode), fp8, block_sparse, cascade, mixed, sustained (prefill under the power cap).
+# against plain decode), fp8, block_sparse, cascade (with the EMPTY_SLOTS_AT_PLAN A/B), mixed, sustained (prefill
+# under the power cap).
 set -u
 OUT=${OUT:-/tmp/kvattn-out}; mkdir -p "$OUT"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -23,7 +24,7 @@ declare -A CMD=(
   [variants]="scripts/bench_variants.py --decode"
   [fp8]="scripts/bench_fp8.py"
   [block_sparse]="scripts/bench_block_sparse.py"
-  [cascade]="scripts/bench_cascade.py"
+  [cascade]="scripts/bench_cascade.py --empty-at-plan"
   [mixed]="scripts/bench_mixed.py"
   [sustained]="scripts/bench_sustained.py"
 )

@@ -177,7 +177,7 @@ def test_cascade_plan_buffer_holds_every_level(monkeypatch):
     monkeypatch.setattr(cascade, "Launch", lambda k, grid, block, smem, p: launches.append((grid, p)) or grid)
     base = 1 << 32
 
-    def upload(self, host, copies, regions, stream):
+    def upload(self, host, copies, regions, stream, fills=()):
         uploads.append((host.copy(), copies))
         return ({name: DeviceArray(base, shape, dt) for name, (shape, dt) in regions.items()},
                 types.SimpleNamespace(ptr=1), None)
@@ -300,3 +300,49 @@ def test_decode_level_after_level_0_plans_one_grid_on_every_sm(after, monkeypatc
             # the decode CTAs of a wave over every SM (a split would have given the decode level ~20 SMs)
             units, grid_x = 128, int(launched[0][1])
             assert units + 100 < grid_x <= units + w.num_sms, grid_x
+
+
+@pytest.mark.parametrize("at_plan", [False, True])
+def test_decode_level_empty_slots_set_once_at_plan(at_plan, monkeypatch):
+    """kvattn.cascade.EMPTY_SLOTS_AT_PLAN, faked driver: the decode level's slots that requests of fewer pieces
+    leave (suffixes of 1..2999 tokens) are set to lse = -inf by one 2-D memset over every row's decode slots; with
+    the flag, plan() issues it on the plan's stream after its copy and before the event run() waits on, and run()
+    issues only launches; without it (the default), run() issues it before its launches, every call."""
+    from _fake_driver import fake_driver
+    from kvattn import cascade
+    from kvattn.kernels import NEG_INF_BITS
+    assert not cascade.EMPTY_SLOTS_AT_PLAN
+    monkeypatch.setattr(cascade, "EMPTY_SLOTS_AT_PLAN", at_plan)
+    with fake_driver() as calls:
+        b, ps, hq = 64, 16, 32
+        rng = np.random.default_rng(5)
+        suffix = rng.integers(1, 3000, b)
+        npg = -(-suffix // ps)
+        perm = rng.permutation(1024 // ps + int(npg.sum())).astype(np.int32)
+        pre = PageTable([0, 1024 // ps], perm[:1024 // ps], [ps], ps)
+        suf = PageTable(np.concatenate([[0], np.cumsum(npg)]), perm[1024 // ps:], suffix - (npg - 1) * ps, ps)
+        levels = CascadeLevels([(np.array([0, b]), pre), (np.arange(b + 1), suf)])
+        s = kvattn.Stream()
+        n = len(calls)
+        w = kvattn.MultiLevelCascadeAttentionWrapper(2).plan(levels, None, hq, 8, 128, stream=s)
+        last = w.last_plan.info["levels"][-1]
+        assert last["backend"] == "decode" and last["partial_fill"], w.last_plan.info["levels"]
+        planned = calls[n:]
+        q = kvattn.empty((b, hq, 128), "bfloat16")
+        k = kvattn.empty((int(perm.size), ps, 8, 128), "bfloat16")
+        for _ in range(2):
+            n = len(calls)
+            w.run(q, k, k, out=kvattn.empty(q.shape, "bfloat16"), stream=s)
+            ran = [c for c in calls[n:] if c[0].startswith(("cuMemset", "cuLaunch"))]
+            assert [name for name, _ in ran].count("cuMemsetD2D32Async") == (0 if at_plan else 1), ran
+            assert ran[0][0] == ("cuLaunchKernel" if at_plan else "cuMemsetD2D32Async"), ran
+        names = [name for name, _ in planned]
+        assert names.count("cuMemsetD2D32Async") == (1 if at_plan else 0), names
+        if at_plan:   # after the plan's copy, before its last event record (the one run() waits on)
+            i = names.index("cuMemsetD2D32Async")
+            assert names.index("cuMemcpyHtoDAsync") < i < len(names) - 1 - names[::-1].index("cuEventRecord"), names
+        memset = planned[i][1] if at_plan else ran[0][1]
+        _, pitch, value, width, height, stream = memset   # every row's decode slots (the level's last `chunks`)
+        slots = sum(x["chunks"] for x in w.last_plan.info["levels"])
+        assert (pitch, value, width, height) == (4 * hq * slots, NEG_INF_BITS, hq * last["chunks"], b)
+        assert int(stream) == s.ptr

@@ -36,7 +36,9 @@ def _levels(rng, qo_lens, group_sizes, level_kv, page_size, num_pages=None):
 
 
 def run_case(rng, levels, *, hkv, group, d, dtype="bfloat16", causal=False, layout="NHD", num_pages=None,
-             kv_dtype=None, cap=0.0, backend="auto"):
+             kv_dtype=None, cap=0.0, backend="auto", wrapper=None):
+    """Plan levels (on wrapper, else a new wrapper), run on fresh random q / caches into poisoned out / lse, and
+    check both against the reference; returns the wrapper."""
     hq = hkv * group
     npd = _dtypes.to_numpy(dtype)
     ps = levels.page_size
@@ -57,7 +59,7 @@ def run_case(rng, levels, *, hkv, group, d, dtype="bfloat16", causal=False, layo
         kref, vref = kc.astype(np.float64) * ks.reshape(b), vc.astype(np.float64) * vs.reshape(b)
     else:
         kref, vref = kc, vc
-    w = kvattn.MultiLevelCascadeAttentionWrapper(len(levels), kv_layout=layout, backend=backend)
+    w = wrapper or kvattn.MultiLevelCascadeAttentionWrapper(len(levels), kv_layout=layout, backend=backend)
     w.plan(levels, None, hq, hkv, d, causal=causal, q_dtype=dtype, kv_dtype=kv_dtype, logits_soft_cap=cap)
     out = poisoned((rows, hq, d), dtype)
     lse = poisoned((rows, hq), "float32")
@@ -166,6 +168,23 @@ def test_decode_level_after_level_0_in_one_grid(levels_kind, monkeypatch):
     if kvattn._driver.arch() == "sm_90a":
         assert last["mixed_with_level_0"] and last["after_level_0"], w.last_plan.info["levels"]
         assert last["sms"] == w.num_sms
+
+
+def test_decode_level_empty_slots_set_at_plan(monkeypatch):
+    """kvattn.cascade.EMPTY_SLOTS_AT_PLAN (off until bench_cascade.py --empty-at-plan measures it): the decode level's
+    slots that requests of fewer pieces leave are set empty once, by plan(), not before every run(). One wrapper,
+    three plans, each planned and run twice: the later plans' empty slots held the earlier runs' partial states (long
+    suffixes first, then suffixes of 1..2999 tokens, then a larger batch), so a slot left unset shows in the result."""
+    from kvattn import cascade
+    monkeypatch.setattr(cascade, "EMPTY_SLOTS_AT_PLAN", True)
+    rng = np.random.default_rng(17)
+    w = kvattn.MultiLevelCascadeAttentionWrapper(2)
+    for b, lo, hi in ((64, 2500, 3000), (64, 1, 3000), (96, 1, 800)):
+        lv = _levels(rng, [1] * b, [[b], [1] * b], [[1500], rng.integers(lo, hi, b)], 16)
+        for _ in range(2):
+            run_case(rng, lv, hkv=8, group=4, d=128, wrapper=w)
+        last = w.last_plan.info["levels"][-1]
+        assert last["backend"] == "decode" and last["partial_fill"], w.last_plan.info["levels"]
 
 
 def test_cascade_graph_replay_after_replan():
