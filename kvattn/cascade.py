@@ -76,7 +76,7 @@ class _DecodeLevel:
     work_req: np.ndarray
     work_piece: np.ndarray   # each item's piece of its request (its merge slot within the level)
     pieces: int              # the level's merge slots: the most pieces of a request
-    partial_fill: bool       # some request has fewer pieces: its other slots are set empty before the launch
+    partial_fill: bool       # some request has fewer pieces: its other slots are set empty (EMPTY_SLOTS_AT_PLAN)
     kernel: object
     grid: tuple
     smem: int
