@@ -307,10 +307,9 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
             "tmp_o": ((max(max_rows * slots, 1), hq, d), "float32"),
             "tmp_lse": ((max(max_rows * slots, 1), hq), "float32"),
         }
-        fills = []
-        if dec is not None and dec.partial_fill:   # requests of fewer pieces than the level's slots: those slots empty
-            empty = ("tmp_lse", 4 * hq * int(slot0[-1]), 4 * hq * slots, NEG_INF_BITS, hq * dec.pieces, total_qo)
-            fills.append(empty)
+        # requests of fewer pieces than the decode level's slots: those slots empty (lse = -inf), every row's at once
+        fills = ([("tmp_lse", 4 * hq * int(slot0[-1]), 4 * hq * slots, NEG_INF_BITS, hq * dec.pieces, total_qo)]
+                 if dec is not None and dec.partial_fill else [])
         dev, s, copy_done = self._upload(host, [("plan", 0, total_i32 * 4)], regions, stream,
                                          fills=fills if EMPTY_SLOTS_AT_PLAN else ())
 

@@ -88,9 +88,9 @@ def after_level_0(row, levels, rng, args, host, torch):
     """Plans without and with kvattn.cascade.DECODE_AFTER_LEVEL_0 (the default: the decode level's CTAs in level 0's
     grid, after its CTAs, where no SM split pays), in turns (flag_in_turns)."""
     t, _, errs, ws = flag_in_turns("DECODE_AFTER_LEVEL_0", levels, rng, args, host, torch)
+    applies = ws[True].last_plan.info["levels"][-1].get("after_level_0", False)
     row.update(turns_two_launch_us=t[False], turns_after_l0_us=t[True], two_launch_err=errs[False],
-               after_l0_err=errs[True], after_l0_applies=ws[True].last_plan.info["levels"][-1].get("after_level_0",
-                                                                                                    False))
+               after_l0_err=errs[True], after_l0_applies=applies)
 
 
 def empty_at_plan(row, levels, rng, args, host, torch):
