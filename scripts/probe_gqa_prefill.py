@@ -11,7 +11,11 @@ split each unit's KV tiles, tuning sm90_route_wg_split=True, instead of the defa
 against 45.8 us; "routed, fused merge": the route with its split blocks merged inside the sm90 kernel, tuning
 sm90_route_fused_merge=True, no merge launch, runs 43a-43d: 1-5 us slower; "routed, 2 waves": tuning
 sm90_route_waves=2, run 36a 51.2 against 45.9 us, no longer timed; head slices of 16 rows before KV splits, run 43e:
-slower or equal, removed).
+slower or equal, removed; "routed, unit a request" and "..., wg split": the route planned for as many SMs as the
+batch has (request, KV head) units, where those are 64 or more (about half the GPU), so no request is split and no
+merge runs: each CTA streams twice the default's bytes; can half the SMs draw the HBM's rate? Not yet run;
+prediction (H100, b64_L4096, default 57.1 us): 55-62 us on the ping-pong, 48-54 us with the warpgroups splitting
+the KV tiles, whose tensor work per CTA then stays at the default's).
 Every figure is checked against the float64 reference
 (bench_decode.sample_error).
 """
@@ -42,9 +46,11 @@ def main():
         cfg = dict(hq=hq, hkv=hkv, d=128, dtype="bfloat16", layout="NHD", page=16)
         pt, q, k, v = build(lens, cfg, rng)
         qo_indptr = np.arange(len(lens) + 1, dtype=np.int32)
-        outs = {n: kvattn.empty(q.shape, "bfloat16")
-                for n in ("decode", "decode (auto)", "routed, wg split", "routed, fused merge", "sm90 prefill",
-                          "sm80 prefill")}
+        units = len(lens) * hkv   # (request, KV head) units: a grid of that many CTAs splits no request
+        whole = 64 <= units < kvattn.device.get().sm_count   # (about half of an H100's or H200's 132 SMs, or more)
+        names = ["decode", "decode (auto)", "routed, wg split", "routed, fused merge", "sm90 prefill", "sm80 prefill"]
+        names += ["routed, unit a request", "routed, unit a request, wg split"] if whole else []
+        outs = {n: kvattn.empty(q.shape, "bfloat16") for n in names}
         wd = kvattn.BatchDecodeWithPagedKVCache(tuning=dict(sm90_route=False))   # the decode kernel
         wd.plan(pt, hq, hkv, 128, q_dtype="bfloat16")
         wr = kvattn.BatchDecodeWithPagedKVCache()   # the decode wrapper's default (sm90_route auto)
@@ -59,6 +65,10 @@ def main():
         w8.plan(qo_indptr, pt, hq, hkv, 128, q_dtype="bfloat16")
         ws = {"decode": wd, "decode (auto)": wr, "routed, wg split": w1, "routed, fused merge": w2, "sm90 prefill": w9,
               "sm80 prefill": w8}
+        for n, wg in (("routed, unit a request", False), ("routed, unit a request, wg split", True)):
+            if n in outs:
+                ws[n] = kvattn.BatchDecodeWithPagedKVCache(num_sms=units, tuning=dict(sm90_route_wg_split=wg))
+                ws[n].plan(pt, hq, hkv, 128, q_dtype="bfloat16")
         fns = {n: (lambda w=w, o=outs[n]: w.run(q, k, v, out=o)) for n, w in ws.items()}
         for f in fns.values():
             f()
@@ -69,7 +79,7 @@ def main():
             tbs = nbytes / us[n] / 1e6
             info = ws[n].last_plan.info
             sched = info.get("schedule") if "cta_rows" in info else None   # (a prefill plan's)
-            print(f"{name:18s} {n:19s} {us[n]:8.1f} us {tbs:6.3f} TB/s {tbs / copy:5.3f} of copy  err {err:.1e}"
+            print(f"{name:18s} {n:32s} {us[n]:8.1f} us {tbs:6.3f} TB/s {tbs / copy:5.3f} of copy  err {err:.1e}"
                   + (f"  (rows {info['cta_rows']}, items {sched.num_items}, chunks {sched.max_chunks}, "
                      f"fused {info.get('fused_merge')}, grid {info['grid']})"
                      if sched is not None else ""), flush=True)
