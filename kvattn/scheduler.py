@@ -877,6 +877,14 @@ def _snake_ctas(pos, nb: int) -> np.ndarray:
     return np.where((pos // nb) & 1, nb - 1 - col, col)
 
 
+def _tail_cannot_gain(pre, units, nb: int, worst0: float) -> bool:
+    """Whether no cut of the walk's last blocks can bring its slowest CTA (worst0) down by TAIL_MIN_GAIN: every
+    candidate keeps the loads before the first cut position (pre: float64 [nb]) and a cut only adds its pieces'
+    costs to the units' total (units: float64 [positions]), so neither the largest of those loads nor the mean load
+    can drop. Skips the candidates' costly evaluation where it would refuse them all (causal issue-13 cases)."""
+    return bool(max(pre.max(), units.sum() / nb) > worst0 * (1 - TAIL_MIN_GAIN))
+
+
 def _tail_split(ln, win, nb: int, hg: int, causal: bool):
     """Where the persistent walk's last round leaves CTAs idle (e.g. 2048 equal units on 132 CTAs: 16 rounds where
     15.5 would do), cut the walk's last blocks into chunks whose units fill it. ln: int64 [NB] blocks' KV tokens,
@@ -897,12 +905,15 @@ def _tail_split(ln, win, nb: int, hg: int, causal: bool):
     cost = TAIL_UNIT_TILES + mask + -(-lens // _TAIL_TILE)
     units = np.repeat(cost, hg)
     ctas = _snake_ctas(np.arange(per), nb)
-    if np.bincount(ctas, weights=units, minlength=nb).max() < units.sum() / nb * (1 + TAIL_MIN_GAIN):
+    worst0 = np.bincount(ctas, weights=units, minlength=nb).max()
+    if worst0 < units.sum() / nb * (1 + TAIL_MIN_GAIN):
         return None   # balanced already
     # The walk from the first position a chunk can reach (chunks are re-sorted with the last window's blocks,
     # longest first; a chunk is no longer than its block); the loads before it are the same for every candidate.
     first = min(start + int(np.searchsorted(-lens[start:], -lens[NB - m], side="right")), NB - m)
     pre = np.bincount(ctas[:first * hg], weights=units[:first * hg], minlength=nb)
+    if _tail_cannot_gain(pre, units, nb, worst0):
+        return None
     # Candidate 0 is the walk as it is; candidate c >= 1 cuts the last m blocks into c + 1 chunks.
     tl = lens[NB - m:]
     K = np.arange(1, TAIL_MAX_CHUNKS + 1)

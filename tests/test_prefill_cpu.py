@@ -457,6 +457,22 @@ def test_tail_split_keeps_coverage_and_only_gains(qo, extra, group, hkv, causal,
         _tail_split_case(qo, extra, group, hkv, causal, ctas)
 
 
+@settings(max_examples=60, deadline=None)
+@given(qo=st.lists(st.integers(1, 3000), min_size=1, max_size=8), extra=st.lists(st.integers(0, 5000), min_size=8,
+       max_size=8), group=st.sampled_from([1, 4, 8]), hkv=st.sampled_from([1, 2, 8]), causal=st.booleans(),
+       ctas=st.sampled_from([3, 17, 132]))
+def test_tail_split_early_refusal_is_exact(qo, extra, group, hkv, causal, ctas):
+    """scheduler._tail_cannot_gain (the bound that skips the cut candidates' evaluation) never refuses a cut the
+    full evaluation would take: the same plan with the bound switched off."""
+    kv = [q + e for q, e in zip(qo, extra)]
+    kw = dict(causal=causal, num_sms=ctas, kv_bytes_per_token=hkv * 512, persistent_ctas=ctas)
+    with_bound = scheduler.plan_prefill(qo, kv, group, hkv, 128, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scheduler, "_tail_cannot_gain", lambda *args: False)
+        without = scheduler.plan_prefill(qo, kv, group, hkv, 128, **kw)
+    assert np.array_equal(with_bound.items, without.items) and with_bound.max_chunks == without.max_chunks
+
+
 def _tail_split_case(qo, extra, group, hkv, causal, ctas):
     kv = [q + e for q, e in zip(qo, extra)]
     kw = dict(causal=causal, num_sms=ctas, kv_bytes_per_token=hkv * 512)
