@@ -994,20 +994,21 @@ def _balance_walk(cost, win, nb: int, hg: int):
     if per <= nb:
         return None   # one round: every unit has its own CTA
     ctas = _snake_ctas(np.arange(per), nb).reshape(W, hg)
-    ucost = np.repeat(cost, hg).reshape(W, hg)   # each item's units
-    before = np.bincount(ctas.ravel(), ucost.ravel(), nb)
+    ucost = np.repeat(cost, hg)   # each item's units, hg consecutive
+    before = np.bincount(ctas.ravel(), ucost, nb)
     worst = before.max()
     if worst < before.mean() * (1 + TAIL_MIN_GAIN):
         return None
     seg = win * (per // nb + 1) + np.arange(W) * hg // nb   # (window, round of the item's first position)
     edges = (np.flatnonzero(np.diff(seg)) + 1).tolist()
-    place = np.arange(W)
+    items = np.arange(W)
+    place = items.copy()
     load = np.zeros(nb)
-    for a, b in zip([0] + edges, edges + [W]):
+    for a, b in zip([0] + edges, edges + [W]):   # (few numpy calls a round: plan()'s host time)
         c = ctas[a:b]
         slots = load[c].max(1).argsort(kind="stable")
-        place[a + slots] = place[a:b].copy()   # (place[a:b] is still a..b-1)
-        load += np.bincount(c[slots].ravel(), ucost[a:b].ravel(), nb)
+        place[a:b][slots] = items[a:b]
+        load += np.bincount(c[slots].ravel(), ucost[a * hg:b * hg], nb)
     return place if load.max() <= worst * (1 - TAIL_MIN_GAIN) else None
 
 
