@@ -473,6 +473,18 @@ def test_tail_split_early_refusal_is_exact(qo, extra, group, hkv, causal, ctas):
     assert np.array_equal(with_bound.items, without.items) and with_bound.max_chunks == without.max_chunks
 
 
+def test_tail_split_refuses_causal_b8_s2048_early(monkeypatch):
+    """Issue 13's causal b8_S2048 (Hq32 / Hkv8, 132 persistent CTAs): the walk is not cut, and the bound says so
+    before the candidates are evaluated."""
+    said = []
+    bound = scheduler._tail_cannot_gain
+    monkeypatch.setattr(scheduler, "_tail_cannot_gain", lambda *args: said.append(bound(*args)) or said[-1])
+    qo = [2048] * 8
+    kw = dict(causal=True, num_sms=132, kv_bytes_per_token=4096, persistent_ctas=132)
+    plan = scheduler.plan_prefill(qo, qo, 4, 8, 128, **kw)
+    assert said == [True] and not plan.split
+
+
 def _tail_split_case(qo, extra, group, hkv, causal, ctas):
     kv = [q + e for q, e in zip(qo, extra)]
     kw = dict(causal=causal, num_sms=ctas, kv_bytes_per_token=hkv * 512)
