@@ -42,10 +42,10 @@ from .contract import NUM_MERGE, align4, page_size_shift
 from .decode import THREADS as DECODE_THREADS, auto_m_tiles, decode_params, decode_spec, default_stages
 from .decode import smem_bytes as decode_smem_bytes
 from .formats import CascadeLevels
-from .kernels import NEG_INF_BITS, Launch, Memset32, ParamBuffer, get_kernel
+from .kernels import NEG_INF_BITS, Launch, ParamBuffer, get_kernel
 from .merge import MERGE_PARAMS, merge_spec
 from .mixed import DECODE_BYTES_PER_SM, MAX_SUBS, PREFILL_FLOPS_PER_SM, mixed_kernel, mixed_launch, split_sms
-from .opcore import AttentionOp, PagedKV, on_device
+from .opcore import AttentionOp, PagedKV, fill_steps, on_device
 from .prefill import (BACKENDS, DEFAULT_WORKSPACE, DETERMINISTIC_SPLIT_CHUNKS, DETERMINISTIC_SPLIT_TOKENS,
                       choose_cta_rows, launch_config, level_layout, level_params, sm90_tile,
                       sm90_usable, write_level, launch_grid)
@@ -323,9 +323,6 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
                                   at + 4 * o["indices"], at + 4 * o["last"], hq=hq, group=group, page_size=ps,
                                   window_left=-1, z_split=dec.z_split, scale=scale, cap=cap, variant_ptr=0)
                 params.append(p)
-                if fills and not EMPTY_SLOTS_AT_PLAN:   # the same memset before every run()'s launches
-                    name, offset, *rows = fills[0]
-                    launches.insert(0, Memset32(dev[name].ptr + offset, *rows))
                 if mix is None:
                     launches.append(Launch(dec.kernel, dec.grid, DECODE_THREADS, dec.smem, p))
                 continue
@@ -336,6 +333,8 @@ class MultiLevelCascadeAttentionWrapper(AttentionOp):
             launches.append(Launch(get_kernel(cfg.spec), launch_grid(cfg, caps[li], hkv, sms[li]),
                                    cfg.threads, cfg.smem, p)
                             if caps[li] and not (mix is not None and li == 0) else None)
+        if not EMPTY_SLOTS_AT_PLAN:   # the same memset before every run()'s launches
+            launches[:0] = fill_steps(dev, fills)
         if mix is not None:   # level 0's CTAs, then the decode level's warpgroups, in one grid
             pre_ctas = launch_grid(cfgs[0], caps[0], hkv, sms[0])[0] if caps[0] else 0
             launches.append(mixed_launch(mix[0], params[0], pre_ctas, cfgs[0].smem, params[-1], dec.grid, dec.smem,

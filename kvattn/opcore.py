@@ -249,6 +249,12 @@ def on_device(method):
     return wrapper
 
 
+def fill_steps(dev: dict, fills) -> list:
+    """The Memset32 steps of fills = [(region name, byte offset, pitch, 32-bit value, width, height)] over the
+    workspace regions dev ({name: DeviceArray}): issued once by _upload, or before every run()'s launches."""
+    return [Memset32(dev[name].ptr + offset, *rows) for name, offset, *rows in fills]
+
+
 def checked_outputs(q: DeviceArray, shape: tuple, dtype, out, lse, return_lse: bool, s, capturing: bool, dev: int):
     """run()'s arrays: q checked against shape [rows, Hq, D] and dtype; (out, what run() returns for it, lse or
     None, its return): the caller's arrays checked, or new pool arrays on stream s (lse only if given or asked)."""
@@ -334,8 +340,8 @@ class AttentionOp:
         for name, offset, nbytes in copies:
             if nbytes:
                 _driver.call("cuMemcpyHtoDAsync", dev[name].ptr, host.ctypes.data + offset, nbytes, s.handle)
-        for name, offset, *rows in fills:
-            Memset32(dev[name].ptr + offset, *rows).launch(s.handle)
+        for m in fill_steps(dev, fills):
+            m.launch(s.handle)
         return dev, s, self._staging.release(s)
 
     @staticmethod
