@@ -981,6 +981,15 @@ def walk_makespan(plan: "PrefillPlan", num_kv_heads: int, nb: int, causal: bool,
     return float(load.max()) * (hkv // hg)
 
 
+def _walk_cannot_gain(cost, edges) -> bool:
+    """Whether the items of every round segment of the walk cost the same (cost: float64 [W]; edges: int [S - 1],
+    the segments' first items after the first): the balance only permutes a segment's items among its slots, which
+    then moves no load, so it would refuse. Skips its round loop on the equal-length non-causal batches."""
+    changes = np.diff(cost) != 0
+    changes[edges - 1] = False   # a change between two segments
+    return not changes.any()
+
+
 def _balance_walk(cost, win, nb: int, hg: int):
     """A placement (int64 [W]: the item at each walk slot) that lowers the slowest persistent CTA's summed cost,
     or None where the snake walk of the items as sorted is within TAIL_MIN_GAIN of it. The snake deals a round's
@@ -1000,7 +1009,10 @@ def _balance_walk(cost, win, nb: int, hg: int):
     if worst < before.mean() * (1 + TAIL_MIN_GAIN):
         return None
     seg = win * (per // nb + 1) + np.arange(W) * hg // nb   # (window, round of the item's first position)
-    edges = (np.flatnonzero(np.diff(seg)) + 1).tolist()
+    edges = np.flatnonzero(np.diff(seg)) + 1
+    if _walk_cannot_gain(cost, edges):
+        return None
+    edges = edges.tolist()
     items = np.arange(W)
     place = items.copy()
     load = np.zeros(nb)

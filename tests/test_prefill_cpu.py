@@ -534,6 +534,38 @@ def test_walk_balance_places_the_same_items_and_only_gains(qo, extra, group, hkv
             1 - scheduler.TAIL_MIN_GAIN) + 1e-9
 
 
+@settings(max_examples=60, deadline=None)
+@given(qo=st.lists(st.integers(1, 3000), min_size=1, max_size=12), extra=st.lists(st.integers(0, 5000), min_size=12,
+       max_size=12), equal=st.booleans(), group=st.sampled_from([1, 4, 8]), hkv=st.sampled_from([1, 2, 8]),
+       causal=st.booleans(), ctas=st.sampled_from([3, 17, 132]), bpt=st.sampled_from([0, 512]))
+def test_walk_balance_early_refusal_is_exact(qo, extra, equal, group, hkv, causal, ctas, bpt):
+    """scheduler._walk_cannot_gain (every round's items cost the same: skip the round loop) never refuses a
+    placement the loop would take: the same plan with the bound switched off; equal lengths (equal: every request
+    the first one's) are where it refuses."""
+    if equal:
+        qo, extra = [qo[0]] * len(qo), [extra[0]] * len(qo)
+    kv = [q + e for q, e in zip(qo, extra)]
+    kw = dict(causal=causal, num_sms=ctas, kv_bytes_per_token=hkv * bpt, persistent_ctas=ctas)
+    with_bound = scheduler.plan_prefill(qo, kv, group, hkv, 128, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scheduler, "_walk_cannot_gain", lambda *args: False)
+        without = scheduler.plan_prefill(qo, kv, group, hkv, 128, **kw)
+    assert np.array_equal(with_bound.items, without.items) and with_bound.max_chunks == without.max_chunks
+
+
+def test_walk_balance_refuses_non_causal_b64_s512_early(monkeypatch):
+    """Non-causal b64_S512 (Hq32 / Hkv8, 132 persistent CTAs: 1024 equal items, a last round partly empty): the
+    loads are uneven but no placement within the rounds can move them; the bound says so before the round loop
+    (run before it: 62 rounds of numpy calls, ~350 us of plan() on the CPU machine)."""
+    said = []
+    bound = scheduler._walk_cannot_gain
+    monkeypatch.setattr(scheduler, "_walk_cannot_gain", lambda *args: said.append(bound(*args)) or said[-1])
+    qo = [512] * 64
+    plan = scheduler.plan_prefill(qo, qo, 4, 8, 128, causal=False, num_sms=132, kv_bytes_per_token=4096,
+                                  persistent_ctas=132)
+    assert said == [True] and plan.num_items == 64 * 512 * 4 // 128
+
+
 def test_walk_balance_on_an_append_batch():
     """32 causal appends (1-600 new tokens on 0-3000 cached ones; Hq32 / Hkv8, 132 CTAs, 7 L2 windows): the snake
     deals the long blocks of several windows' rounds to the same CTAs (model: 348 tiles on the slowest CTA, the
