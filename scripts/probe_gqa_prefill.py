@@ -13,9 +13,11 @@ sm90_route_fused_merge=True, no merge launch, runs 43a-43d: 1-5 us slower; "rout
 sm90_route_waves=2, run 36a 51.2 against 45.9 us, no longer timed; head slices of 16 rows before KV splits, run 43e:
 slower or equal, removed; "routed, unit a request" and "..., wg split": the route planned for as many SMs as the
 batch has (request, KV head) units, where those are 64 or more (about half the GPU), so no request is split and no
-merge runs: each CTA streams twice the default's bytes; can half the SMs draw the HBM's rate? Not yet run;
-prediction (H100, b64_L4096, default 57.1 us): 55-62 us on the ping-pong, 48-54 us with the warpgroups splitting
-the KV tiles, whose tensor work per CTA then stays at the default's).
+merge runs: each CTA streams twice the default's bytes; can half the SMs draw the HBM's rate? On the H200 this
+was run 39a (session 25): 65.8 us ping-pong, 47.8 wg split, against 46.4 for the default: a CTA streams at most
+~44-50 GB/s, so no. Not yet run on an H100, whose copy rate needs ~47 GB/s of each of 64 SMs; prediction (H100,
+b64_L4096, default 57.1 us): 55-62 us on the ping-pong, 48-54 us with the warpgroups splitting the KV tiles, whose
+tensor work per CTA then stays at the default's; a win there would be an H100-only rule).
 Every figure is checked against the float64 reference
 (bench_decode.sample_error).
 """
