@@ -62,6 +62,19 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// 2^x without the MUFU unit (FMA and integer pipes; row_probs' POLY): x = j + f with j = round(x) (adding 1.5 * 2^23
+// leaves j in the low mantissa bits), 2^f on [-0.5, 0.5] by a degree-3 polynomial (relative error under 7.5e-5,
+// below the rounding of P to bf16 or fp16; tests/test_prefill_cpu.py mirrors it in float32), and j added to the
+// result's exponent field. x must be finite and at most 127; below -125 it gives 2^-125 (not 0): callers pass
+// scores minus a running max, finite on unmasked tiles, where 2^-125 weighs nothing beside the row's max term.
+__device__ __forceinline__ float poly_exp2(float x) {
+  x = fmaxf(x, -125.f);
+  const float t = __fadd_rn(x, 12582912.f);
+  const float f = __fsub_rn(x, __fsub_rn(t, 12582912.f));
+  const float p = fmaf(fmaf(fmaf(0.0551715083f, f, 0.242610738f), f, 0.693260976f), f, 0.999928097f);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
+
 // The sum of x over this lane's quad (the 4 lanes holding one row of an mma accumulator).
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);

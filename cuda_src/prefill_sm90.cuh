@@ -110,6 +110,14 @@
 #define KVATTN_SM90_LAZY_MAX 8
 #endif
 
+// Of each 8 consecutive 8-column blocks of an unmasked tile's scores, this many take their exp2 from a polynomial
+// on the FMA pipe (common.cuh poly_exp2) instead of the MUFU unit, whose 16 results a clock per SM bound the
+// softmax where the products are short (head_dim 64: a tile's exp2s take the MUFU as long as its two products take
+// the tensor cores). 0: every exp2 on the MUFU (the default until scripts/ab_sm90.py --exp2poly measures it).
+#ifndef KVATTN_SM90_EXP2_POLY
+#define KVATTN_SM90_EXP2_POLY 0
+#endif
+
 // Masked tiles whose masks are column bounds only (the causal diagonal, the item's KV end, a moved box's repeated
 // first columns) on a plain softmax: each row keeps one column range, tested as two integer compares with the
 // column offset as an immediate against per-row limits set once a tile; this is the instance's only masked path,
@@ -652,7 +660,8 @@ struct PrefillSm90 {
       }
     float (&sb)[N / 8][4] = reinterpret_cast<float (&)[N / 8][4]>(s);   // the C layout's 8-column blocks
 #pragma unroll
-    for (int r = 0; r < 2; ++r) scale[r] = row_probs<V, FOLD, KVATTN_SM90_LAZY_MAX>(p, sb, r, mx[r], m[0][r], l[0][r]);
+    for (int r = 0; r < 2; ++r) scale[r] = row_probs<V, FOLD, KVATTN_SM90_LAZY_MAX, KVATTN_SM90_EXP2_POLY>(p, sb, r, mx[r], m[0][r],
+                                                                                         l[0][r]);
   }
 
   __device__ __forceinline__ static void softmax_tile(const PrefillParams& p, const Item& it, float (&s)[SN], int t0,

@@ -355,8 +355,9 @@ template <class V, class P> __device__ __forceinline__ float variant_prob(const 
 // non-softmax variant: m is 0 once the row saw a tile) or online-softmax probabilities against the row's running
 // max m (mx: the tile's max; FOLD: of the raw scores, the score scale p.score_scale folded into the exponent,
 // which needs the scale > 0 so max commutes with it); l updated. Returns the factor the row's output must be
-// multiplied by (1 for weights). LAZY: online_max's. Decode and both prefill kernels.
-template <class V, bool FOLD, int LAZY = 0, int N8, class P>
+// multiplied by (1 for weights). LAZY: online_max's. POLY (FOLD only: the unmasked tiles, whose scores are finite):
+// the blocks nb with nb % 8 < POLY take poly_exp2 instead of the MUFU's exp2. Decode and both prefill kernels.
+template <class V, bool FOLD, int LAZY = 0, int POLY = 0, int N8, class P>
 __device__ __forceinline__ float row_probs(const P& p, float (&s)[N8][4], int r, float mx, float& m, float& l) {
   float sum = 0.f;
   if constexpr (!V::kSoftmax) {
@@ -379,7 +380,12 @@ __device__ __forceinline__ float row_probs(const P& p, float (&s)[N8][4], int r,
 #pragma unroll
     for (int e2 = 0; e2 < 2; ++e2) {
       float& x = s[nb][2 * r + e2];
-      x = FOLD ? fast_exp2(fmaf(x, p.score_scale, -base)) : fast_exp2(x - base);
+      if constexpr (FOLD && POLY > 0) {
+        const float e = fmaf(x, p.score_scale, -base);
+        x = nb % 8 < POLY ? poly_exp2(e) : fast_exp2(e);   // (nb unrolled: the choice is made at compile time)
+      } else {
+        x = FOLD ? fast_exp2(fmaf(x, p.score_scale, -base)) : fast_exp2(x - base);
+      }
       sum += x;
     }
   l = l * scale + sum;

@@ -5,7 +5,7 @@
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
                                             [--lazy] [--shift] [--ptail] [--tilen]
                                             [--lazymax] [--boundary] [--groupdiv] [--tail] [--balance] [--qhalf]
-                                            [--narrow]
+                                            [--narrow] [--exp2poly]
                                             [--sustained]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
@@ -63,6 +63,9 @@
 --narrow: the unit's last tile's P V over one 64-token half where the other half's columns are all masked
   (KVATTN_SM90_NARROW=1) against the whole tile; the --boundary shapes of more than one request, causal b1_S8192,
   and block-sparse (64, 64) at 10% / 50% (8192 x 8192).
+--exp2poly: a share of an unmasked tile's exp2s from a polynomial on the FMA pipe (KVATTN_SM90_EXP2_POLY = 1 / 2 / 3
+  eighths of the 8-column blocks) against every exp2 on the MUFU unit (the default), head dims 64 / 128 / 256, with
+  the error (variant_case: one request, causal FLOPs counted as the attended pairs).
 --balance: the walk's items placed so that the persistent CTAs' loads balance (kvattn.scheduler.WALK_BALANCE)
   against the snake walk of the items as sorted: mixed-length causal and non-causal batches, appends, controls.
 --tail: the persistent walk's last round filled by cutting its last blocks into chunks (prefill.SM90_TAIL_SPLIT)
@@ -310,7 +313,7 @@ def run_tilen(bp, rng):
                 case(bp, rng, name, b, s, causal))
 
 
-LAZY_OFF = (("KVATTN_SM90_LAZY_MAX", 0),)
+LAZYMAX_OFF = (("KVATTN_SM90_LAZY_MAX", 0),)   # (LAZY_OFF above is the O stage's release: --lazy)
 
 
 def run_lazymax(bp, rng):
@@ -319,7 +322,7 @@ def run_lazymax(bp, rng):
     non-causal b32_S1024, persistent."""
     for name, b, s, causal in BOUNDARY_CASES + [("non-causal b32_S1024", 32, 1024, False)]:
         compare("lazymax", name, flops_of(bp, b, s, causal),
-                [("moved", tuning(LAZY_OFF)), ("lazy, 8 (default)", tuning(()))],
+                [("moved", tuning(LAZYMAX_OFF)), ("lazy, 8 (default)", tuning(()))],
                 case(bp, rng, name, b, s, causal, paged=name.startswith("paged")))
 
 
@@ -625,13 +628,34 @@ def run_otma(bp, rng):
     run_map_ab(bp, rng, "otma", "OUTPUT_MAPS", "per-thread O", "TMA O")
 
 
+#: --exp2poly: head dims and cases (name, s, head_dim, causal: one request of s tokens, bp.variant_case)
+EXP2POLY_CASES = [("D64 causal b1_S8192", 8192, 64, True), ("D64 non-causal b1_S8192", 8192, 64, False),
+                  ("D64 causal b1_S2048", 2048, 64, True), ("D128 causal b1_S8192", 8192, 128, True),
+                  ("D128 non-causal b1_S8192", 8192, 128, False), ("D256 causal b1_S8192", 8192, 256, True)]
+
+
+def run_exp2poly(bp, rng):
+    """Of each 8 consecutive 8-column score blocks of an unmasked tile, POLY take exp2 from a polynomial on the FMA
+    pipe (KVATTN_SM90_EXP2_POLY: common.cuh poly_exp2) instead of the MUFU unit (0, the default), POLY 1 / 2 / 3
+    (12.5 / 25 / 37.5% of the exp2s), with the error against the float64 reference."""
+    opts = [("MUFU only (def)", tuning(()))] + [
+        (f"poly {k}/8", tuning((("KVATTN_SM90_EXP2_POLY", k),))) for k in (1, 2, 3)]
+    for name, s, d, causal in EXP2POLY_CASES:
+        flops = (2 if causal else 4) * bp.HQ * s * s * d
+
+        def measure(s=s, d=d, causal=causal):
+            _, _, us, _, err = bp.variant_case(rng, name, s=s, d=d, causal=causal, backend="sm90")
+            return us, err
+        compare("exp2poly", name, flops, opts, measure)
+
+
 EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma": run_qtma, "otma": run_otma, "pages": run_pages, "kvil": run_kvil, "split": run_split, "tanh": run_tanh, "d256": run_d256, "fold": run_fold,
                "persist": run_persist,
                "prefetch": run_prefetch, "order": run_order, "hgroup": run_hgroup, "stream": run_stream,
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit, "tilen": run_tilen,
                "lazymax": run_lazymax,
                "boundary": run_boundary, "groupdiv": run_groupdiv, "tail": run_tail, "balance": run_balance,
-               "qhalf": run_qhalf, "narrow": run_narrow}
+               "qhalf": run_qhalf, "narrow": run_narrow, "exp2poly": run_exp2poly}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

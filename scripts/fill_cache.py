@@ -82,6 +82,12 @@ def specs():
         pf.SM90_TUNING = defs
         out += [pf.sm90_spec(128, Variant(), t, persistent=ps, interleaved=il) for il in (False, True)
                 for ps in (True, False) for t in ("bfloat16", "float16") if what == "before" or (ps and t == "bfloat16")]
+    for k in (1, 2, 3):   # ab_sm90.py --exp2poly (ragged, bf16, every head dim); test_sm90_exp2_poly_build (3)
+        pf.SM90_TUNING = (("KVATTN_SM90_EXP2_POLY", k),)
+        out += [pf.sm90_spec(d, Variant(), "bfloat16") for d in pf.SM90_HEAD_DIMS]
+        if k == 3:
+            out += [pf.sm90_spec(d, Variant(), t, persistent=ps, interleaved=il) for d in (64, 128)
+                    for t in ("bfloat16", "float16") for ps in (True, False) for il in (False, True)]
     pf.SM90_TUNING = (("KVATTN_SM90_LAZY_MAX", 0),)   # test_sm90_running_max_kept_or_moved (fp16 too)
     out += [pf.sm90_spec(128, Variant(), "float16", persistent=ps, interleaved=il)
             for ps in (False, True) for il in (False, True)]

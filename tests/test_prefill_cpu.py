@@ -229,6 +229,45 @@ def test_sm90_experiment_builds_compile_without_spills(defs, monkeypatch):
     assert "serialized" not in compiled.log, compiled.log
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_exp2_poly_build_compiles_without_spills(d, monkeypatch):
+    """ab_sm90.py --exp2poly's build (KVATTN_SM90_EXP2_POLY: a share of the exp2s by polynomial) at the head dims it
+    is for: no spills, no serialised wgmma."""
+    from kvattn import prefill
+    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_EXP2_POLY", 3),))
+    compiled, _ = sm90_spec(d, Variant(), "bfloat16").compile("sm_90a")
+    assert all(r.spill_stores == 0 and r.spill_loads == 0 for r in compiled.resources.values()), compiled.log
+    assert "serialized" not in compiled.log, compiled.log
+
+
+def _poly_exp2(x):
+    """cuda_src/common.cuh poly_exp2, step by step in float32 (each fmaf one rounding)."""
+    c = np.array([0.999928097, 0.693260976, 0.242610738, 0.0551715083], np.float32)
+    x = np.maximum(np.asarray(x, np.float32), np.float32(-125))
+    t = x + np.float32(12582912)
+    f = x - (t - np.float32(12582912))
+    p = c[3]
+    for k in (2, 1, 0):
+        p = (p.astype(np.float64) * f + c[k]).astype(np.float32)
+    return (p.view(np.int32) + (t.view(np.int32) << 23)).view(np.float32)
+
+
+def test_poly_exp2_within_its_bound():
+    """The polynomial exp2 (its float32 steps as the kernel takes them): relative error under 7.5e-5 from 2^-125 to
+    2^8 (what the softmax feeds it: scores minus a running max, at most 8 above it with the lazy max), below the
+    rounding of P to fp16 (2^-11) or bf16; exact powers of two where the polynomial is (x integer: 2^0 p(0));
+    anything below -125, -inf included, gives 2^-125 (times p(0))."""
+    rng = np.random.default_rng(0)
+    x = np.concatenate([np.linspace(-125, 8, 400001), rng.uniform(-40, 8, 200000)]).astype(np.float32)
+    got = _poly_exp2(x).astype(np.float64)
+    assert np.max(np.abs(got / np.exp2(x.astype(np.float64)) - 1)) < 7.5e-5
+    floor = _poly_exp2(np.float32(-125))   # 2^-125 p(0)
+    assert floor == pytest.approx(2.0 ** -125, rel=7.5e-5)
+    assert np.all(_poly_exp2(np.array([-126, -1e30, -np.inf], np.float32)) == floor)
+    ints = np.arange(-125, 9, dtype=np.float32)
+    assert np.array_equal(_poly_exp2(ints), (np.float32(0.999928097) * np.exp2(ints)).astype(np.float32))
+
+
 class _FakeKernel:
     """A loaded kernel's ptxas report, without a GPU."""
 

@@ -311,6 +311,26 @@ def _sm90_walks(monkeypatch, key, qo, kv, **case):
                            paged=paged, cta_rows=128, backend="sm90", num_sms=3, runs=2, **case)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype,sm_scale", [("bfloat16", None), ("float16", 2.0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_exp2_poly_build(d, dtype, sm_scale, causal, monkeypatch):
+    """The build whose unmasked tiles take 3/8 of their exp2s from common.cuh's polynomial (KVATTN_SM90_EXP2_POLY=3,
+    scripts/ab_sm90.py --exp2poly): O and the LSE against the reference, persistent CTAs on a ragged cache and a CTA
+    a unit on a paged one. sm_scale 2.0 spreads the scores (~30 log2 units a standard deviation): exponents far
+    below the polynomial's clamp (-125) and, with the lazy running max, up to +8."""
+    if _driver.arch() != "sm_90a":
+        pytest.skip("the sm90 kernel needs an sm_90 GPU")
+    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_EXP2_POLY", 3),))
+    qo, kv = ([256, 33, 1, 200, 5], [256, 700, 1, 1500, 2000]) if causal else ([256, 33, 1, 200, 5], [300, 100, 129, 1500, 2000])
+    for persist, paged in ((True, False), (False, True)):
+        monkeypatch.setattr(prefill, "SM90_PERSISTENT", persist)
+        w = run_case(np.random.default_rng(hash((d, dtype, causal, paged)) % 2**32), qo_lens=qo, kv_lens=kv,
+                     paged=paged, cta_rows=128, backend="sm90", num_sms=3, runs=2, d=d, hkv=2, group=4, dtype=dtype,
+                     causal=causal, sm_scale=sm_scale)
+        assert "KVATTN_SM90_EXP2_POLY=3" in w.last_plan.info["kernel"].spec.uri()
+
+
 BOUNDARY_OFF = (("KVATTN_SM90_BOUNDS", 0), ("KVATTN_SM90_STSM", 0))
 
 
