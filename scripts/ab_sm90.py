@@ -5,7 +5,7 @@
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
                                             [--lazy] [--shift] [--ptail] [--tilen]
                                             [--lazymax] [--boundary] [--groupdiv] [--tail] [--balance] [--qhalf]
-                                            [--narrow] [--exp2poly]
+                                            [--narrow] [--exp2poly] [--tilen64]
                                             [--sustained]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
@@ -63,6 +63,8 @@
 --narrow: the unit's last tile's P V over one 64-token half where the other half's columns are all masked
   (KVATTN_SM90_NARROW=1) against the whole tile; the --boundary shapes of more than one request, causal b1_S8192,
   and block-sparse (64, 64) at 10% / 50% (8192 x 8192).
+--tilen64: head dim 64's KV tiles of 160 and 192 tokens in 3 stages (TILE64_BUILDS) against the default 128,
+  persistent, causal / non-causal b1_S8192, causal b8_S2048, non-causal b32_S1024, with the error.
 --exp2poly: a share of an unmasked tile's exp2s from a polynomial on the FMA pipe (KVATTN_SM90_EXP2_POLY = 1 / 2 / 3
   eighths of the 8-column blocks) against every exp2 on the MUFU unit (the default), head dims 64 / 128 / 256, with
   the error (variant_case: one request, causal FLOPs counted as the attended pairs).
@@ -302,6 +304,26 @@ def run_ptail(bp, rng):
 TILE_BUILDS = [("N128 x3 (default)", (), True), ("N128 x3, CTA/unit", (), False),
                ("N128 x2 split, C/u", STAGES2, False), ("N144 x2 split, C/u", tile_defines(144, 2), False),
                ("N160 x2 split, C/u", tile_defines(160, 2), False)]
+
+
+#: --tilen64: head dim 64's KV tiles (its 32 KB stages leave room for 3 of up to 192 tokens; 256 spills)
+TILE64_BUILDS = [("N128 x3 (default)", ()), ("N160 x3", tile_defines(160, 3)), ("N192 x3", tile_defines(192, 3))]
+TILE64_CASES = [("D64 causal b1_S8192", 1, 8192, True), ("D64 non-causal b1_S8192", 1, 8192, False),
+                ("D64 causal b8_S2048", 8, 2048, True), ("D64 non-causal b32_S1024", 32, 1024, False)]
+
+
+def run_tilen64(bp, rng):
+    """Head dim 64: fewer, longer KV tiles (a tile's fixed costs: reductions, barriers, turns, against products half
+    as long as head dim 128's) in 3 stages, persistent, against the default 128-token tiles; with the error."""
+    for name, b, s, causal in TILE64_CASES:
+        def measure(b=b, s=s, causal=causal, name=name):
+            d, bp.D = bp.D, 64
+            try:
+                return bp.ragged_case(rng, name, [s] * b, [s] * b, 128, causal=causal, backend="sm90")[1:]
+            finally:
+                bp.D = d
+        compare("tilen64", name, (2 if causal else 4) * b * bp.HQ * s * s * 64,
+                [(w, tuning(d)) for w, d in TILE64_BUILDS], measure)
 
 
 def run_tilen(bp, rng):
@@ -655,7 +677,7 @@ EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma":
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit, "tilen": run_tilen,
                "lazymax": run_lazymax,
                "boundary": run_boundary, "groupdiv": run_groupdiv, "tail": run_tail, "balance": run_balance,
-               "qhalf": run_qhalf, "narrow": run_narrow, "exp2poly": run_exp2poly}
+               "qhalf": run_qhalf, "narrow": run_narrow, "exp2poly": run_exp2poly, "tilen64": run_tilen64}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

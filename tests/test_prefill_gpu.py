@@ -280,6 +280,28 @@ def test_sm90_kv_tiles_over_128_tokens(n, causal, monkeypatch):
             assert f"KVATTN_SM90_N={n}" in info["kernel"].spec.uri() and info["tma"]
 
 
+@pytest.mark.parametrize("n", [160, 192])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_head_dim_64_kv_tiles_over_128_tokens(n, causal, monkeypatch):
+    """Head dim 64's A/B builds of longer KV tiles in 3 stages (KVATTN_SM90_N 160 / 192, scripts/ab_sm90.py
+    --tilen64; the ragged builds without spills, the paged ones with 4-8 bytes: correct, not timed): producer lanes holding two rows' offsets, TMA boxes of 160 / 192 rows
+    (ragged) or 10 / 12 pages (paged, page 16), moved last boxes, a request shorter than a tile, split KV; a CTA a
+    unit and 3 persistent CTAs, run twice on one plan, against the reference."""
+    if _driver.arch() != "sm_90a":
+        pytest.skip("the sm90 kernel needs an sm_90 GPU")
+    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_N", n), ("KVATTN_SM90_STAGES", 3)))
+    qo, kv = ([n, 33, 1, 200, n - 16, 5], [n, 700, 1, 1500, n + 16, 2000]) if causal else \
+        ([n, 33, 1, 200, 96, 5], [2 * n, 100, n + 1, 1500, 0, 2000])
+    for persist in (False, True):
+        monkeypatch.setattr(prefill, "SM90_PERSISTENT", persist)
+        for paged in (True, False):
+            w = run_case(np.random.default_rng(hash((64, n, causal, paged, persist)) % 2**32), dtype="bfloat16",
+                         d=64, hkv=2, group=4, qo_lens=qo, kv_lens=kv, paged=paged, cta_rows=128, backend="sm90",
+                         causal=causal, num_sms=3, runs=2)
+            info = w.last_plan.info
+            assert f"KVATTN_SM90_N={n}" in info["kernel"].spec.uri() and info["tma"]
+
+
 @pytest.mark.parametrize("lazy", [8, 0])
 @pytest.mark.parametrize("dtype,sm_scale", [("bfloat16", None), ("bfloat16", 2.0), ("float16", 2.0)])
 @pytest.mark.parametrize("causal", [False, True])
