@@ -660,8 +660,8 @@ struct PrefillSm90 {
       }
     float (&sb)[N / 8][4] = reinterpret_cast<float (&)[N / 8][4]>(s);   // the C layout's 8-column blocks
 #pragma unroll
-    for (int r = 0; r < 2; ++r) scale[r] = row_probs<V, FOLD, KVATTN_SM90_LAZY_MAX, KVATTN_SM90_EXP2_POLY>(p, sb, r, mx[r], m[0][r],
-                                                                                         l[0][r]);
+    for (int r = 0; r < 2; ++r)
+      scale[r] = row_probs<V, FOLD, KVATTN_SM90_LAZY_MAX, KVATTN_SM90_EXP2_POLY>(p, sb, r, mx[r], m[0][r], l[0][r]);
   }
 
   __device__ __forceinline__ static void softmax_tile(const PrefillParams& p, const Item& it, float (&s)[SN], int t0,
