@@ -63,8 +63,8 @@
 --narrow: the unit's last tile's P V over one 64-token half where the other half's columns are all masked
   (KVATTN_SM90_NARROW=1) against the whole tile; the --boundary shapes of more than one request, causal b1_S8192,
   and block-sparse (64, 64) at 10% / 50% (8192 x 8192).
---tilen64: head dim 64's KV tiles of 160 and 192 tokens in 3 stages (TILE64_BUILDS) against the default 128,
-  persistent, causal / non-causal b1_S8192, causal b8_S2048, non-causal b32_S1024, with the error.
+--tilen64: head dim 64's KV tiles of 160 and 192 tokens in 3 stages (TILE64_BUILDS; and 192 with --exp2poly's
+  POLY 2) against the default 128, persistent, causal / non-causal b1_S8192, causal b8_S2048, non-causal b32_S1024, with the error.
 --exp2poly: a share of an unmasked tile's exp2s from a polynomial on the FMA pipe (KVATTN_SM90_EXP2_POLY = 1 / 2 / 3
   eighths of the 8-column blocks) against every exp2 on the MUFU unit (the default), head dims 64 / 128 / 256, with
   the error (variant_case: one request, causal FLOPs counted as the attended pairs).
@@ -307,7 +307,8 @@ TILE_BUILDS = [("N128 x3 (default)", (), True), ("N128 x3, CTA/unit", (), False)
 
 
 #: --tilen64: head dim 64's KV tiles (its 32 KB stages leave room for 3 of up to 192 tokens; 256 spills)
-TILE64_BUILDS = [("N128 x3 (default)", ()), ("N160 x3", tile_defines(160, 3)), ("N192 x3", tile_defines(192, 3))]
+TILE64_BUILDS = [("N128 x3 (default)", ()), ("N160 x3", tile_defines(160, 3)), ("N192 x3", tile_defines(192, 3)),
+                 ("N192 x3, poly 2/8", tile_defines(192, 3) + (("KVATTN_SM90_EXP2_POLY", 2),))]   # (--exp2poly's)
 TILE64_CASES = [("D64 causal b1_S8192", 1, 8192, True), ("D64 non-causal b1_S8192", 1, 8192, False),
                 ("D64 causal b8_S2048", 8, 2048, True), ("D64 non-causal b32_S1024", 32, 1024, False)]
 

@@ -86,6 +86,8 @@ def specs():
         pf.SM90_TUNING = (("KVATTN_SM90_N", n), ("KVATTN_SM90_STAGES", 3))
         out += [pf.sm90_spec(64, Variant(), "bfloat16", persistent=ps, interleaved=il)
                 for ps in (True, False) for il in (False, True)]
+    pf.SM90_TUNING = (("KVATTN_SM90_N", 192), ("KVATTN_SM90_STAGES", 3), ("KVATTN_SM90_EXP2_POLY", 2))
+    out.append(pf.sm90_spec(64, Variant(), "bfloat16"))   # ab_sm90.py --tilen64's combined build
     for k in (1, 2, 3):   # ab_sm90.py --exp2poly (ragged, bf16, every head dim); test_sm90_exp2_poly_build (3)
         pf.SM90_TUNING = (("KVATTN_SM90_EXP2_POLY", k),)
         out += [pf.sm90_spec(d, Variant(), "bfloat16") for d in pf.SM90_HEAD_DIMS]
