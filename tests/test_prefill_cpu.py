@@ -517,12 +517,17 @@ def test_tail_split_keeps_coverage_and_only_gains(qo, extra, group, hkv, causal,
 def test_tail_split_early_refusal_is_exact(qo, extra, group, hkv, causal, ctas):
     """scheduler._tail_cannot_gain (the bound that skips the cut candidates' evaluation) never refuses a cut the
     full evaluation would take: the same plan with the bound switched off."""
+    _same_plan_without(scheduler, "_tail_cannot_gain", qo, extra, group, hkv, causal, ctas, 512)
+
+
+def _same_plan_without(module, bound, qo, extra, group, hkv, causal, ctas, bytes_per_head):
+    """The persistent plan equals the one with module.<bound> (an early refusal) switched off."""
     kv = [q + e for q, e in zip(qo, extra)]
-    kw = dict(causal=causal, num_sms=ctas, kv_bytes_per_token=hkv * 512, persistent_ctas=ctas)
-    with_bound = scheduler.plan_prefill(qo, kv, group, hkv, 128, **kw)
+    kw = dict(causal=causal, num_sms=ctas, kv_bytes_per_token=hkv * bytes_per_head, persistent_ctas=ctas)
+    with_bound = module.plan_prefill(qo, kv, group, hkv, 128, **kw)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(scheduler, "_tail_cannot_gain", lambda *args: False)
-        without = scheduler.plan_prefill(qo, kv, group, hkv, 128, **kw)
+        mp.setattr(module, bound, lambda *args: False)
+        without = module.plan_prefill(qo, kv, group, hkv, 128, **kw)
     assert np.array_equal(with_bound.items, without.items) and with_bound.max_chunks == without.max_chunks
 
 
@@ -597,13 +602,7 @@ def test_walk_balance_early_refusal_is_exact(qo, extra, equal, group, hkv, causa
     the first one's) are where it refuses."""
     if equal:
         qo, extra = [qo[0]] * len(qo), [extra[0]] * len(qo)
-    kv = [q + e for q, e in zip(qo, extra)]
-    kw = dict(causal=causal, num_sms=ctas, kv_bytes_per_token=hkv * bpt, persistent_ctas=ctas)
-    with_bound = scheduler.plan_prefill(qo, kv, group, hkv, 128, **kw)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(scheduler, "_walk_cannot_gain", lambda *args: False)
-        without = scheduler.plan_prefill(qo, kv, group, hkv, 128, **kw)
-    assert np.array_equal(with_bound.items, without.items) and with_bound.max_chunks == without.max_chunks
+    _same_plan_without(scheduler, "_walk_cannot_gain", qo, extra, group, hkv, causal, ctas, bpt)
 
 
 def test_walk_balance_refuses_non_causal_b64_s512_early(monkeypatch):
