@@ -64,7 +64,8 @@
   (KVATTN_SM90_NARROW=1) against the whole tile; the --boundary shapes of more than one request, causal b1_S8192,
   and block-sparse (64, 64) at 10% / 50% (8192 x 8192).
 --tilen64: head dim 64's KV tiles of 160 and 192 tokens in 3 stages (TILE64_BUILDS; and 192 with --exp2poly's
-  POLY 2) against the default 128, persistent, causal / non-causal b1_S8192, causal b8_S2048, non-causal b32_S1024, with the error.
+  POLY 2) against the default 128, persistent, causal / non-causal b1_S8192, causal b8_S2048, non-causal
+  b32_S1024, with the error.
 --exp2poly: a share of an unmasked tile's exp2s from a polynomial on the FMA pipe (KVATTN_SM90_EXP2_POLY = 1 / 2 / 3
   eighths of the 8-column blocks) against every exp2 on the MUFU unit (the default), head dims 64 / 128 / 256, with
   the error (variant_case: one request, causal FLOPs counted as the attended pairs).
