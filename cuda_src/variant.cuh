@@ -380,12 +380,8 @@ __device__ __forceinline__ float row_probs(const P& p, float (&s)[N8][4], int r,
 #pragma unroll
     for (int e2 = 0; e2 < 2; ++e2) {
       float& x = s[nb][2 * r + e2];
-      if constexpr (FOLD && POLY > 0) {
-        const float e = fmaf(x, p.score_scale, -base);
-        x = nb % 8 < POLY ? poly_exp2(e) : fast_exp2(e);   // (nb unrolled: the choice is made at compile time)
-      } else {
-        x = FOLD ? fast_exp2(fmaf(x, p.score_scale, -base)) : fast_exp2(x - base);
-      }
+      const float e = FOLD ? fmaf(x, p.score_scale, -base) : x - base;
+      x = FOLD && nb % 8 < POLY ? poly_exp2(e) : fast_exp2(e);   // (nb unrolled: chosen at compile time)
       sum += x;
     }
   l = l * scale + sum;
