@@ -113,9 +113,11 @@
 // Of each 8 consecutive 8-column blocks of an unmasked tile's scores, this many take their exp2 from a polynomial
 // on the FMA pipe (common.cuh poly_exp2) instead of the MUFU unit, whose 16 results a clock per SM bound the
 // softmax where the products are short (head_dim 64: a tile's exp2s take the MUFU as long as its two products take
-// the tensor cores). 0: every exp2 on the MUFU (the default until scripts/ab_sm90.py --exp2poly measures it).
+// the tensor cores). -1 (the default): 2 at head dim 64, 0 (every exp2 on the MUFU) at 128 and 256. Run 55a (H100,
+// scripts/ab_sm90.py --exp2poly): head dim 64 +1.2% with 128-token tiles and +3% with 192 (2 of 8; 3 of 8 loses
+// 3%), head dim 128 -4 to -9%, 256 even.
 #ifndef KVATTN_SM90_EXP2_POLY
-#define KVATTN_SM90_EXP2_POLY 0
+#define KVATTN_SM90_EXP2_POLY -1
 #endif
 
 // Masked tiles whose masks are column bounds only (the causal diagonal, the item's KV end, a moved box's repeated
@@ -270,6 +272,9 @@ struct PrefillSm90 {
   // setmaxnreg.inc waits for registers the CTA's other warps released: the two must balance exactly.
   static_assert(PRODUCERS * (168 - PRODUCER_REGS) == 2 * 128 * (CONSUMER_REGS - 168), "register budget");
   static constexpr int ROWS = 128;                    // packed query rows per CTA
+  // exp2s of each 8 score blocks from the polynomial (KVATTN_SM90_EXP2_POLY; -1: by head dim)
+  static constexpr int EXP2_POLY =
+      KVATTN_SM90_EXP2_POLY >= 0 ? KVATTN_SM90_EXP2_POLY : D_QK == 64 && D_VO == 64 ? 2 : 0;
   // KV tokens per tile and ring depth: 128-token tiles in 3 stages up to head_dim 128; head_dim 256's 64 KB
   // query tile leaves room for 2 stages of 80-token tiles (5% faster than 64 on the H200). KVATTN_SM90_N /
   // _STAGES override them (experiments; kvattn.prefill.sm90_tile mirrors them).
@@ -661,7 +666,7 @@ struct PrefillSm90 {
     float (&sb)[N / 8][4] = reinterpret_cast<float (&)[N / 8][4]>(s);   // the C layout's 8-column blocks
 #pragma unroll
     for (int r = 0; r < 2; ++r)
-      scale[r] = row_probs<V, FOLD, KVATTN_SM90_LAZY_MAX, KVATTN_SM90_EXP2_POLY>(p, sb, r, mx[r], m[0][r], l[0][r]);
+      scale[r] = row_probs<V, FOLD, KVATTN_SM90_LAZY_MAX, EXP2_POLY>(p, sb, r, mx[r], m[0][r], l[0][r]);
   }
 
   __device__ __forceinline__ static void softmax_tile(const PrefillParams& p, const Item& it, float (&s)[SN], int t0,

@@ -129,27 +129,31 @@ def prefill_spec(head_dim: int, cta_rows: int, variant: Variant, dtype: str, kv_
 
 def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None = None,
               persistent: bool | None = None, head_dim_vo: int | None = None,
-              interleaved: bool = False, wg_split: bool = False, fused_merge: bool = False) -> KernelSpec:
+              interleaved: bool = False, wg_split: bool = False, fused_merge: bool = False,
+              long_tiles: bool = False) -> KernelSpec:
     """The wgmma kernel (backend "sm90") of prefill_sm90.cuh: 128-row query tiles, head_dim 64, 128 or 256;
     persistent (None: sm90_persistent's choice) builds the persistent instance. head_dim_vo: as prefill_spec's.
     interleaved: the instance for paged tensor maps (kvattn.tma.interleaved_tiles: K / V tiles in 8-row groups of
     every 64-column block, one box a page); a KVATTN_SM90_KVIL in SM90_TUNING overrides it (the A/B).
     wg_split: the instance for units of at most WG_ROWS rows whose two consumer warpgroups split the KV tiles
     (PrefillSm90::consume_split), head_dim up to 128. fused_merge: the instance whose consumer warps merge a split
-    block's chunks (PrefillSm90::merge_if_last; plain variants, head_dim up to 128, not with wg_split)."""
+    block's chunks (PrefillSm90::merge_if_last; plain variants, head_dim up to 128, not with wg_split).
+    long_tiles: KV tiles of SM90_LONG_TILE tokens (sm90_long_tiles says where) unless SM90_TUNING sets the tile."""
     args = f"{attn_types(head_dim, dtype, kv_dtype, head_dim_vo)}, {variant.prefill_type()}"
     traits = f"kvattn::PrefillSm90<{args}>"
     if persistent is None:
         persistent = sm90_persistent(head_dim, variant, kv_dtype)
     tuning = dict(SM90_TUNING)
     kvil = tuning.pop("KVATTN_SM90_KVIL", int(interleaved))
-    return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{args}>",
-                      defines=(tuple(tuning.items()) + ((SM90_KVIL_DEFINE,) if kvil else ())
-                               + ((SM90_PERSIST_DEFINE,) if persistent else ())
-                               + ((SM90_WGSPLIT_DEFINE,) if wg_split else ())
-                               + ((SM90_FMERGE_DEFINE,) if fused_merge else ())),
+    if long_tiles and "KVATTN_SM90_N" not in tuning:
+        tuning["KVATTN_SM90_N"] = SM90_LONG_TILE
+    defines = (tuple(tuning.items()) + ((SM90_KVIL_DEFINE,) if kvil else ())
+               + ((SM90_PERSIST_DEFINE,) if persistent else ())
+               + ((SM90_WGSPLIT_DEFINE,) if wg_split else ())
+               + ((SM90_FMERGE_DEFINE,) if fused_merge else ()))
+    return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{args}>", defines=defines,
                       prelude=variant.prelude(),
-                      checks=((f"{traits}::SMEM_BYTES", sm90_smem_bytes(head_dim, head_dim_vo)),
+                      checks=((f"{traits}::SMEM_BYTES", sm90_smem_bytes(head_dim, head_dim_vo, defines)),
                               (f"{traits}::THREADS", SM90_THREADS), (f"{traits}::ROWS", 128))
                       + (((f"{traits}::FMERGE_MAX", FUSED_MERGE_MAX_CHUNKS),) if fused_merge else ()))
 
@@ -182,21 +186,21 @@ def smem_bytes(head_dim: int, cta_rows: int, kv_dtype: str | None = None, head_d
     return cta_rows * head_dim * 2 + kv + 2 * 64 * 8
 
 
-def sm90_tile(head_dim: int, head_dim_vo: int | None = None) -> tuple[int, int]:
+def sm90_tile(head_dim: int, head_dim_vo: int | None = None, defines=None) -> tuple[int, int]:
     """(KV tokens per tile, ring stages) of prefill_sm90_kernel (mirrors PrefillSm90::N / STAGES, including the
-    KVATTN_SM90_N / _STAGES overrides of SM90_TUNING)."""
-    over = dict(SM90_TUNING)
+    KVATTN_SM90_N / _STAGES overrides of an instance's defines, by default SM90_TUNING's)."""
+    over = dict(SM90_TUNING if defines is None else defines)
     big = head_dim + (head_dim_vo or head_dim) > 256   # head_dim 256: 80-token tiles in 2 stages
     return (over.get("KVATTN_SM90_N", 80 if big else 128), over.get("KVATTN_SM90_STAGES", 2 if big else 3))
 
 
-def sm90_smem_bytes(head_dim: int, head_dim_vo: int | None = None) -> int:
+def sm90_smem_bytes(head_dim: int, head_dim_vo: int | None = None, defines=None) -> int:
     """Dynamic shared memory of prefill_sm90_kernel (mirrors PrefillSm90::SMEM_BYTES: Q, the ring of K and V
     tiles, a full and an empty mbarrier per stage, each Q tile's `qfree` mbarrier (3 more in the KVATTN_SM90_QHALF
     builds); KVATTN_SM90_QBUF Q tiles; V's own full and empty mbarriers per stage with 2 stages, or as
-    KVATTN_SM90_KVSPLIT says)."""
-    n, stages = sm90_tile(head_dim, head_dim_vo)
-    over = dict(SM90_TUNING)
+    KVATTN_SM90_KVSPLIT says). defines: the instance's (None: SM90_TUNING)."""
+    n, stages = sm90_tile(head_dim, head_dim_vo, defines)
+    over = dict(SM90_TUNING if defines is None else defines)
     qbuf, split = over.get("KVATTN_SM90_QBUF", 1), over.get("KVATTN_SM90_KVSPLIT", stages < 3)
     bars = 2 * stages * (2 if split else 1) + qbuf + (3 if over.get("KVATTN_SM90_QHALF", 0) else 0)
     return (qbuf * 128 * head_dim + stages * n * (head_dim + (head_dim_vo or head_dim))) * 2 + bars * 8
@@ -219,6 +223,41 @@ def sm90_persistent(head_dim: int, variant: Variant, kv_dtype: str | None = None
     """Whether the sm90 instance of this head dim, variant and cache type is the persistent one."""
     return SM90_PERSISTENT and head_dim <= 128 and not variant.rope and not _dtypes.is_fp8(kv_dtype)
 
+
+#: Head dim 64's longer KV tile (tokens) on contiguous ragged K / V (sm90_long_tiles; 0: never): its 32 KB stages
+#: leave room for three of 192 tokens, and a tile's fixed costs (reductions, barriers, turns) weigh more against
+#: products half as long as head dim 128's. Run 55a (H100, scripts/ab_sm90.py --tilen64, TFLOP/s): causal b1_S8192
+#: 411 -> 429 (442 with 2 of 8 exp2s from the polynomial, head dim 64's default since), non-causal b1_S8192 427 ->
+#: 447 (457), causal b8_S2048 327 -> 334 (336); non-causal b32_S1024 377 -> 335 (its 1024-token units end in a
+#: 64-token tile), hence the model below.
+SM90_LONG_TILE = 192
+#: The model's cost of a long tile's column against a 128-token tile's (the b1_S8192 cases' gain), and the least
+#: modelled gain that takes long tiles.
+LONG_TILE_COST, LONG_TILE_MIN_GAIN = 0.955, 0.01
+
+
+def sm90_long_tiles(head_dim: int, variant: Variant, kv_dtype: str | None, contiguous: bool, qo_lens, kv_lens,
+                    causal: bool, group: int) -> bool:
+    """Whether a plan's sm90 instance takes SM90_LONG_TILE-token KV tiles: head dim 64, the plain variant, a 16-bit
+    contiguous ragged K / V (the measured instance: paged tiles of 192 spill), and fewer padded columns by the model:
+    each unit (a request's 128 packed query rows) reads its KV span in whole tiles, long ones LONG_TILE_COST
+    cheaper a column, taken where that gains LONG_TILE_MIN_GAIN. Non-causal spans are kv_len; causal ones kv_len -
+    qo_len + the unit's last query token, a unit's tokens apart, so their padding averages (N - gcd(N, that
+    step)) / 2. qo_lens, kv_lens: int [B]."""
+    if not (SM90_LONG_TILE and head_dim == 64 and variant == Variant() and contiguous
+            and not _dtypes.is_fp8(kv_dtype)):
+        return False
+    qo, kv = np.asarray(qo_lens, np.int64), np.asarray(kv_lens, np.int64)
+    units = -(-qo * group // 128)
+    if causal:
+        step = 128 // group if 128 % group == 0 else 1   # query tokens a unit (1: units split a token's heads)
+        span = kv - qo + (qo + step) / 2
+        pad = {n: units.sum() * (n - math.gcd(n, step)) / 2 for n in (128, SM90_LONG_TILE)}
+    else:
+        span = kv
+        pad = {n: float((units * (-kv % n)).sum()) for n in (128, SM90_LONG_TILE)}
+    cols = float((units * span).sum())
+    return cols > 0 and (cols + pad[SM90_LONG_TILE]) * LONG_TILE_COST <= (cols + pad[128]) * (1 - LONG_TILE_MIN_GAIN)
 
 def launch_grid(cfg, items: int, num_kv_heads: int, num_sms: int) -> tuple[int, int, int]:
     """The grid of a prefill launch (LaunchConfig cfg) over `items` plan items (graph mode: their bound): one CTA
@@ -249,20 +288,22 @@ class LaunchConfig:
 
 
 def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, dtype: str,
-                  kv_dtype: str | None = None, interleaved: bool = False, wg_split: bool = False) -> LaunchConfig:
+                  kv_dtype: str | None = None, interleaved: bool = False, wg_split: bool = False,
+                  long_tiles: bool = False) -> LaunchConfig:
     """backend "sm90" (the wgmma kernel) takes 128-row tiles of head_dim 64/128/256 on sm_90 GPUs; "auto" takes
     it there unless its ptxas report shows spills (sm90_choice), else "sm80". interleaved: sm90_spec's (a paged
-    cache that takes tensor maps). wg_split: sm90_spec's (the sm90 kernel only)."""
+    cache that takes tensor maps). wg_split, long_tiles: sm90_spec's (the sm90 kernel only)."""
     sm90_ok = cta_rows == 128 and head_dim in SM90_HEAD_DIMS and _driver.arch() == "sm_90a"
     if backend == "sm90" and not sm90_ok:
         raise ValueError(f"backend: 'sm90' needs an sm_90 GPU, head_dim in {SM90_HEAD_DIMS} and cta_rows 128 "
                          f"(got {_driver.arch()}, head_dim {head_dim}, cta_rows {cta_rows})")
-    spec = sm90_choice(backend, head_dim, variant, dtype, kv_dtype, interleaved, wg_split) if sm90_ok else None
+    spec = (sm90_choice(backend, head_dim, variant, dtype, kv_dtype, interleaved, wg_split, long_tiles=long_tiles)
+            if sm90_ok else None)
     if wg_split and spec is None:
         raise ValueError(f"wg_split: needs the sm90 kernel (backend {backend!r}, head_dim {head_dim}, "
                          f"cta_rows {cta_rows}, {_driver.arch()})")
     if spec is not None:
-        return LaunchConfig("sm90", spec, SM90_THREADS, sm90_smem_bytes(head_dim), 1)
+        return LaunchConfig("sm90", spec, SM90_THREADS, sm90_smem_bytes(head_dim, defines=spec.defines), 1)
     if head_dim == 256 and cta_rows == 128:
         raise ValueError("cta_rows: 128 with head_dim 256 needs the sm90 kernel (an sm_90 GPU, backend 'auto' or "
                          "'sm90', a variant that compiles there without spills); use 64")
@@ -275,21 +316,21 @@ def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, 
 
 def sm90_choice(backend: str, head_dim: int, variant: Variant, dtype: str,
                 kv_dtype: str | None = None, interleaved: bool = False,
-                wg_split: bool = False, fused_merge: bool = False) -> KernelSpec | None:
+                wg_split: bool = False, fused_merge: bool = False, long_tiles: bool = False) -> KernelSpec | None:
     """The wgmma instance a 128-row tile of this head dim and variant runs on, or None (the mma.sync kernel): on an
     sm_90 GPU and a head dim it covers, with backend "sm90" the persistent instance where sm90_persistent allows
     it, else the one-unit one; with "auto" the first of those two that compiles without spills (a user variant
     with a key transform may spill in the persistent one; at head_dim 256 the custom-mask, ALiBi, RoPE and fp8
-    instances spill and go to the mma.sync kernel). interleaved, wg_split, fused_merge: sm90_spec's."""
+    instances spill and go to the mma.sync kernel). interleaved, wg_split, fused_merge, long_tiles: sm90_spec's."""
     if backend == "sm80" or head_dim not in SM90_HEAD_DIMS or _driver.arch() != "sm_90a":
         return None
     persistent = sm90_persistent(head_dim, variant, kv_dtype)
     if backend == "sm90":
         return sm90_spec(head_dim, variant, dtype, kv_dtype, persistent, interleaved=interleaved, wg_split=wg_split,
-                         fused_merge=fused_merge)
+                         fused_merge=fused_merge, long_tiles=long_tiles)
     for p in ((True, False) if persistent else (False,)):
         spec = sm90_spec(head_dim, variant, dtype, kv_dtype, p, interleaved=interleaved, wg_split=wg_split,
-                         fused_merge=fused_merge)
+                         fused_merge=fused_merge, long_tiles=long_tiles)
         kernel = get_kernel(spec)
         if kernel.resources is None or kernel.resources.spill_stores == 0:
             return spec
@@ -487,6 +528,10 @@ class _BatchPrefill(AttentionOp):
         else:
             kv = RaggedKV(self.kv_layout, int(kv_lens.sum()), hkv, head_dim, npdtype)
         kvil = tma.interleaved_tiles(kv, sm90_tile(head_dim)[0]) and not variant.rope
+        # (not in graph mode, whose captured kernel must hold for every later batch, nor in deterministic mode,
+        # whose bits must not depend on the batch)
+        long_tiles = (cta_rows == 128 and expansion is None and not self.use_cuda_graph and not self.deterministic
+                      and sm90_long_tiles(head_dim, variant, kv_dtype, contiguous, qo_lens, kv_lens, causal, group))
         wg_split = bool(self.wg_split)
         if wg_split:
             rows = int(qo_lens.max(initial=0)) * group
@@ -495,7 +540,8 @@ class _BatchPrefill(AttentionOp):
                 raise ValueError(f"wg_split: needs at most {WG_ROWS} packed query rows a request (got {rows}), "
                                  f"cta_rows 128 (got {cta_rows}), head_dim <= 128 (got {head_dim}), a 16-bit cache "
                                  f"(got {kv_dtype}), no fused RoPE and no graph mode")
-        cfg = launch_config(self.backend, head_dim, cta_rows, variant, q_dtype, kv_dtype, kvil, wg_split)
+        cfg = launch_config(self.backend, head_dim, cta_rows, variant, q_dtype, kv_dtype, kvil, wg_split,
+                            long_tiles=long_tiles and not wg_split)
         if cfg.backend == "sm80" and variant.rope and auto_rows and cta_rows == 128:
             cta_rows = 64   # the 128-row mma.sync tile has no registers left for the rotation (ptxas spills)
             cfg = launch_config(self.backend, head_dim, cta_rows, variant, q_dtype, kv_dtype)
@@ -518,7 +564,8 @@ class _BatchPrefill(AttentionOp):
                  and plan.max_chunks <= FUSED_MERGE_MAX_CHUNKS and not self.deterministic and not self.use_cuda_graph
                  and not wg_split and variant.merge_type() is None and head_dim <= 128)   # (None: no output hook)
         if fused:
-            spec = sm90_choice(self.backend, head_dim, variant, q_dtype, kv_dtype, kvil, fused_merge=True)
+            spec = sm90_choice(self.backend, head_dim, variant, q_dtype, kv_dtype, kvil, fused_merge=True,
+                               long_tiles=long_tiles)
             fused = spec is not None and (SM90_PERSIST_DEFINE in spec.defines) == cfg.persistent
             if fused:
                 cfg = dataclasses.replace(cfg, spec=spec)
@@ -581,7 +628,7 @@ class _BatchPrefill(AttentionOp):
                                        None if self.use_cuda_graph else plan.merge_indptr, self.deterministic)
         grid = launch_grid(cfg, cap_w, hkv, self.num_sms)
         sm90_maps = cfg.backend == "sm90" and not variant.rope
-        maps = (tma.attach(kv, [p], sm90_tile(head_dim)[0], contiguous=contiguous,
+        maps = (tma.attach(kv, [p], sm90_tile(head_dim, defines=cfg.spec.defines)[0], contiguous=contiguous,
                            interleaved=sm90_interleaved(cfg.spec))
                 if sm90_maps else None)
         max_rows = self.max_total_qo if self.use_cuda_graph else total_qo

@@ -5,7 +5,7 @@
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
                                             [--lazy] [--shift] [--ptail] [--tilen]
                                             [--lazymax] [--boundary] [--groupdiv] [--tail] [--balance] [--qhalf]
-                                            [--narrow] [--exp2poly] [--tilen64]
+                                            [--narrow] [--exp2poly] [--tilen64] [--d64]
                                             [--sustained]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
@@ -64,11 +64,15 @@
   (KVATTN_SM90_NARROW=1) against the whole tile; the --boundary shapes of more than one request, causal b1_S8192,
   and block-sparse (64, 64) at 10% / 50% (8192 x 8192).
 --tilen64: head dim 64's KV tiles of 160 and 192 tokens in 3 stages (TILE64_BUILDS; and 192 with --exp2poly's
-  POLY 2) against the default 128, persistent, causal / non-causal b1_S8192, causal b8_S2048, non-causal
-  b32_S1024, with the error.
+  POLY 2) against 128 (every exp2 on the MUFU, as before run 55a), persistent, causal / non-causal b1_S8192,
+  causal b8_S2048, non-causal b32_S1024, with the error.
 --exp2poly: a share of an unmasked tile's exp2s from a polynomial on the FMA pipe (KVATTN_SM90_EXP2_POLY = 1 / 2 / 3
-  eighths of the 8-column blocks) against every exp2 on the MUFU unit (the default), head dims 64 / 128 / 256, with
-  the error (variant_case: one request, causal FLOPs counted as the attended pairs).
+  eighths of the 8-column blocks) against every exp2 on the MUFU unit (0; the default since run 55a: 2 at head dim
+  64, 0 elsewhere), head dims 64 / 128 / 256, with the error (variant_case: one request, causal FLOPs counted as
+  the attended pairs).
+--d64: head dim 64's defaults (POLY 2, 192-token tiles where prefill.sm90_long_tiles takes them) against those
+  before run 55a (128-token tiles, POLY 0): --tilen64's cases, causal b32_S1024 and non-causal b4_S4096, with the
+  error and the tile the default took.
 --balance: the walk's items placed so that the persistent CTAs' loads balance (kvattn.scheduler.WALK_BALANCE)
   against the snake walk of the items as sorted: mixed-length causal and non-causal batches, appends, controls.
 --tail: the persistent walk's last round filled by cutting its last blocks into chunks (prefill.SM90_TAIL_SPLIT)
@@ -308,10 +312,16 @@ TILE_BUILDS = [("N128 x3 (default)", (), True), ("N128 x3, CTA/unit", (), False)
 
 
 #: --tilen64: head dim 64's KV tiles (its 32 KB stages leave room for 3 of up to 192 tokens; 256 spills)
-TILE64_BUILDS = [("N128 x3 (default)", ()), ("N160 x3", tile_defines(160, 3)), ("N192 x3", tile_defines(192, 3)),
+MUFU_ONLY = (("KVATTN_SM90_EXP2_POLY", 0),)
+TILE64_BUILDS = [("N128 x3", tile_defines(128, 3) + MUFU_ONLY), ("N160 x3", tile_defines(160, 3) + MUFU_ONLY),
+                 ("N192 x3", tile_defines(192, 3) + MUFU_ONLY),
                  ("N192 x3, poly 2/8", tile_defines(192, 3) + (("KVATTN_SM90_EXP2_POLY", 2),))]   # (--exp2poly's)
 TILE64_CASES = [("D64 causal b1_S8192", 1, 8192, True), ("D64 non-causal b1_S8192", 1, 8192, False),
                 ("D64 causal b8_S2048", 8, 2048, True), ("D64 non-causal b32_S1024", 32, 1024, False)]
+#: --d64: head dim 64's defaults since run 55a (2 of 8 exp2s from the polynomial; 192-token tiles where
+#: prefill.sm90_long_tiles takes them) against the defaults before (128-token tiles, every exp2 on the MUFU)
+D64_BUILDS = [("before (N128, MUFU)", tile_defines(128, 3) + MUFU_ONLY), ("default", ())]
+D64_CASES = TILE64_CASES + [("D64 causal b32_S1024", 32, 1024, True), ("D64 non-causal b4_S4096", 4, 4096, False)]
 
 
 def run_tilen64(bp, rng):
@@ -326,6 +336,24 @@ def run_tilen64(bp, rng):
                 bp.D = d
         compare("tilen64", name, (2 if causal else 4) * b * bp.HQ * s * s * 64,
                 [(w, tuning(d)) for w, d in TILE64_BUILDS], measure)
+
+
+def run_d64(bp, rng):
+    """Head dim 64's defaults against the defaults before them (D64_BUILDS), on ragged K / V, with the error and the
+    KV tile the default took."""
+    for name, b, s, causal in D64_CASES:
+        def measure(b=b, s=s, causal=causal, name=name):
+            d, bp.D = bp.D, 64
+            try:
+                w, us, err = bp.ragged_case(rng, name, [s] * b, [s] * b, 128, causal=causal, backend="sm90")
+            finally:
+                bp.D = d
+            tiles[name] = prefill.sm90_tile(64, defines=w.last_plan.info["kernel"].spec.defines)[0]
+            return us, err
+        tiles = {}
+        compare("d64", name, (2 if causal else 4) * b * bp.HQ * s * s * 64,
+                [(w, tuning(d)) for w, d in D64_BUILDS], measure)
+        print(f"d64      {name:24s} default's KV tile: {tiles[name]} tokens", flush=True)
 
 
 def run_tilen(bp, rng):
@@ -662,7 +690,7 @@ def run_exp2poly(bp, rng):
     """Of each 8 consecutive 8-column score blocks of an unmasked tile, POLY take exp2 from a polynomial on the FMA
     pipe (KVATTN_SM90_EXP2_POLY: common.cuh poly_exp2) instead of the MUFU unit (0, the default), POLY 1 / 2 / 3
     (12.5 / 25 / 37.5% of the exp2s), with the error against the float64 reference."""
-    opts = [("MUFU only (def)", tuning(()))] + [
+    opts = [("MUFU only", tuning(MUFU_ONLY))] + [
         (f"poly {k}/8", tuning((("KVATTN_SM90_EXP2_POLY", k),))) for k in (1, 2, 3)]
     for name, s, d, causal in EXP2POLY_CASES:
         flops = (2 if causal else 4) * bp.HQ * s * s * d
@@ -679,7 +707,8 @@ EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma":
                "early": run_early, "shapes": run_shapes, "kvsplit": run_kvsplit, "tilen": run_tilen,
                "lazymax": run_lazymax,
                "boundary": run_boundary, "groupdiv": run_groupdiv, "tail": run_tail, "balance": run_balance,
-               "qhalf": run_qhalf, "narrow": run_narrow, "exp2poly": run_exp2poly, "tilen64": run_tilen64}
+               "qhalf": run_qhalf, "narrow": run_narrow, "exp2poly": run_exp2poly, "tilen64": run_tilen64,
+               "d64": run_d64}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

@@ -82,13 +82,18 @@ def specs():
         pf.SM90_TUNING = defs
         out += [pf.sm90_spec(128, Variant(), t, persistent=ps, interleaved=il) for il in (False, True)
                 for ps in (True, False) for t in ("bfloat16", "float16") if what == "before" or (ps and t == "bfloat16")]
-    for n in (160, 192):   # ab_sm90.py --tilen64 (ragged, persistent); test_sm90_head_dim_64_kv_tiles_over_128_tokens
+    for n in (160, 192):   # test_sm90_head_dim_64_kv_tiles_over_128_tokens
         pf.SM90_TUNING = (("KVATTN_SM90_N", n), ("KVATTN_SM90_STAGES", 3))
         out += [pf.sm90_spec(64, Variant(), "bfloat16", persistent=ps, interleaved=il)
                 for ps in (True, False) for il in (False, True)]
-    pf.SM90_TUNING = (("KVATTN_SM90_N", 192), ("KVATTN_SM90_STAGES", 3), ("KVATTN_SM90_EXP2_POLY", 2))
-    out.append(pf.sm90_spec(64, Variant(), "bfloat16"))   # ab_sm90.py --tilen64's combined build
-    for k in (1, 2, 3):   # ab_sm90.py --exp2poly (ragged, bf16, every head dim); test_sm90_exp2_poly_build (3)
+    from ab_sm90 import D64_BUILDS, TILE64_BUILDS   # ab_sm90.py --tilen64 / --d64 (ragged, persistent)
+    for _, defs in TILE64_BUILDS + D64_BUILDS:
+        pf.SM90_TUNING = defs
+        out.append(pf.sm90_spec(64, Variant(), "bfloat16"))
+    pf.SM90_TUNING = ()   # head dim 64's long-tile default (test_sm90_head_dim_64_long_tiles_by_default)
+    out += [pf.sm90_spec(64, Variant(), t, persistent=ps, long_tiles=True, fused_merge=fm)
+            for t in ("bfloat16", "float16") for ps, fm in ((True, False), (True, True), (False, False))]
+    for k in (0, 1, 2, 3):   # ab_sm90.py --exp2poly (ragged, bf16, every head dim); test_sm90_exp2_poly_build (3)
         pf.SM90_TUNING = (("KVATTN_SM90_EXP2_POLY", k),)
         out += [pf.sm90_spec(d, Variant(), "bfloat16") for d in pf.SM90_HEAD_DIMS]
         if k == 3:

@@ -254,6 +254,53 @@ def test_sm90_head_dim_64_long_tile_builds_compile_without_spills(n, persistent,
     assert sm90_smem_bytes(64) == (128 * 64 + 3 * n * 128) * 2 + 7 * 8
 
 
+
+@pytest.mark.parametrize("b, s, causal, want", [
+    (1, 8192, True, True), (1, 8192, False, True), (8, 2048, True, True), (4, 4096, False, True),
+    (32, 1024, False, False), (32, 1024, True, False), (64, 512, True, False), (1, 640, False, False),
+    (1, 1536, False, True)])
+def test_head_dim_64_long_tiles_where_the_model_gains(b, s, causal, want):
+    """prefill.sm90_long_tiles on run 55a's shapes and their neighbours (group 4): 192-token tiles for long units,
+    128 where a unit's KV ends in a short last tile (non-causal b32_S1024: 377 -> 335 TFLOP/s with 192)."""
+    from kvattn import prefill
+    assert prefill.sm90_long_tiles(64, Variant(), "bfloat16", True, [s] * b, [s] * b, causal, 4) == want
+
+
+@pytest.mark.parametrize("kw", [dict(head_dim=128), dict(contiguous=False), dict(variant=Variant(soft_cap=True)),
+                                dict(variant=Variant(window=True)), dict(kv_dtype="float8_e4m3fn"),
+                                dict(qo_lens=[0], kv_lens=[0])])
+def test_head_dim_64_long_tiles_only_where_measured(kw, monkeypatch):
+    """Long tiles only at head dim 64, plain variant, 16-bit contiguous ragged K / V (paged 192-token tiles spill),
+    a batch with KV; SM90_LONG_TILE = 0 turns them off."""
+    from kvattn import prefill
+    args = dict(head_dim=64, variant=Variant(), kv_dtype="bfloat16", contiguous=True, qo_lens=[8192],
+                kv_lens=[8192], causal=True, group=4)
+    assert prefill.sm90_long_tiles(**args)
+    assert not prefill.sm90_long_tiles(**{**args, **kw})
+    monkeypatch.setattr(prefill, "SM90_LONG_TILE", 0)
+    assert not prefill.sm90_long_tiles(**args)
+
+
+@pytest.mark.parametrize("fused_merge", [False, True])
+def test_head_dim_64_long_tile_instance(fused_merge, monkeypatch):
+    """The long-tile instance (sm90_spec long_tiles): KVATTN_SM90_N = 192 in its defines, its tile and shared memory
+    read from them (launch_config's smem, the tensor maps' box rows), compiled without spills; SM90_TUNING's own
+    tile wins (the A/Bs)."""
+    from kvattn import prefill
+    spec = sm90_spec(64, Variant(), "bfloat16", persistent=True, long_tiles=True, fused_merge=fused_merge)
+    assert ("KVATTN_SM90_N", 192) in spec.defines
+    assert prefill.sm90_tile(64, defines=spec.defines) == (192, 3)
+    assert sm90_smem_bytes(64, defines=spec.defines) == (128 * 64 + 3 * 192 * 128) * 2 + 7 * 8
+    compiled, _ = spec.compile("sm_90a")   # (its SMEM_BYTES check: a static_assert against the Python mirror)
+    assert all(r.spill_stores == 0 and r.spill_loads == 0 for r in compiled.resources.values()), compiled.log
+    assert "serialized" not in compiled.log, compiled.log
+    env = _fake_launch_env(monkeypatch, "sm_90a", 0)
+    cfg = env.launch_config("auto", 64, 128, Variant(), "bfloat16", long_tiles=True)
+    assert ("KVATTN_SM90_N", 192) in cfg.spec.defines and cfg.smem == sm90_smem_bytes(64, defines=cfg.spec.defines)
+    assert ("KVATTN_SM90_N", 192) not in env.launch_config("auto", 64, 128, Variant(), "bfloat16").spec.defines
+    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_N", 160),))
+    assert dict(sm90_spec(64, Variant(), "bfloat16", long_tiles=True).defines)["KVATTN_SM90_N"] == 160
+
 def _poly_exp2(x):
     """cuda_src/common.cuh poly_exp2, step by step in float32 (each fmaf one rounding)."""
     c = np.array([0.999928097, 0.693260976, 0.242610738, 0.0551715083], np.float32)

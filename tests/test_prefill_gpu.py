@@ -7,6 +7,7 @@ import kvattn
 from kvattn import _driver, _dtypes, graphs, prefill, reference, tma
 from kvattn.formats import PageTable
 from kvattn.prefill import BatchPrefillWithPagedKVCache, BatchPrefillWithRaggedKVCache, single_prefill, sm90_tile
+from kvattn.variants import Variant
 
 from _gpu import assert_lse, poisoned, rel_l2, requires_gpu
 from _prefill_ref import request_ref, sample_rows
@@ -300,6 +301,32 @@ def test_sm90_head_dim_64_kv_tiles_over_128_tokens(n, causal, monkeypatch):
                          causal=causal, num_sms=3, runs=2)
             info = w.last_plan.info
             assert f"KVATTN_SM90_N={n}" in info["kernel"].spec.uri() and info["tma"]
+
+
+@pytest.mark.parametrize("layout,dtype", [("NHD", "bfloat16"), ("HND", "float16")])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_head_dim_64_long_tiles_by_default(layout, dtype, causal, monkeypatch):
+    """Head dim 64's defaults (run 55a): on contiguous ragged K / V where prefill.sm90_long_tiles takes them, KV tiles
+    of 192 tokens, with 2 of 8 exp2s from the polynomial on unmasked tiles. Long requests beside a request shorter
+    than a tile, one of one token and KV lengths off the tile, on 3 persistent CTAs, on 132 (tail split, the merge
+    fused and not) and a CTA a unit, against the reference; a batch of short requests keeps 128-token tiles."""
+    if _driver.arch() != "sm_90a":
+        pytest.skip("the sm90 kernel needs an sm_90 GPU")
+    qo, kv = ([1500, 33, 1, 400], [3000, 700, 1, 2000]) if causal else ([700, 33, 1, 200], [4000, 100, 129, 2300])
+    assert prefill.sm90_long_tiles(64, Variant(), dtype, True, qo, kv, causal, 4)
+    for num_sms, persist, fused in ((3, True, False), (132, True, False), (132, True, True), (3, False, False)):
+        monkeypatch.setattr(prefill, "SM90_PERSISTENT", persist)
+        w = run_case(np.random.default_rng(hash((layout, causal, num_sms, persist, fused)) % 2**32), dtype=dtype,
+                     d=64, hkv=2, group=4, qo_lens=qo, kv_lens=kv, paged=False, layout=layout, cta_rows=128,
+                     causal=causal, num_sms=num_sms, fused_merge=fused, runs=2)
+        info = w.last_plan.info
+        assert info["backend"] == "sm90" and info["tma"]
+        assert "KVATTN_SM90_N=192" in info["kernel"].spec.uri()
+    short = ([64] * 6, [640] * 6)
+    assert not prefill.sm90_long_tiles(64, Variant(), dtype, True, *short, causal, 4)
+    w = run_case(np.random.default_rng(7), dtype=dtype, d=64, hkv=2, group=4, qo_lens=short[0], kv_lens=short[1],
+                 paged=False, layout=layout, cta_rows=128, causal=causal)
+    assert "KVATTN_SM90_N" not in w.last_plan.info["kernel"].spec.uri()
 
 
 @pytest.mark.parametrize("lazy", [8, 0])
