@@ -306,12 +306,12 @@ def test_decode_level_after_level_0_plans_one_grid_on_every_sm(after, monkeypatc
 def test_decode_level_empty_slots_set_once_at_plan(at_plan, monkeypatch):
     """kvattn.cascade.EMPTY_SLOTS_AT_PLAN, faked driver: the decode level's slots that requests of fewer pieces
     leave (suffixes of 1..2999 tokens) are set to lse = -inf by one 2-D memset over every row's decode slots; with
-    the flag, plan() issues it on the plan's stream after its copy and before the event run() waits on, and run()
-    issues only launches; without it (the default), run() issues it before its launches, every call."""
+    the flag (the default), plan() issues it on the plan's stream after its copy and before the event run() waits
+    on, and run() issues only launches; without it, run() issues it before its launches, every call."""
     from _fake_driver import fake_driver
     from kvattn import cascade
     from kvattn.kernels import NEG_INF_BITS
-    assert not cascade.EMPTY_SLOTS_AT_PLAN
+    assert cascade.EMPTY_SLOTS_AT_PLAN
     monkeypatch.setattr(cascade, "EMPTY_SLOTS_AT_PLAN", at_plan)
     with fake_driver() as calls:
         b, ps, hq = 64, 16, 32

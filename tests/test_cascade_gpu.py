@@ -171,7 +171,7 @@ def test_decode_level_after_level_0_in_one_grid(levels_kind, monkeypatch):
 
 
 def test_decode_level_empty_slots_set_at_plan(monkeypatch):
-    """kvattn.cascade.EMPTY_SLOTS_AT_PLAN (off until bench_cascade.py --empty-at-plan measures it): the decode level's
+    """kvattn.cascade.EMPTY_SLOTS_AT_PLAN (the default since run 55a): the decode level's
     slots that requests of fewer pieces leave are set empty once, by plan(), not before every run(). One wrapper,
     three plans, each planned and run twice: the later plans' empty slots held the earlier runs' partial states (long
     suffixes first, then suffixes of 1..2999 tokens, then a larger batch), so a slot left unset shows in the result."""
