@@ -259,6 +259,7 @@ def sm90_long_tiles(head_dim: int, variant: Variant, kv_dtype: str | None, conti
     cols = float((units * span).sum())
     return cols > 0 and (cols + pad[SM90_LONG_TILE]) * LONG_TILE_COST <= (cols + pad[128]) * (1 - LONG_TILE_MIN_GAIN)
 
+
 def launch_grid(cfg, items: int, num_kv_heads: int, num_sms: int) -> tuple[int, int, int]:
     """The grid of a prefill launch (LaunchConfig cfg) over `items` plan items (graph mode: their bound): one CTA
     per (item, KV head), or for a persistent sm90 instance min(items * num_kv_heads, num_sms) CTAs."""
