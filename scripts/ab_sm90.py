@@ -688,7 +688,7 @@ EXP2POLY_CASES = [("D64 causal b1_S8192", 8192, 64, True), ("D64 non-causal b1_S
 
 def run_exp2poly(bp, rng):
     """Of each 8 consecutive 8-column score blocks of an unmasked tile, POLY take exp2 from a polynomial on the FMA
-    pipe (KVATTN_SM90_EXP2_POLY: common.cuh poly_exp2) instead of the MUFU unit (0, the default), POLY 1 / 2 / 3
+    pipe (KVATTN_SM90_EXP2_POLY: common.cuh poly_exp2) instead of the MUFU unit (0), POLY 1 / 2 / 3
     (12.5 / 25 / 37.5% of the exp2s), with the error against the float64 reference."""
     opts = [("MUFU only", tuning(MUFU_ONLY))] + [
         (f"poly {k}/8", tuning((("KVATTN_SM90_EXP2_POLY", k),))) for k in (1, 2, 3)]
