@@ -529,10 +529,6 @@ class _BatchPrefill(AttentionOp):
         else:
             kv = RaggedKV(self.kv_layout, int(kv_lens.sum()), hkv, head_dim, npdtype)
         kvil = tma.interleaved_tiles(kv, sm90_tile(head_dim)[0]) and not variant.rope
-        # (not in graph mode, whose captured kernel must hold for every later batch, nor in deterministic mode,
-        # whose bits must not depend on the batch)
-        long_tiles = (cta_rows == 128 and expansion is None and not self.use_cuda_graph and not self.deterministic
-                      and sm90_long_tiles(head_dim, variant, kv_dtype, contiguous, qo_lens, kv_lens, causal, group))
         wg_split = bool(self.wg_split)
         if wg_split:
             rows = int(qo_lens.max(initial=0)) * group
@@ -541,8 +537,13 @@ class _BatchPrefill(AttentionOp):
                 raise ValueError(f"wg_split: needs at most {WG_ROWS} packed query rows a request (got {rows}), "
                                  f"cta_rows 128 (got {cta_rows}), head_dim <= 128 (got {head_dim}), a 16-bit cache "
                                  f"(got {kv_dtype}), no fused RoPE and no graph mode")
+        # (not in graph mode, whose captured kernel must hold for every later batch, nor in deterministic mode,
+        # whose bits must not depend on the batch)
+        long_tiles = (cta_rows == 128 and expansion is None and not wg_split and not self.use_cuda_graph
+                      and not self.deterministic
+                      and sm90_long_tiles(head_dim, variant, kv_dtype, contiguous, qo_lens, kv_lens, causal, group))
         cfg = launch_config(self.backend, head_dim, cta_rows, variant, q_dtype, kv_dtype, kvil, wg_split,
-                            long_tiles=long_tiles and not wg_split)
+                            long_tiles=long_tiles)
         if cfg.backend == "sm80" and variant.rope and auto_rows and cta_rows == 128:
             cta_rows = 64   # the 128-row mma.sync tile has no registers left for the rotation (ptxas spills)
             cfg = launch_config(self.backend, head_dim, cta_rows, variant, q_dtype, kv_dtype)

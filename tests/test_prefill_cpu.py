@@ -254,7 +254,6 @@ def test_sm90_head_dim_64_long_tile_builds_compile_without_spills(n, persistent,
     assert sm90_smem_bytes(64) == (128 * 64 + 3 * n * 128) * 2 + 7 * 8
 
 
-
 @pytest.mark.parametrize("b, s, causal, want", [
     (1, 8192, True, True), (1, 8192, False, True), (8, 2048, True, True), (4, 4096, False, True),
     (32, 1024, False, False), (32, 1024, True, False), (64, 512, True, False), (1, 640, False, False),
@@ -300,6 +299,7 @@ def test_head_dim_64_long_tile_instance(fused_merge, monkeypatch):
     assert ("KVATTN_SM90_N", 192) not in env.launch_config("auto", 64, 128, Variant(), "bfloat16").spec.defines
     monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_N", 160),))
     assert dict(sm90_spec(64, Variant(), "bfloat16", long_tiles=True).defines)["KVATTN_SM90_N"] == 160
+
 
 def _poly_exp2(x):
     """cuda_src/common.cuh poly_exp2, step by step in float32 (each fmaf one rounding)."""
