@@ -178,6 +178,15 @@
 #define KVATTN_SM90_KVIL 0
 #endif
 
+// Experiment (scripts/ab_sm90.py --wg3; 0, the default, is the kernel before): 1 = three consumer warpgroups for 192
+// packed query rows (512 threads), taking their turns in a ring of three named barriers, so two of them can be in
+// their softmax while the third's products run (head dim 64, whose softmax outlasts its matrix products). Head dim
+// 64 only (the consumers' 160 registers hold a 64-column O and a 128-token S); the host plans 192-row units for it
+// (kvattn.prefill: cta_rows 192). Not with wg_split, the fused merge, the Q halves or a second Q tile.
+#ifndef KVATTN_SM90_WG3
+#define KVATTN_SM90_WG3 0
+#endif
+
 // Timing experiment only (scripts/trace_sm90.py; never set by the library): 1 = persistent CTAs stamp clock64()
 // at each unit's boundary events (KVATTN_TRACE_* below) into kvattn_sm90_trace, read back by the script through
 // cuModuleGetGlobal; 2 = the same stamps from the global timer (ns, comparable across CTAs: scripts/trace_route.py).
@@ -261,17 +270,23 @@ struct PrefillSm90 {
   static constexpr bool kBoundsMask = KVATTN_SM90_BOUNDS && kFold && !V::kWindow && !V::kKeep && !V::kCustomMask;
   using Base = PrefillKernel<A, 4, 2, V>;   // helpers only (items, masks, epilogue)
   using Item = typename Base::Item;
-  static constexpr int THREADS = 384;                 // producer warpgroup + two consumer warpgroups
+  static constexpr int CONSUMERS = KVATTN_SM90_WG3 ? 3 : 2;   // consumer warpgroups, 64 query rows each
+  static constexpr int THREADS = 128 * (1 + CONSUMERS);        // producer warpgroup + the consumers
   static constexpr int PRODUCERS = 128;
   // A query / key transform (fused RoPE) or the fp8 expansion runs in the producers: they get the registers for it.
-  static constexpr int PRODUCER_REGS = V::kQK || kFp8 ? 56 : kPersist ? 40 : 24;
-  static constexpr int CONSUMER_REGS = V::kQK || kFp8 ? 224 : kPersist ? 232 : 240;
+  // (WG3: 128 registers a thread at launch; the producers keep 24 or, persistent, 32 of them.)
+  static constexpr int PRODUCER_REGS = V::kQK || kFp8 ? 56 : kPersist ? (CONSUMERS == 3 ? 32 : 40) : 24;
+  static constexpr int CONSUMER_REGS = CONSUMERS == 3 ? 160 : V::kQK || kFp8 ? 224 : kPersist ? 232 : 240;
+  static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;   // a thread's registers at launch (168, WG3 128)
   static_assert(!(kFp8 && V::kQK), "fused RoPE needs a 16-bit cache");
   static_assert(!V::kQK || PRODUCERS % (D_QK / 16) == 0,
                 "a query / key transform's threads (D_QK / 16 a row) tile the producers: D_QK 64, 128 or 256");
-  // setmaxnreg.inc waits for registers the CTA's other warps released: the two must balance exactly.
-  static_assert(PRODUCERS * (168 - PRODUCER_REGS) == 2 * 128 * (CONSUMER_REGS - 168), "register budget");
-  static constexpr int ROWS = 128;                    // packed query rows per CTA
+  // setmaxnreg.inc waits for registers the CTA's other warps released: the consumers take at most what they free.
+  static_assert(PRODUCERS * (LAUNCH_REGS - PRODUCER_REGS) >= CONSUMERS * 128 * (CONSUMER_REGS - LAUNCH_REGS),
+                "register budget");
+  static_assert(CONSUMERS == 2 || (D_QK == 64 && D_VO == 64 && !kFp8 && !V::kQK),
+                "WG3: head dim 64, a 16-bit cache, no query / key transform");
+  static constexpr int ROWS = 64 * CONSUMERS;         // packed query rows per CTA
   // exp2s of each 8 score blocks from the polynomial (KVATTN_SM90_EXP2_POLY; -1: by head dim)
   static constexpr int EXP2_POLY =
       KVATTN_SM90_EXP2_POLY >= 0 ? KVATTN_SM90_EXP2_POLY : D_QK == 64 && D_VO == 64 ? 2 : 0;
@@ -326,6 +341,8 @@ struct PrefillSm90 {
   // The Q tiles' barriers: qfree[QBUF]; QHALF builds add 3 (kQHalf: qfree[2], one a consumer warpgroup, and
   // qfull[2], the halves' TMA bytes).
   static constexpr int QBARS = KVATTN_SM90_QHALF ? QBUF + 3 : QBUF;
+  static_assert(CONSUMERS == 2 || (!kWgSplit && !kFusedMerge && !KVATTN_SM90_QHALF && QBUF == 1 && !KVSPLIT),
+                "WG3: not with wg_split, the fused merge, the Q halves, two Q tiles or split K / V barriers");
   static constexpr int SMEM_BYTES =
       (QBUF * Q_ELEMS + STAGES * STAGE_ELEMS) * (int)sizeof(T) + (2 * STAGES + QBARS + (KVSPLIT ? 2 * STAGES : 0)) * 8;
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: at most 227 KB per CTA (fewer stages, or one Q tile)");
@@ -852,9 +869,14 @@ struct PrefillSm90 {
   // Ping-pong: the consumers take turns issuing their matrix products (named barriers 1 and 2, each over both
   // consumer warpgroups), so the tensor cores run one's products while the other does its softmax. Every unit
   // has ntiles + 1 issue points for both; consumer 1 opens with a turn for consumer 0 and consumer 0 closes
-  // by taking consumer 1's last one, so all arrivals are matched.
-  __device__ __forceinline__ static void my_turn(int cwg) { named_sync(1 + cwg, 256); }
-  __device__ __forceinline__ static void their_turn(int cwg) { named_arrive(2 - cwg, 256); }
+  // by taking consumer 1's last one, so all arrivals are matched. WG3: a ring of three (barriers 1, 2 and 7, each
+  // over a consumer and the one before it); the last consumer opens and consumer 0 closes.
+  __device__ __forceinline__ static void my_turn(int cwg) {
+    named_sync(CONSUMERS == 2 || cwg < 2 ? 1 + cwg : 7, 256);
+  }
+  __device__ __forceinline__ static void their_turn(int cwg) {
+    named_arrive(CONSUMERS == 2 ? 2 - cwg : cwg == 0 ? 2 : cwg == 1 ? 7 : 1, 256);
+  }
 
   // (kTmaO) This consumer warpgroup's 64 rows of O (normalised, the LSE to global memory by store_rows) into the K
   // half `so` of the unit's last stage, then one thread's bulk tensor store of them; that thread releases the
@@ -962,7 +984,10 @@ struct PrefillSm90 {
       again = Base::load_item(p, static_cast<const volatile int*>(p.plan), w);
       if (w_next >= 0) next = Base::load_item(p, p.plan, w_next);
     };
-    const int lane = threadIdx.x % 32, cw = threadIdx.x / 32 - 4, cwg = cw / 4;   // consumer warp / warpgroup
+    const int lane = threadIdx.x % 32, cw = threadIdx.x / 32 - 4;   // consumer warp
+    // its warpgroup (WG3: read from lane 0, so the compiler knows it warp-uniform and keeps what derives from it,
+    // the Q descriptors and the turns' barriers, in uniform registers)
+    const int cwg = CONSUMERS == 3 ? __shfl_sync(0xffffffffu, cw / 4, 0) : cw / 4;
     const int ntiles = (it.ke - it.kb + N - 1) / N;
     const int narrow = narrow_half(p, it, ntiles);   // (kNarrow) the last tile's P V over one half
     // This thread's rows (cw * 16 + lane / 4 + 8 r): their query tokens, clamped for padding rows.
@@ -982,7 +1007,7 @@ struct PrefillSm90 {
       constexpr unsigned STAGE_BYTES = STAGE_ELEMS * sizeof(T);
       float s[SN];
       float sc[2];
-      if (cwg == 1 && (!STREAM || open)) their_turn(cwg);
+      if (cwg == CONSUMERS - 1 && (!STREAM || open)) their_turn(cwg);
       if constexpr (kQHalf) mbar_wait(qfree + 2 + cwg, qpar);   // this warpgroup's Q rows (qfull)
       mbar_wait(&full[g % STAGES], (g / STAGES) & 1);
       KVATTN_TRACE(128, slot, kTraceStart0);
@@ -1040,7 +1065,7 @@ struct PrefillSm90 {
       const int last_st = (g + ntiles - 1) % STAGES;
       issue_pv_at(acc, pa, kv_addr + last_st * STAGE_BYTES + K_ELEMS * sizeof(T), narrow);
       their_turn(cwg);
-      if (!STREAM && cwg == 0) my_turn(cwg);   // consumer 1's last arrival
+      if (!STREAM && cwg == 0) my_turn(cwg);   // the last consumer's last arrival
       if constexpr (EARLY) load_early();   // in flight while the last P V runs
       wgmma_wait<0>();
       fence_regs(acc);
@@ -1320,17 +1345,17 @@ struct PrefillSm90 {
     if (threadIdx.x == 0) {
       for (int i = 0; i < STAGES; ++i) {
         mbar_init(&full[i], PRODUCERS);
-        mbar_init(&empty[i], 8);   // one arrival per consumer warp
+        mbar_init(&empty[i], 4 * CONSUMERS);   // one arrival per consumer warp
         if constexpr (KVSPLIT) {
           mbar_init(&vfull[i], PRODUCERS);
-          mbar_init(&vempty[i], 8);
+          mbar_init(&vempty[i], 4 * CONSUMERS);
         }
       }
       if constexpr (kQHalf) {   // qfree[2]: one a consumer warpgroup's 4 warps; qfull[2]: the producer's arrival + bytes
         for (int i = 0; i < 2; ++i) mbar_init(&qfree[i], 4);
         for (int i = 2; i < 4; ++i) mbar_init(&qfree[i], 1);
       } else {
-        for (int i = 0; i < QBUF; ++i) mbar_init(&qfree[i], 8);
+        for (int i = 0; i < QBUF; ++i) mbar_init(&qfree[i], 4 * CONSUMERS);
       }
     }
     __syncthreads();
@@ -1393,7 +1418,7 @@ struct PrefillSm90 {
 };
 
 template <class A, class V>
-__global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_constant__ PrefillParams p) {
+__global__ void __launch_bounds__(PrefillSm90<A, V>::THREADS, 1) prefill_sm90_kernel(const __grid_constant__ PrefillParams p) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   PrefillSm90<A, V>::run(p, reinterpret_cast<typename A::Q*>(smem_raw));
 }

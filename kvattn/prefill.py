@@ -154,14 +154,30 @@ def sm90_spec(head_dim: int, variant: Variant, dtype: str, kv_dtype: str | None 
     return KernelSpec("prefill_sm90.cuh", f"kvattn::prefill_sm90_kernel<{args}>", defines=defines,
                       prelude=variant.prelude(),
                       checks=((f"{traits}::SMEM_BYTES", sm90_smem_bytes(head_dim, head_dim_vo, defines)),
-                              (f"{traits}::THREADS", SM90_THREADS), (f"{traits}::ROWS", 128))
+                              (f"{traits}::THREADS", sm90_threads(defines)), (f"{traits}::ROWS", sm90_rows(defines)))
                       + (((f"{traits}::FMERGE_MAX", FUSED_MERGE_MAX_CHUNKS),) if fused_merge else ()))
 
 
 def sm90_q_box_rows(spec: KernelSpec) -> int:
     """Packed rows of one TMA box of q in this sm90 instance (PrefillSm90::Q_BOX): a consumer warpgroup's 64 in the
-    KVATTN_SM90_QHALF builds (scripts/ab_sm90.py --qhalf), else the tile's 128."""
-    return WG_ROWS if dict(spec.defines).get("KVATTN_SM90_QHALF", 0) else tma.Q_BOX_ROWS
+    KVATTN_SM90_QHALF builds (scripts/ab_sm90.py --qhalf), else the tile's (sm90_rows)."""
+    return WG_ROWS if dict(spec.defines).get("KVATTN_SM90_QHALF", 0) else sm90_rows(spec.defines)
+
+
+def sm90_consumers(defines=None) -> int:
+    """Consumer warpgroups of an sm90 instance (PrefillSm90::CONSUMERS): 3 in the KVATTN_SM90_WG3 builds (the
+    experiment of scripts/ab_sm90.py --wg3), else 2. defines: the instance's (None: SM90_TUNING)."""
+    return 3 if dict(SM90_TUNING if defines is None else defines).get("KVATTN_SM90_WG3", 0) else 2
+
+
+def sm90_rows(defines=None) -> int:
+    """Packed query rows of an sm90 CTA (PrefillSm90::ROWS): 64 a consumer warpgroup."""
+    return WG_ROWS * sm90_consumers(defines)
+
+
+def sm90_threads(defines=None) -> int:
+    """Threads of an sm90 CTA (PrefillSm90::THREADS): the producer warpgroup and the consumers."""
+    return 128 * (1 + sm90_consumers(defines))
 
 
 def sm90_interleaved(spec: KernelSpec) -> bool:
@@ -203,7 +219,7 @@ def sm90_smem_bytes(head_dim: int, head_dim_vo: int | None = None, defines=None)
     over = dict(SM90_TUNING if defines is None else defines)
     qbuf, split = over.get("KVATTN_SM90_QBUF", 1), over.get("KVATTN_SM90_KVSPLIT", stages < 3)
     bars = 2 * stages * (2 if split else 1) + qbuf + (3 if over.get("KVATTN_SM90_QHALF", 0) else 0)
-    return (qbuf * 128 * head_dim + stages * n * (head_dim + (head_dim_vo or head_dim))) * 2 + bars * 8
+    return (qbuf * sm90_rows(over) * head_dim + stages * n * (head_dim + (head_dim_vo or head_dim))) * 2 + bars * 8
 
 
 #: Persistent sm90 CTAs (prefill_sm90.cuh: at most one CTA per SM, each walking its share of the (item, KV head)
@@ -270,7 +286,7 @@ def launch_grid(cfg, items: int, num_kv_heads: int, num_sms: int) -> tuple[int, 
 
 BACKENDS = ("auto", "sm80", "sm90")
 SM90_HEAD_DIMS = (64, 128, 256)
-SM90_THREADS = 384   # a producer warpgroup and two consumer warpgroups
+SM90_THREADS = 384   # a producer warpgroup and two consumer warpgroups (sm90_threads: the instance's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,17 +310,18 @@ def launch_config(backend: str, head_dim: int, cta_rows: int, variant: Variant, 
     """backend "sm90" (the wgmma kernel) takes 128-row tiles of head_dim 64/128/256 on sm_90 GPUs; "auto" takes
     it there unless its ptxas report shows spills (sm90_choice), else "sm80". interleaved: sm90_spec's (a paged
     cache that takes tensor maps). wg_split, long_tiles: sm90_spec's (the sm90 kernel only)."""
-    sm90_ok = cta_rows == 128 and head_dim in SM90_HEAD_DIMS and _driver.arch() == "sm_90a"
+    sm90_ok = cta_rows == sm90_rows() and head_dim in SM90_HEAD_DIMS and _driver.arch() == "sm_90a"
     if backend == "sm90" and not sm90_ok:
-        raise ValueError(f"backend: 'sm90' needs an sm_90 GPU, head_dim in {SM90_HEAD_DIMS} and cta_rows 128 "
-                         f"(got {_driver.arch()}, head_dim {head_dim}, cta_rows {cta_rows})")
+        raise ValueError(f"backend: 'sm90' needs an sm_90 GPU, head_dim in {SM90_HEAD_DIMS} and cta_rows "
+                         f"{sm90_rows()} (got {_driver.arch()}, head_dim {head_dim}, cta_rows {cta_rows})")
     spec = (sm90_choice(backend, head_dim, variant, dtype, kv_dtype, interleaved, wg_split, long_tiles=long_tiles)
             if sm90_ok else None)
     if wg_split and spec is None:
         raise ValueError(f"wg_split: needs the sm90 kernel (backend {backend!r}, head_dim {head_dim}, "
                          f"cta_rows {cta_rows}, {_driver.arch()})")
     if spec is not None:
-        return LaunchConfig("sm90", spec, SM90_THREADS, sm90_smem_bytes(head_dim, defines=spec.defines), 1)
+        return LaunchConfig("sm90", spec, sm90_threads(spec.defines), sm90_smem_bytes(head_dim, defines=spec.defines),
+                            1)
     if head_dim == 256 and cta_rows == 128:
         raise ValueError("cta_rows: 128 with head_dim 256 needs the sm90 kernel (an sm_90 GPU, backend 'auto' or "
                          "'sm90', a variant that compiles there without spills); use 64")
@@ -515,7 +532,9 @@ class _BatchPrefill(AttentionOp):
             cta_rows = choose_cta_rows(packed, head_dim,
                                        head_dim == 256 and sm90_usable(self.backend, head_dim, variant, q_dtype,
                                                                         kv_dtype))
-        elif cta_rows not in CONFIGS:
+            if cta_rows == 128 and sm90_rows() != 128 and head_dim == 64:   # (the WG3 experiment's 192-row tiles)
+                cta_rows = sm90_rows()
+        elif cta_rows not in CONFIGS and cta_rows != sm90_rows():
             raise ValueError(f"cta_rows: expected one of {sorted(CONFIGS)}, got {cta_rows}")
         self._bake(num_qo_heads=hq, num_kv_heads=hkv, head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
                    page_size=page_size,
@@ -564,7 +583,8 @@ class _BatchPrefill(AttentionOp):
 
         fused = (self.fused_merge and cfg.backend == "sm90" and plan.merge_slots > 0
                  and plan.max_chunks <= FUSED_MERGE_MAX_CHUNKS and not self.deterministic and not self.use_cuda_graph
-                 and not wg_split and variant.merge_type() is None and head_dim <= 128)   # (None: no output hook)
+                 and not wg_split and variant.merge_type() is None and head_dim <= 128   # (None: no output hook)
+                 and sm90_consumers(cfg.spec.defines) == 2)
         if fused:
             spec = sm90_choice(self.backend, head_dim, variant, q_dtype, kv_dtype, kvil, fused_merge=True,
                                long_tiles=long_tiles)

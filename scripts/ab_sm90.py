@@ -5,7 +5,7 @@
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
                                             [--lazy] [--shift] [--ptail] [--tilen]
                                             [--lazymax] [--boundary] [--groupdiv] [--tail] [--balance] [--qhalf]
-                                            [--narrow] [--exp2poly] [--tilen64] [--d64]
+                                            [--narrow] [--exp2poly] [--tilen64] [--d64] [--wg3]
                                             [--sustained]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
@@ -73,6 +73,8 @@
 --d64: head dim 64's defaults (POLY 2, 192-token tiles where prefill.sm90_long_tiles takes them) against those
   before run 55a (128-token tiles, POLY 0): --tilen64's cases, causal b32_S1024 and non-causal b4_S4096, with the
   error and the tile the default took.
+--wg3: head dim 64 on three consumer warpgroups a CTA for 192 query rows (KVATTN_SM90_WG3; with POLY 2 and with every
+  exp2 on the MUFU) against the default two (--d64's defaults), persistent, --d64's cases, with the error.
 --balance: the walk's items placed so that the persistent CTAs' loads balance (kvattn.scheduler.WALK_BALANCE)
   against the snake walk of the items as sorted: mixed-length causal and non-causal batches, appends, controls.
 --tail: the persistent walk's last round filled by cutting its last blocks into chunks (prefill.SM90_TAIL_SPLIT)
@@ -354,6 +356,27 @@ def run_d64(bp, rng):
         compare("d64", name, (2 if causal else 4) * b * bp.HQ * s * s * 64,
                 [(w, tuning(d)) for w, d in D64_BUILDS], measure)
         print(f"d64      {name:24s} default's KV tile: {tiles[name]} tokens", flush=True)
+
+
+#: --wg3: three consumer warpgroups for 192-row units (KVATTN_SM90_WG3, 128-token tiles: its 160-register consumers hold
+#: no longer S) against the default (two, 128 rows, 192-token tiles where prefill.sm90_long_tiles takes them)
+WG3 = (("KVATTN_SM90_WG3", 1),)
+WG3_BUILDS = [("default", ()), ("WG3", WG3), ("WG3, MUFU only", WG3 + MUFU_ONLY)]
+
+
+def run_wg3(bp, rng):
+    """Head dim 64 on three consumer warpgroups (WG3_BUILDS), persistent, --d64's cases, with the error and each
+    build's query tile."""
+    for name, b, s, causal in D64_CASES:
+        def measure(b=b, s=s, causal=causal, name=name):
+            d, bp.D = bp.D, 64
+            try:
+                return bp.ragged_case(rng, name, [s] * b, [s] * b, prefill.sm90_rows(), causal=causal,
+                                      backend="sm90")[1:]
+            finally:
+                bp.D = d
+        compare("wg3", name, (2 if causal else 4) * b * bp.HQ * s * s * 64,
+                [(w, tuning(d)) for w, d in WG3_BUILDS], measure)
 
 
 def run_tilen(bp, rng):
@@ -708,7 +731,7 @@ EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma":
                "lazymax": run_lazymax,
                "boundary": run_boundary, "groupdiv": run_groupdiv, "tail": run_tail, "balance": run_balance,
                "qhalf": run_qhalf, "narrow": run_narrow, "exp2poly": run_exp2poly, "tilen64": run_tilen64,
-               "d64": run_d64}
+               "d64": run_d64, "wg3": run_wg3}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

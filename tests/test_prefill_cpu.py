@@ -240,6 +240,26 @@ def test_sm90_exp2_poly_build_compiles_without_spills(d, monkeypatch):
     assert "serialized" not in compiled.log, compiled.log
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_sm90_three_consumer_warpgroups_build(interleaved, monkeypatch):
+    """ab_sm90.py --wg3's build (KVATTN_SM90_WG3: three consumer warpgroups, 192 query rows, 512 threads): the host's
+    mirrors of its rows, threads and shared memory (the spec's static_asserts), no serialised wgmma; a CTA a unit
+    spills nothing; persistent, the producers' 32 registers spill a few words (the A/B times it as it is)."""
+    from kvattn import prefill
+    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_WG3", 1),))
+    assert (prefill.sm90_rows(), prefill.sm90_threads(), prefill.sm90_q_box_rows(sm90_spec(64, Variant(), "bfloat16"))
+            ) == (192, 512, 192)
+    assert sm90_smem_bytes(64) == (192 * 64 + 3 * 128 * 128) * 2 + 7 * 8
+    for persistent in (False, True):
+        compiled, _ = sm90_spec(64, Variant(), "bfloat16", persistent=persistent,
+                                interleaved=interleaved).compile("sm_90a")
+        spills = sum(r.spill_stores for r in compiled.resources.values())
+        assert spills <= (24 if persistent else 0), compiled.log
+        assert "serialized" not in compiled.log, compiled.log
+    with pytest.raises(Exception, match="WG3"):   # head dim 128's registers do not fit three consumers
+        sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
+
+
 @pytest.mark.parametrize("n", [160, 192])
 @pytest.mark.parametrize("persistent", [True, False])
 def test_sm90_head_dim_64_long_tile_builds_compile_without_spills(n, persistent, monkeypatch):

@@ -329,6 +329,28 @@ def test_sm90_head_dim_64_long_tiles_by_default(layout, dtype, causal, monkeypat
     assert "KVATTN_SM90_N" not in w.last_plan.info["kernel"].spec.uri()
 
 
+@pytest.mark.parametrize("group", [4, 8])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_three_consumer_warpgroups_build(group, causal, monkeypatch):
+    """The experiment build of three consumer warpgroups a CTA (KVATTN_SM90_WG3, scripts/ab_sm90.py --wg3: 192-row
+    units, their turns in a ring of three): head dim 64, O and the LSE against the reference, persistent CTAs (3 SMs:
+    the turns' stream runs on over many units; 132: the tail split) and a CTA a unit, ragged (Q by TMA) and paged,
+    units of 192 rows, short ones, a one-token request, KV lengths off the tile."""
+    if _driver.arch() != "sm_90a":
+        pytest.skip("the sm90 kernel needs an sm_90 GPU")
+    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_WG3", 1),))
+    assert prefill.sm90_rows() == 192
+    qo, kv = ([500, 33, 1, 200, 48], [900, 700, 1, 1500, 2000]) if causal else ([500, 33, 1, 200, 48], [300, 100, 129, 1500, 2000])
+    for num_sms, persist, paged in ((3, True, False), (132, True, False), (3, False, True), (3, True, True)):
+        monkeypatch.setattr(prefill, "SM90_PERSISTENT", persist)
+        w = run_case(np.random.default_rng(hash((group, causal, num_sms, persist, paged)) % 2**32), dtype="bfloat16",
+                     d=64, hkv=2, group=group, qo_lens=qo, kv_lens=kv, paged=paged, cta_rows=192, backend="sm90",
+                     causal=causal, num_sms=num_sms, runs=2)
+        info = w.last_plan.info
+        assert info["backend"] == "sm90" and info["threads"] == 512 and "KVATTN_SM90_WG3=1" in info["kernel"].spec.uri()
+        assert info["tma_q"]   # (192 rows: whole boxes of 48 or 24 tokens)
+
+
 @pytest.mark.parametrize("lazy", [8, 0])
 @pytest.mark.parametrize("dtype,sm_scale", [("bfloat16", None), ("bfloat16", 2.0), ("float16", 2.0)])
 @pytest.mark.parametrize("causal", [False, True])
