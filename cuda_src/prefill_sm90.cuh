@@ -186,6 +186,11 @@
 #ifndef KVATTN_SM90_WG3
 #define KVATTN_SM90_WG3 0
 #endif
+// (WG3 builds) 1 = a whole unit's O goes out by TMA from a buffer of its own (the last stage's K half holds 128 of
+// its 192 rows), 0 = per-thread stores (the A/B).
+#ifndef KVATTN_SM90_OBUF
+#define KVATTN_SM90_OBUF 1
+#endif
 
 // Timing experiment only (scripts/trace_sm90.py; never set by the library): 1 = persistent CTAs stamp clock64()
 // at each unit's boundary events (KVATTN_TRACE_* below) into kvattn_sm90_trace, read back by the script through
@@ -343,8 +348,10 @@ struct PrefillSm90 {
   static constexpr int QBARS = KVATTN_SM90_QHALF ? QBUF + 3 : QBUF;
   static_assert(CONSUMERS == 2 || (!kWgSplit && !kFusedMerge && !KVATTN_SM90_QHALF && QBUF == 1 && !KVSPLIT),
                 "WG3: not with wg_split, the fused merge, the Q halves, two Q tiles or split K / V barriers");
-  static constexpr int SMEM_BYTES =
-      (QBUF * Q_ELEMS + STAGES * STAGE_ELEMS) * (int)sizeof(T) + (2 * STAGES + QBARS + (KVSPLIT ? 2 * STAGES : 0)) * 8;
+  // (WG3) The O tile's buffer, after the stages (OBUF_ELEMS 0: none; see kTmaO).
+  static constexpr int OBUF_ELEMS = CONSUMERS == 3 && KVATTN_SM90_OBUF ? ROWS * D_VO : 0;
+  static constexpr int SMEM_BYTES = (QBUF * Q_ELEMS + STAGES * STAGE_ELEMS + OBUF_ELEMS) * (int)sizeof(T) +
+                                    (2 * STAGES + QBARS + (KVSPLIT ? 2 * STAGES : 0)) * 8;
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: at most 227 KB per CTA (fewer stages, or one Q tile)");
   // LPR adjacent lanes copy one token's K and V rows (LPR divides both rows' 16-byte chunks and 32): lane l
   // chunks l % LPR + k LPR (equal rows up to head dim 256: LPR = CHUNKS, one chunk of each row per lane).
@@ -405,8 +412,9 @@ struct PrefillSm90 {
   // of one request only (a box writes all its rows: a unit short of 128 rows, or a split's float partial rows, keep
   // the per-thread stores; where K and V of a stage are released apart, KVSPLIT, the unit's last K is released only
   // once the store has read it, with its V), nor in the head_dim 64 custom-mask instance (its persistent build
-  // spills 4 bytes with the store's code).
-  static constexpr bool kTmaO = ROWS * D_VO <= K_ELEMS && sizeof(typename A::O) == 2 &&
+  // spills 4 bytes with the store's code). WG3: each warpgroup's rows staged in its part of the O buffer (kOBuf).
+  static constexpr bool kOBuf = OBUF_ELEMS > 0;
+  static constexpr bool kTmaO = (kOBuf || ROWS * D_VO <= K_ELEMS) && sizeof(typename A::O) == 2 &&
                                 !(V::kCustomMask && D_VO == 64);
   __device__ __forceinline__ static bool o_by_tma(const PrefillParams& p, const Item& it) {
     return kTmaO && p.tma_o != 0 && it.partial < 0 && it.nrows == ROWS && it.row0 % p.group_size == 0;
@@ -946,6 +954,32 @@ struct PrefillSm90 {
     if constexpr (!KVATTN_SM90_LAZY) release_o_stage(vempty, pend);
   }
 
+  // (kOBuf) This consumer warpgroup's 64 rows of O (normalised, the LSE to global memory) into its part of the O
+  // buffer `obuf`, once its store before has read it, then one thread's bulk tensor store of them.
+  __device__ __forceinline__ static void store_o_buf(const PrefillParams& p, const Item& it, int kvh, int cw, int lane,
+                                                     const float (&o)[1][CHUNKS][4], const float (&m)[1][2],
+                                                     const float (&l)[1][2], T* obuf) {
+    using O = typename A::O;
+    const int cwg = cw / 4;
+    O* mine = reinterpret_cast<O*>(obuf) + cwg * (64 * D_VO);
+    if (threadIdx.x % 128 == 0) tma_store_wait_read<0>();
+    named_sync(4 + cwg, 128);
+    auto place = [](int row, int col) {   // as store_o_tma's
+      const int r = row & 63;
+      return (col >> 6) * 4096 + r * 64 + ((((col & 63) >> 3) ^ (r & 7)) << 3) + (col & 7);
+    };
+    if constexpr (KVATTN_SM90_STSM) stage_rows(p, it, kvh, cw, lane, o, m, l, mine, place);
+    else Base::template store_rows<1, true>(p, it, kvh, cw, lane, o, m, l, mine, place);
+    fence_proxy_async();   // the stores (generic proxy) before the bulk store's reads (async proxy)
+    named_sync(4 + cwg, 128);
+    if (threadIdx.x % 128 == 0) {
+      const int tok = it.qo_start + Base::row_token(p, it.row0 + cwg * 64);
+#pragma unroll
+      for (int cb = 0; cb < VO_BLOCKS; ++cb) tma_store_4d(&p.tma_omap, mine + cb * 4096, cb * 64, 0, kvh, tok);
+      tma_store_commit();
+    }
+  }
+
   // The stage this warpgroup last stored its O from (pend, -1: none), released for its 4 warps once the bulk store
   // has read it; LAZY calls it after a unit's first softmax (the producers need the stage again for the third tile).
   // KVSPLIT: vempty is V's barriers; the stage's K (k_empty) is released with it.
@@ -1072,8 +1106,13 @@ struct PrefillSm90 {
       KVATTN_TRACE(128, slot, kTraceLastPv0);
       KVATTN_TRACE(256, slot, kTraceLastPv1);
       if (EARLY && o_by_tma(p, again)) {   // the stage is released after the bulk store has read it
-        store_o_tma(p, again, kvh, cw, lane, o, m, l, const_cast<T*>(kvs) + last_st * STAGE_ELEMS, vempty, qfree, qpar,
-                    last_st, pend, slot);
+        if constexpr (kOBuf) {   // (the stage is free now)
+          if (lane == 0) mbar_arrive(&vempty[last_st]);
+          store_o_buf(p, again, kvh, cw, lane, o, m, l, const_cast<T*>(kvs) + STAGES * STAGE_ELEMS);
+        } else {
+          store_o_tma(p, again, kvh, cw, lane, o, m, l, const_cast<T*>(kvs) + last_st * STAGE_ELEMS, vempty, qfree,
+                      qpar, last_st, pend, slot);
+        }
         KVATTN_TRACE(128, slot, kTraceEnd0);
         KVATTN_TRACE(256, slot, kTraceEnd1);
         return;
@@ -1337,7 +1376,8 @@ struct PrefillSm90 {
   __device__ static void run(const PrefillParams& p, Q* smem, int ctas = 0) {
     T* qs = smem;                        // [QBUF] Q tiles
     T* kvs = smem + QBUF * Q_ELEMS;
-    unsigned long long* full = reinterpret_cast<unsigned long long*>(kvs + STAGES * STAGE_ELEMS);   // [STAGES]
+    unsigned long long* full =
+        reinterpret_cast<unsigned long long*>(kvs + STAGES * STAGE_ELEMS + OBUF_ELEMS);             // [STAGES]
     unsigned long long* empty = full + STAGES;                                                      // [STAGES]
     unsigned long long* qfree = empty + STAGES;                                                     // [QBARS]
     unsigned long long* vfull = v_full(full);                                                      // [STAGES]

@@ -214,12 +214,14 @@ def sm90_smem_bytes(head_dim: int, head_dim_vo: int | None = None, defines=None)
     """Dynamic shared memory of prefill_sm90_kernel (mirrors PrefillSm90::SMEM_BYTES: Q, the ring of K and V
     tiles, a full and an empty mbarrier per stage, each Q tile's `qfree` mbarrier (3 more in the KVATTN_SM90_QHALF
     builds); KVATTN_SM90_QBUF Q tiles; V's own full and empty mbarriers per stage with 2 stages, or as
-    KVATTN_SM90_KVSPLIT says). defines: the instance's (None: SM90_TUNING)."""
+    KVATTN_SM90_KVSPLIT says; the WG3 builds' O buffer). defines: the instance's (None: SM90_TUNING)."""
     n, stages = sm90_tile(head_dim, head_dim_vo, defines)
     over = dict(SM90_TUNING if defines is None else defines)
     qbuf, split = over.get("KVATTN_SM90_QBUF", 1), over.get("KVATTN_SM90_KVSPLIT", stages < 3)
     bars = 2 * stages * (2 if split else 1) + qbuf + (3 if over.get("KVATTN_SM90_QHALF", 0) else 0)
-    return (qbuf * sm90_rows(over) * head_dim + stages * n * (head_dim + (head_dim_vo or head_dim))) * 2 + bars * 8
+    wg3_obuf = sm90_consumers(over) == 3 and over.get("KVATTN_SM90_OBUF", 1)   # (WG3: the O tile's own buffer)
+    obuf = sm90_rows(over) * (head_dim_vo or head_dim) if wg3_obuf else 0
+    return (qbuf * sm90_rows(over) * head_dim + stages * n * (head_dim + (head_dim_vo or head_dim)) + obuf) * 2 + bars * 8
 
 
 #: Persistent sm90 CTAs (prefill_sm90.cuh: at most one CTA per SM, each walking its share of the (item, KV head)

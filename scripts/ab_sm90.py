@@ -73,8 +73,9 @@
 --d64: head dim 64's defaults (POLY 2, 192-token tiles where prefill.sm90_long_tiles takes them) against those
   before run 55a (128-token tiles, POLY 0): --tilen64's cases, causal b32_S1024 and non-causal b4_S4096, with the
   error and the tile the default took.
---wg3: head dim 64 on three consumer warpgroups a CTA for 192 query rows (KVATTN_SM90_WG3; with POLY 2 and with every
-  exp2 on the MUFU) against the default two (--d64's defaults), persistent, --d64's cases, with the error.
+--wg3: head dim 64 on three consumer warpgroups a CTA for 192 query rows (KVATTN_SM90_WG3; O by TMA from its own
+  buffer or per thread; every exp2 on the MUFU) against the default two (--d64's defaults), persistent, --d64's
+  cases, with the error.
 --balance: the walk's items placed so that the persistent CTAs' loads balance (kvattn.scheduler.WALK_BALANCE)
   against the snake walk of the items as sorted: mixed-length causal and non-causal batches, appends, controls.
 --tail: the persistent walk's last round filled by cutting its last blocks into chunks (prefill.SM90_TAIL_SPLIT)
@@ -359,9 +360,11 @@ def run_d64(bp, rng):
 
 
 #: --wg3: three consumer warpgroups for 192-row units (KVATTN_SM90_WG3, 128-token tiles: its 160-register consumers hold
-#: no longer S) against the default (two, 128 rows, 192-token tiles where prefill.sm90_long_tiles takes them)
+#: no longer S; O by TMA from its own buffer, or per thread) against the default (two, 128 rows, 192-token tiles
+#: where prefill.sm90_long_tiles takes them)
 WG3 = (("KVATTN_SM90_WG3", 1),)
-WG3_BUILDS = [("default", ()), ("WG3", WG3), ("WG3, MUFU only", WG3 + MUFU_ONLY)]
+WG3_BUILDS = [("default", ()), ("WG3", WG3), ("WG3, O per thread", WG3 + (("KVATTN_SM90_OBUF", 0),)),
+              ("WG3, MUFU only", WG3 + MUFU_ONLY)]
 
 
 def run_wg3(bp, rng):

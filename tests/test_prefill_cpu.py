@@ -240,16 +240,18 @@ def test_sm90_exp2_poly_build_compiles_without_spills(d, monkeypatch):
     assert "serialized" not in compiled.log, compiled.log
 
 
+@pytest.mark.parametrize("obuf", [1, 0])
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_sm90_three_consumer_warpgroups_build(interleaved, monkeypatch):
-    """ab_sm90.py --wg3's build (KVATTN_SM90_WG3: three consumer warpgroups, 192 query rows, 512 threads): the host's
-    mirrors of its rows, threads and shared memory (the spec's static_asserts), no serialised wgmma; a CTA a unit
-    spills nothing; persistent, the producers' 32 registers spill a few words (the A/B times it as it is)."""
+def test_sm90_three_consumer_warpgroups_build(interleaved, obuf, monkeypatch):
+    """ab_sm90.py --wg3's build (KVATTN_SM90_WG3: three consumer warpgroups, 192 query rows, 512 threads; O from its
+    own buffer or per thread): the host's mirrors of its rows, threads and shared memory (the spec's static_asserts),
+    no serialised wgmma; a CTA a unit spills nothing; persistent, the producers' 32 registers spill a few words (the
+    A/B times it as it is)."""
     from kvattn import prefill
-    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_WG3", 1),))
+    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_WG3", 1), ("KVATTN_SM90_OBUF", obuf)))
     assert (prefill.sm90_rows(), prefill.sm90_threads(), prefill.sm90_q_box_rows(sm90_spec(64, Variant(), "bfloat16"))
             ) == (192, 512, 192)
-    assert sm90_smem_bytes(64) == (192 * 64 + 3 * 128 * 128) * 2 + 7 * 8
+    assert sm90_smem_bytes(64) == (192 * 64 + 3 * 128 * 128 + obuf * 192 * 64) * 2 + 7 * 8   # (Q, stages, O buffer)
     for persistent in (False, True):
         compiled, _ = sm90_spec(64, Variant(), "bfloat16", persistent=persistent,
                                 interleaved=interleaved).compile("sm_90a")

@@ -329,16 +329,18 @@ def test_sm90_head_dim_64_long_tiles_by_default(layout, dtype, causal, monkeypat
     assert "KVATTN_SM90_N" not in w.last_plan.info["kernel"].spec.uri()
 
 
+@pytest.mark.parametrize("obuf", [1, 0])
 @pytest.mark.parametrize("group", [4, 8])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sm90_three_consumer_warpgroups_build(group, causal, monkeypatch):
+def test_sm90_three_consumer_warpgroups_build(obuf, group, causal, monkeypatch):
     """The experiment build of three consumer warpgroups a CTA (KVATTN_SM90_WG3, scripts/ab_sm90.py --wg3: 192-row
-    units, their turns in a ring of three): head dim 64, O and the LSE against the reference, persistent CTAs (3 SMs:
-    the turns' stream runs on over many units; 132: the tail split) and a CTA a unit, ragged (Q by TMA) and paged,
-    units of 192 rows, short ones, a one-token request, KV lengths off the tile."""
+    units, their turns in a ring of three; whole units' O by TMA from its own buffer, or per thread): head dim 64, O
+    and the LSE against the reference, persistent CTAs (3 SMs: the turns' stream and the O buffer's reuse run on over
+    many units; 132: the tail split) and a CTA a unit, ragged (Q by TMA) and paged, units of 192 rows, short ones, a
+    one-token request, KV lengths off the tile."""
     if _driver.arch() != "sm_90a":
         pytest.skip("the sm90 kernel needs an sm_90 GPU")
-    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_WG3", 1),))
+    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_WG3", 1), ("KVATTN_SM90_OBUF", obuf)))
     assert prefill.sm90_rows() == 192
     qo, kv = ([500, 33, 1, 200, 48], [900, 700, 1, 1500, 2000]) if causal else ([500, 33, 1, 200, 48], [300, 100, 129, 1500, 2000])
     for num_sms, persist, paged in ((3, True, False), (132, True, False), (3, False, True), (3, True, True)):
@@ -348,7 +350,7 @@ def test_sm90_three_consumer_warpgroups_build(group, causal, monkeypatch):
                      causal=causal, num_sms=num_sms, runs=2)
         info = w.last_plan.info
         assert info["backend"] == "sm90" and info["threads"] == 512 and "KVATTN_SM90_WG3=1" in info["kernel"].spec.uri()
-        assert info["tma_q"]   # (192 rows: whole boxes of 48 or 24 tokens)
+        assert info["tma_q"] and info["tma_o"]   # (192 rows: whole boxes of 48 or 24 tokens; O: of 64 rows)
 
 
 @pytest.mark.parametrize("lazy", [8, 0])
