@@ -74,8 +74,8 @@
   before run 55a (128-token tiles, POLY 0): --tilen64's cases, causal b32_S1024 and non-causal b4_S4096, with the
   error and the tile the default took.
 --wg3: head dim 64 on three consumer warpgroups a CTA for 192 query rows (KVATTN_SM90_WG3; O by TMA from its own
-  buffer or per thread; every exp2 on the MUFU) against the default two (--d64's defaults), persistent, --d64's
-  cases, with the error.
+  buffer or per thread; every exp2 on the MUFU; 4 stages) against the default two (--d64's defaults), persistent,
+  --d64's cases, with the error.
 --balance: the walk's items placed so that the persistent CTAs' loads balance (kvattn.scheduler.WALK_BALANCE)
   against the snake walk of the items as sorted: mixed-length causal and non-causal batches, appends, controls.
 --tail: the persistent walk's last round filled by cutting its last blocks into chunks (prefill.SM90_TAIL_SPLIT)
@@ -364,7 +364,7 @@ def run_d64(bp, rng):
 #: where prefill.sm90_long_tiles takes them)
 WG3 = (("KVATTN_SM90_WG3", 1),)
 WG3_BUILDS = [("default", ()), ("WG3", WG3), ("WG3, O per thread", WG3 + (("KVATTN_SM90_OBUF", 0),)),
-              ("WG3, MUFU only", WG3 + MUFU_ONLY)]
+              ("WG3, MUFU only", WG3 + MUFU_ONLY), ("WG3, 4 stages", WG3 + (("KVATTN_SM90_STAGES", 4),))]
 
 
 def run_wg3(bp, rng):

@@ -91,10 +91,11 @@ def specs():
         pf.SM90_TUNING = defs
         out.append(pf.sm90_spec(64, Variant(), "bfloat16"))
     from ab_sm90 import WG3_BUILDS   # ab_sm90.py --wg3 (ragged, persistent); test_sm90_three_consumer_warpgroups_build
-    for what, defs in WG3_BUILDS[1:]:
+    for what, defs in WG3_BUILDS[1:]:   # (the test's two builds: a CTA a unit and paged too)
         pf.SM90_TUNING = defs
+        tested = what in ("WG3", "WG3, O per thread")
         out += [pf.sm90_spec(64, Variant(), "bfloat16", persistent=ps, interleaved=il)
-                for ps in (True, False) for il in (False, True) if what != "WG3, MUFU only" or (ps and not il)]
+                for ps in (True, False) for il in (False, True) if tested or (ps and not il)]
     pf.SM90_TUNING = ()   # head dim 64's long-tile default (test_sm90_head_dim_64_long_tiles_by_default)
     out += [pf.sm90_spec(64, Variant(), t, persistent=ps, long_tiles=True, fused_merge=fm)
             for t in ("bfloat16", "float16") for ps, fm in ((True, False), (True, True), (False, False))]
