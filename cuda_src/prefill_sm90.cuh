@@ -754,7 +754,8 @@ struct PrefillSm90 {
                                  int slot = 0) {
     unsigned long long* vfull = v_full(full);
     unsigned long long* vempty = KVSPLIT ? vfull + STAGES : empty;
-    const int lane = threadIdx.x % 32, pw = threadIdx.x / 32;
+    // (WG3: the warp read from lane 0, warp-uniform to the compiler, as the consumers' warpgroup: 32 registers)
+    const int lane = threadIdx.x % 32, pw = CONSUMERS == 3 ? __shfl_sync(0xffffffffu, threadIdx.x / 32, 0) : threadIdx.x / 32;
     const int ntiles = (it.ke - it.kb + N - 1) / N;
     if (ntiles == 0) return;
     const typename V::QKState qk_state = V::template qk_init<D_QK>(p, qk_dims<D_QK>(threadIdx.x));
