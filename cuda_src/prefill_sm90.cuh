@@ -755,7 +755,8 @@ struct PrefillSm90 {
     unsigned long long* vfull = v_full(full);
     unsigned long long* vempty = KVSPLIT ? vfull + STAGES : empty;
     // (WG3: the warp read from lane 0, warp-uniform to the compiler, as the consumers' warpgroup: 32 registers)
-    const int lane = threadIdx.x % 32, pw = CONSUMERS == 3 ? __shfl_sync(0xffffffffu, threadIdx.x / 32, 0) : threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int pw = CONSUMERS == 3 ? __shfl_sync(0xffffffffu, threadIdx.x / 32, 0) : threadIdx.x / 32;
     const int ntiles = (it.ke - it.kb + N - 1) / N;
     if (ntiles == 0) return;
     const typename V::QKState qk_state = V::template qk_init<D_QK>(p, qk_dims<D_QK>(threadIdx.x));
@@ -1106,8 +1107,8 @@ struct PrefillSm90 {
       fence_regs(acc);
       KVATTN_TRACE(128, slot, kTraceLastPv0);
       KVATTN_TRACE(256, slot, kTraceLastPv1);
-      if (EARLY && o_by_tma(p, again)) {   // the stage is released after the bulk store has read it
-        if constexpr (kOBuf) {   // (the stage is free now)
+      if (EARLY && o_by_tma(p, again)) {   // the stage released after the bulk store has read it (kOBuf: now)
+        if constexpr (kOBuf) {
           if (lane == 0) mbar_arrive(&vempty[last_st]);
           store_o_buf(p, again, kvh, cw, lane, o, m, l, const_cast<T*>(kvs) + STAGES * STAGE_ELEMS);
         } else {
@@ -1459,7 +1460,8 @@ struct PrefillSm90 {
 };
 
 template <class A, class V>
-__global__ void __launch_bounds__(PrefillSm90<A, V>::THREADS, 1) prefill_sm90_kernel(const __grid_constant__ PrefillParams p) {
+__global__ void __launch_bounds__(PrefillSm90<A, V>::THREADS, 1)
+    prefill_sm90_kernel(const __grid_constant__ PrefillParams p) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   PrefillSm90<A, V>::run(p, reinterpret_cast<typename A::Q*>(smem_raw));
 }
