@@ -262,6 +262,35 @@ def test_sm90_three_consumer_warpgroups_build(interleaved, obuf, monkeypatch):
         sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
 
 
+def test_sm90_three_consumer_warpgroups_plan(monkeypatch):
+    """The host side of the WG3 build (the driver faked): with its tuning a head-dim-64 ragged plan takes 192-row units
+    on the 512-thread instance with its shared memory, the query map's boxes are 192 packed rows (48 tokens of 4
+    heads) and the output map's 64, and run() launches 512 threads; without the tuning a 192-row tile is refused."""
+    from _fake_driver import fake_driver
+    from kvattn import prefill
+    qo, kv = [700, 33], [900, 700]
+    with fake_driver() as calls:
+        monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_WG3", 1),))
+        w = BatchPrefillWithRaggedKVCache(backend="sm90")
+        w.plan(np.cumsum([0] + qo), np.cumsum([0] + kv), 32, 8, 64, causal=True)
+        info = w.last_plan.info
+        assert (info["backend"], info["cta_rows"], info["threads"]) == ("sm90", 192, 512)
+        assert info["smem"] == sm90_smem_bytes(64) and info["tma_q"] and info["tma_o"]
+        assert info["schedule"].items[:, 2].max() == 192   # (a unit's packed rows)
+        q, out = kvattn.empty((sum(qo), 32, 64), "bfloat16"), kvattn.empty((sum(qo), 32, 64), "bfloat16")
+        k, v = kvattn.empty((sum(kv), 8, 64), "bfloat16"), kvattn.empty((sum(kv), 8, 64), "bfloat16")
+        n = len(calls)
+        w.run(q, k, v, out=out)
+        boxes = {a[2]: [int(x) for x in a[5]] for name, a in calls[n:] if name == "cuTensorMapEncodeTiled"}
+        assert boxes[q.ptr] == [64, 4, 1, 48] and boxes[out.ptr] == [64, 4, 1, 16]
+        launches = [a for name, a in calls[n:] if name.startswith("cuLaunchKernel")]
+        assert any(a[4:7] == (512, 1, 1) for a in launches)
+        monkeypatch.setattr(prefill, "SM90_TUNING", ())
+        with pytest.raises(ValueError, match="cta_rows"):
+            BatchPrefillWithRaggedKVCache(backend="sm90").plan(np.cumsum([0] + qo), np.cumsum([0] + kv), 32, 8, 64,
+                                                               causal=True, cta_rows=192)
+
+
 @pytest.mark.parametrize("n", [160, 192])
 @pytest.mark.parametrize("persistent", [True, False])
 def test_sm90_head_dim_64_long_tile_builds_compile_without_spills(n, persistent, monkeypatch):
