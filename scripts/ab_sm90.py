@@ -368,8 +368,8 @@ WG3_BUILDS = [("default", ()), ("WG3", WG3), ("WG3, O per thread", WG3 + (("KVAT
 
 
 def run_wg3(bp, rng):
-    """Head dim 64 on three consumer warpgroups (WG3_BUILDS), persistent, --d64's cases, with the error and each
-    build's query tile."""
+    """Head dim 64 on three consumer warpgroups (WG3_BUILDS: 192-row units; the default's 128), persistent, --d64's
+    cases, with the error. (With the WG3 tuning only head dim 64 plans take the sm90 kernel: the A/B's cases.)"""
     for name, b, s, causal in D64_CASES:
         def measure(b=b, s=s, causal=causal, name=name):
             d, bp.D = bp.D, 64
