@@ -5,7 +5,7 @@
                                             [--stream] [--early] [--shapes] [--kvsplit] [--pages] [--kvil] [--qtma] [--otma]
                                             [--lazy] [--shift] [--ptail] [--tilen]
                                             [--lazymax] [--boundary] [--groupdiv] [--tail] [--balance] [--qhalf]
-                                            [--narrow] [--exp2poly] [--tilen64] [--d64] [--wg3] [--qbuf64]
+                                            [--narrow] [--exp2poly] [--tilen64] [--d64] [--wg3] [--ring64]
                                             [--sustained]
     python3 scripts/ab_sm90.py --compile                                   # fill KVATTN_CACHE_DIR (no GPU)
 
@@ -76,8 +76,8 @@
 --wg3: head dim 64 on three consumer warpgroups a CTA for 192 query rows (KVATTN_SM90_WG3; O by TMA from its own
   buffer or per thread; every exp2 on the MUFU; 4 stages) against the default two (--d64's defaults), persistent,
   --d64's cases, with the error.
---qbuf64: head dim 64 with two Q tiles (KVATTN_SM90_QBUF=2: the next unit's Q loaded while the unit before it runs)
-  against one, the defaults' tiles in both, persistent, --d64's cases, with the error.
+--ring64: head dim 64 with two Q tiles (KVATTN_SM90_QBUF=2: the next unit's Q loaded while the unit before it runs),
+  4 stages, and both, against the default, the defaults' tiles in each, persistent, --d64's cases, with the error.
 --balance: the walk's items placed so that the persistent CTAs' loads balance (kvattn.scheduler.WALK_BALANCE)
   against the snake walk of the items as sorted: mixed-length causal and non-causal batches, appends, controls.
 --tail: the persistent walk's last round filled by cutting its last blocks into chunks (prefill.SM90_TAIL_SPLIT)
@@ -384,14 +384,17 @@ def run_wg3(bp, rng):
                 [(w, tuning(d)) for w, d in WG3_BUILDS], measure)
 
 
-#: --qbuf64: head dim 64 with two Q tiles (KVATTN_SM90_QBUF=2: the producers load the next unit's Q while the unit
-#: before it still runs, not after its last Q K^T), which head dim 64's shared memory holds beside 3 stages of
-#: 128- or 192-token tiles (at head dim 128 the second tile cost a stage: runs 27a / 27b), against the default
-QBUF64_BUILDS = [("default", ()), ("2 Q tiles", (("KVATTN_SM90_QBUF", 2),))]
+#: --ring64: head dim 64's ring and Q tiles, which its shared memory leaves room for (at head dim 128 a second Q
+#: tile cost a stage: runs 27a / 27b): two Q tiles (KVATTN_SM90_QBUF=2: the producers load the next unit's Q while
+#: the unit before it still runs, not after its last Q K^T), 4 stages instead of 3 (the copies' lead over products
+#: half as long as head dim 128's), and both (229 KB with 192-token tiles), against the default
+TWO_Q, FOUR_STAGES = (("KVATTN_SM90_QBUF", 2),), (("KVATTN_SM90_STAGES", 4),)
+RING64_BUILDS = [("default", ()), ("2 Q tiles", TWO_Q), ("4 stages", FOUR_STAGES),
+                 ("2 Q, 4 stages", TWO_Q + FOUR_STAGES)]
 
 
-def run_qbuf64(bp, rng):
-    """Head dim 64, two Q tiles against one (QBUF64_BUILDS; the tile the defaults' rule takes in both), persistent,
+def run_ring64(bp, rng):
+    """Head dim 64's ring depth and Q tiles (RING64_BUILDS; the tile the defaults' rule takes in each), persistent,
     --d64's cases, with the error."""
     for name, b, s, causal in D64_CASES:
         def measure(b=b, s=s, causal=causal, name=name):
@@ -400,8 +403,8 @@ def run_qbuf64(bp, rng):
                 return bp.ragged_case(rng, name, [s] * b, [s] * b, 128, causal=causal, backend="sm90")[1:]
             finally:
                 bp.D = d
-        compare("qbuf64", name, (2 if causal else 4) * b * bp.HQ * s * s * 64,
-                [(w, tuning(d)) for w, d in QBUF64_BUILDS], measure)
+        compare("ring64", name, (2 if causal else 4) * b * bp.HQ * s * s * 64,
+                [(w, tuning(d)) for w, d in RING64_BUILDS], measure)
 
 
 def run_tilen(bp, rng):
@@ -756,7 +759,7 @@ EXPERIMENTS = {"ptail": run_ptail, "shift": run_shift, "lazy": run_lazy, "qtma":
                "lazymax": run_lazymax,
                "boundary": run_boundary, "groupdiv": run_groupdiv, "tail": run_tail, "balance": run_balance,
                "qhalf": run_qhalf, "narrow": run_narrow, "exp2poly": run_exp2poly, "tilen64": run_tilen64,
-               "d64": run_d64, "wg3": run_wg3, "qbuf64": run_qbuf64}
+               "d64": run_d64, "wg3": run_wg3, "ring64": run_ring64}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

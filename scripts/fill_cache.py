@@ -96,9 +96,11 @@ def specs():
         tested = what in ("WG3", "WG3, O per thread")
         out += [pf.sm90_spec(64, Variant(), "bfloat16", persistent=ps, interleaved=il)
                 for ps in (True, False) for il in (False, True) if tested or (ps and not il)]
-    pf.SM90_TUNING = (("KVATTN_SM90_QBUF", 2),)   # ab_sm90.py --qbuf64, test_sm90_head_dim_64_two_q_tiles_build
-    out += [pf.sm90_spec(64, Variant(), "bfloat16", persistent=True, interleaved=il, long_tiles=lt)
-            for il in (False, True) for lt in (False, True) if not (il and lt)]
+    from ab_sm90 import RING64_BUILDS   # ab_sm90.py --ring64, test_sm90_head_dim_64_ring_builds (persistent)
+    for _, defs in RING64_BUILDS[1:]:
+        pf.SM90_TUNING = defs
+        out += [pf.sm90_spec(64, Variant(), "bfloat16", persistent=True, interleaved=il, long_tiles=lt)
+                for il in (False, True) for lt in (False, True) if not (il and lt)]
     pf.SM90_TUNING = ()   # head dim 64's long-tile default (test_sm90_head_dim_64_long_tiles_by_default)
     out += [pf.sm90_spec(64, Variant(), t, persistent=ps, long_tiles=True, fused_merge=fm)
             for t in ("bfloat16", "float16") for ps, fm in ((True, False), (True, True), (False, False))]

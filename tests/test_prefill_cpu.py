@@ -262,19 +262,22 @@ def test_sm90_three_consumer_warpgroups_build(interleaved, obuf, monkeypatch):
         sm90_spec(128, Variant(), "bfloat16").compile("sm_90a")
 
 
+@pytest.mark.parametrize("qbuf,stages", [(2, 3), (1, 4), (2, 4)])
 @pytest.mark.parametrize("long_tiles,interleaved", [(False, False), (True, False), (False, True)])
-def test_sm90_head_dim_64_two_q_tiles_build_compiles_without_spills(long_tiles, interleaved, monkeypatch):
-    """ab_sm90.py --qbuf64's build (head dim 64, KVATTN_SM90_QBUF=2) on the tiles the defaults' rule gives it (192
-    tokens on ragged K / V where it pays, 128 else and on paged caches): no spills, no serialised wgmma, two Q tiles
-    and three stages in the mirrored shared memory."""
+def test_sm90_head_dim_64_ring_builds_compile_without_spills(qbuf, stages, long_tiles, interleaved, monkeypatch):
+    """ab_sm90.py --ring64's builds (head dim 64, KVATTN_SM90_QBUF=2 and / or KVATTN_SM90_STAGES=4) on the tiles the
+    defaults' rule gives them (192 tokens on ragged K / V where it pays, 128 else and on paged caches): no spills, no
+    serialised wgmma, their Q tiles and stages in the mirrored shared memory (two Q tiles and 4 stages of 192 tokens:
+    229 KB of the 227 KiB)."""
     from kvattn import prefill
-    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_QBUF", 2),))
+    monkeypatch.setattr(prefill, "SM90_TUNING", tuple((k, v) for k, v in (("KVATTN_SM90_QBUF", qbuf),
+                                                                          ("KVATTN_SM90_STAGES", stages)) if v not in (1, 3)))
     spec = sm90_spec(64, Variant(), "bfloat16", persistent=True, interleaved=interleaved, long_tiles=long_tiles)
     compiled, _ = spec.compile("sm_90a")
     assert all(r.spill_stores == 0 and r.spill_loads == 0 for r in compiled.resources.values()), compiled.log
     assert "serialized" not in compiled.log, compiled.log
     n = 192 if long_tiles else 128
-    assert sm90_smem_bytes(64, defines=spec.defines) == (2 * 128 * 64 + 3 * n * 128) * 2 + 8 * 8
+    assert sm90_smem_bytes(64, defines=spec.defines) == (qbuf * 128 * 64 + stages * n * 128) * 2 + (2 * stages + qbuf) * 8
 
 
 def test_sm90_three_consumer_warpgroups_plan(monkeypatch):

@@ -353,25 +353,28 @@ def test_sm90_three_consumer_warpgroups_build(obuf, group, causal, monkeypatch):
         assert info["tma_q"] and info["tma_o"]   # (192 rows: whole boxes of 48 or 24 tokens; O: of 64 rows)
 
 
+@pytest.mark.parametrize("defs", [(("KVATTN_SM90_QBUF", 2),), (("KVATTN_SM90_STAGES", 4),),
+                                  (("KVATTN_SM90_QBUF", 2), ("KVATTN_SM90_STAGES", 4))], ids=["2q", "4st", "2q4st"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sm90_head_dim_64_two_q_tiles_build(causal, monkeypatch):
-    """The experiment build of two Q tiles (KVATTN_SM90_QBUF=2, scripts/ab_sm90.py --qbuf64: the next unit's Q loaded
-    while the unit before it runs) at head dim 64: persistent CTAs (3: many units each, the Q slots alternating; a
-    unit without tiles between, non-causal), on 192-token tiles where the defaults' rule takes them and on 128 (a batch of short
-    requests, a paged cache), O and the LSE against the reference."""
+def test_sm90_head_dim_64_ring_builds(defs, causal, monkeypatch):
+    """The experiment builds of scripts/ab_sm90.py --ring64 at head dim 64: two Q tiles (KVATTN_SM90_QBUF=2, the next
+    unit's Q loaded while the unit before it runs), 4 stages, both. Persistent CTAs (3: many units each, the Q slots
+    alternating and the ring running on across units; a unit without tiles between, non-causal), on 192-token tiles
+    where the defaults' rule takes them and on 128 (a batch of short requests, a paged cache), O and the LSE against
+    the reference."""
     if _driver.arch() != "sm_90a":
         pytest.skip("the sm90 kernel needs an sm_90 GPU")
-    monkeypatch.setattr(prefill, "SM90_TUNING", (("KVATTN_SM90_QBUF", 2),))
+    monkeypatch.setattr(prefill, "SM90_TUNING", defs)
     monkeypatch.setattr(prefill, "SM90_PERSISTENT", True)
     long = ([1500, 33, 1, 400], [3000, 700, 1, 2000]) if causal else ([700, 33, 1, 200], [4000, 100, 129, 2300])
     short = ([64, 1, 64, 30, 64, 64], [640, 1, 700, 30, 100, 640]) if causal else ([64, 1, 64, 30, 64, 64],
                                                                                    [640, 0, 700, 129, 100, 640])
     for (qo, kv), paged, tile in ((long, False, 192), (short, False, 128), (short, True, 128)):
-        w = run_case(np.random.default_rng(hash((causal, paged, tile)) % 2**32), dtype="bfloat16", d=64, hkv=2,
+        w = run_case(np.random.default_rng(hash((defs, causal, paged, tile)) % 2**32), dtype="bfloat16", d=64, hkv=2,
                      group=4, qo_lens=qo, kv_lens=kv, paged=paged, cta_rows=128, backend="sm90", causal=causal,
                      num_sms=3, runs=2)
         uri = w.last_plan.info["kernel"].spec.uri()
-        assert "KVATTN_SM90_QBUF=2" in uri and ("KVATTN_SM90_N=192" in uri) == (tile == 192)
+        assert all(f"{k}={v}" in uri for k, v in defs) and ("KVATTN_SM90_N=192" in uri) == (tile == 192)
 
 
 @pytest.mark.parametrize("lazy", [8, 0])
