@@ -219,9 +219,9 @@ def sm90_smem_bytes(head_dim: int, head_dim_vo: int | None = None, defines=None)
     over = dict(SM90_TUNING if defines is None else defines)
     qbuf, split = over.get("KVATTN_SM90_QBUF", 1), over.get("KVATTN_SM90_KVSPLIT", stages < 3)
     bars = 2 * stages * (2 if split else 1) + qbuf + (3 if over.get("KVATTN_SM90_QHALF", 0) else 0)
-    wg3_obuf = sm90_consumers(over) == 3 and over.get("KVATTN_SM90_OBUF", 1)   # (WG3: the O tile's own buffer)
-    obuf = sm90_rows(over) * (head_dim_vo or head_dim) if wg3_obuf else 0
-    return (qbuf * sm90_rows(over) * head_dim + stages * n * (head_dim + (head_dim_vo or head_dim)) + obuf) * 2 + bars * 8
+    rows, dvo = sm90_rows(over), head_dim_vo or head_dim
+    obuf = rows * dvo if sm90_consumers(over) == 3 and over.get("KVATTN_SM90_OBUF", 1) else 0   # (WG3's O buffer)
+    return (qbuf * rows * head_dim + stages * n * (head_dim + dvo) + obuf) * 2 + bars * 8
 
 
 #: Persistent sm90 CTAs (prefill_sm90.cuh: at most one CTA per SM, each walking its share of the (item, KV head)

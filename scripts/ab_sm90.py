@@ -329,18 +329,24 @@ D64_BUILDS = [("before (N128, MUFU)", tile_defines(128, 3) + MUFU_ONLY), ("defau
 D64_CASES = TILE64_CASES + [("D64 causal b32_S1024", 32, 1024, True), ("D64 non-causal b4_S4096", 4, 4096, False)]
 
 
-def run_tilen64(bp, rng):
-    """Head dim 64: fewer, longer KV tiles (a tile's fixed costs: reductions, barriers, turns, against products half
-    as long as head dim 128's) in 3 stages, persistent, against the default 128-token tiles; with the error."""
-    for name, b, s, causal in TILE64_CASES:
+def compare_d64(bp, rng, tag, cases, builds, rows=lambda: 128):
+    """compare() of each head-dim-64 ragged case (name, b, s, causal) on sm90 under each build (what, SM90_TUNING),
+    with the error; rows(): the plan's query tile, read once the build is applied."""
+    for name, b, s, causal in cases:
         def measure(b=b, s=s, causal=causal, name=name):
             d, bp.D = bp.D, 64
             try:
-                return bp.ragged_case(rng, name, [s] * b, [s] * b, 128, causal=causal, backend="sm90")[1:]
+                return bp.ragged_case(rng, name, [s] * b, [s] * b, rows(), causal=causal, backend="sm90")[1:]
             finally:
                 bp.D = d
-        compare("tilen64", name, (2 if causal else 4) * b * bp.HQ * s * s * 64,
-                [(w, tuning(d)) for w, d in TILE64_BUILDS], measure)
+        compare(tag, name, (2 if causal else 4) * b * bp.HQ * s * s * 64, [(w, tuning(d)) for w, d in builds],
+                measure)
+
+
+def run_tilen64(bp, rng):
+    """Head dim 64: fewer, longer KV tiles (a tile's fixed costs: reductions, barriers, turns, against products half
+    as long as head dim 128's) in 3 stages, persistent, against the default 128-token tiles; with the error."""
+    compare_d64(bp, rng, "tilen64", TILE64_CASES, TILE64_BUILDS)
 
 
 def run_d64(bp, rng):
@@ -372,16 +378,7 @@ WG3_BUILDS = [("default", ()), ("WG3", WG3), ("WG3, O per thread", WG3 + (("KVAT
 def run_wg3(bp, rng):
     """Head dim 64 on three consumer warpgroups (WG3_BUILDS: 192-row units; the default's 128), persistent, --d64's
     cases, with the error. (With the WG3 tuning only head dim 64 plans take the sm90 kernel: the A/B's cases.)"""
-    for name, b, s, causal in D64_CASES:
-        def measure(b=b, s=s, causal=causal, name=name):
-            d, bp.D = bp.D, 64
-            try:
-                return bp.ragged_case(rng, name, [s] * b, [s] * b, prefill.sm90_rows(), causal=causal,
-                                      backend="sm90")[1:]
-            finally:
-                bp.D = d
-        compare("wg3", name, (2 if causal else 4) * b * bp.HQ * s * s * 64,
-                [(w, tuning(d)) for w, d in WG3_BUILDS], measure)
+    compare_d64(bp, rng, "wg3", D64_CASES, WG3_BUILDS, rows=prefill.sm90_rows)
 
 
 #: --ring64: head dim 64's ring and Q tiles, which its shared memory leaves room for (at head dim 128 a second Q
@@ -396,15 +393,7 @@ RING64_BUILDS = [("default", ()), ("2 Q tiles", TWO_Q), ("4 stages", FOUR_STAGES
 def run_ring64(bp, rng):
     """Head dim 64's ring depth and Q tiles (RING64_BUILDS; the tile the defaults' rule takes in each), persistent,
     --d64's cases, with the error."""
-    for name, b, s, causal in D64_CASES:
-        def measure(b=b, s=s, causal=causal, name=name):
-            d, bp.D = bp.D, 64
-            try:
-                return bp.ragged_case(rng, name, [s] * b, [s] * b, 128, causal=causal, backend="sm90")[1:]
-            finally:
-                bp.D = d
-        compare("ring64", name, (2 if causal else 4) * b * bp.HQ * s * s * 64,
-                [(w, tuning(d)) for w, d in RING64_BUILDS], measure)
+    compare_d64(bp, rng, "ring64", D64_CASES, RING64_BUILDS)
 
 
 def run_tilen(bp, rng):
